@@ -1,0 +1,137 @@
+"""Paged KV cache bookkeeping: which physical block holds which tokens.
+
+The cache is a pool of fixed-size blocks. A sequence's block table maps its
+logical block i (tokens i*block_size .. (i+1)*block_size-1) to a physical
+block. Blocks are taken on demand as tokens are computed and given back when a
+sequence finishes, is aborted or is preempted.
+
+Prefix caching: a block that is full gets a hash chained from its tokens and
+the hash of the block before it, so equal hashes mean equal prefixes. A new
+sequence whose prompt starts with cached blocks reuses them (ref_count > 1)
+instead of computing them again. A freed block keeps its hash until the block
+is handed out for something else, so a later request can still hit it.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
+        self.hash_to_block: dict[int, int] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_hit_tokens = 0      # prefix-cache statistics
+        self.num_queried_tokens = 0
+
+    # ---- sizes ----
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.hash_to_block)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks seq needs so that its table covers num_tokens tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    # ---- allocation ----
+    def _take(self) -> int:
+        block_id, _ = self.free_ids.popitem(last=False)   # least recently freed
+        block = self.blocks[block_id]
+        if block.hash is not None:                        # evict its cached content
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, None
+        block.ref_count = 1
+        return block_id
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow seq's table to cover num_tokens tokens. All or nothing."""
+        need = self.blocks_needed(seq, num_tokens)
+        if need > self.num_free:
+            return False
+        seq.block_table.extend(self._take() for _ in range(need))
+        return True
+
+    def free(self, seq: Sequence):
+        for block_id in reversed(seq.block_table):        # tail first: the prefix stays cached longest
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+
+    # ---- prefix cache ----
+    def match_prefix(self, seq: Sequence) -> int:
+        """At admission: reuse cached blocks that hold seq's leading tokens.
+
+        At least one token is left to compute, since its logits give the next token.
+        Returns the number of tokens served from the cache.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        tokens, bs = seq.all_token_ids, self.block_size
+        self.num_queried_tokens += len(tokens)
+        prev = None
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = hash((prev, chunk))
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_ids[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+            prev = h
+        hit = len(seq.block_table) * bs
+        seq.num_computed_tokens = seq.num_cached_tokens = hit
+        self.num_hit_tokens += hit
+        return hit
+
+    def commit_full_blocks(self, seq: Sequence):
+        """After a step: publish the hashes of blocks that became full."""
+        if not self.enable_prefix_caching:
+            return
+        bs, num_full = self.block_size, seq.num_computed_tokens // self.block_size
+        if len(seq.block_hashes) >= num_full:
+            return
+        tokens = seq.all_token_ids
+        for i in range(len(seq.block_hashes), num_full):
+            block = self.blocks[seq.block_table[i]]
+            prev = seq.block_hashes[-1] if seq.block_hashes else None
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = hash((prev, chunk))
+            seq.block_hashes.append(h)
+            if block.hash is None:
+                block.hash, block.token_ids = h, chunk
+                self.hash_to_block.setdefault(h, block.id)

@@ -1,0 +1,71 @@
+"""Engine configuration: one small dataclass, checked when it is built."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+POLICIES = ("static", "continuous", "chunked")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None            # local folder or Hub id; None = embedded SmolLM2-135M-Instruct
+    device: str = "auto"                # "auto" -> cuda if available, else cpu
+    dtype: str = "auto"                 # "auto" -> bf16 on CUDA and on CPUs with bf16 matmul, else fp32
+    policy: str = "chunked"             # static | continuous | chunked
+    max_num_batched_tokens: int = 256   # token budget of one step
+    max_num_seqs: int = 16              # most sequences in one step
+    max_prefill_chunk: int | None = None  # optional cap on one request's chunk (chunked policy)
+    block_size: int = 16                # tokens per KV block
+    kv_cache_gb: float = 1.0            # KV cache size on CPU
+    gpu_memory_utilization: float = 0.85  # fraction of free GPU memory for weights + KV cache
+    num_kv_blocks: int | None = None    # overrides the two above (tests use it to force preemption)
+    max_model_len: int | None = None    # defaults to the model's context length
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"     # auto | torch | flash_attn
+    enforce_eager: bool = False         # CUDA: no CUDA graphs
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but torch sees no CUDA device")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") or _cpu_has_fast_bf16() else "float32"
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check_budgets(self.max_num_batched_tokens, self.max_num_seqs, self.max_prefill_chunk)
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError("num_kv_blocks must be >= 2")
+        if self.attention_backend not in ("auto", "torch", "flash_attn"):
+            raise ValueError(f"attention_backend must be auto, torch or flash_attn, got {self.attention_backend!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def check_budgets(max_num_batched_tokens: int, max_num_seqs: int, max_prefill_chunk: int | None):
+    if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be a positive integer, got {max_num_batched_tokens!r}")
+    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+    if max_prefill_chunk is not None and (not isinstance(max_prefill_chunk, int) or max_prefill_chunk < 1):
+        raise ValueError(f"max_prefill_chunk must be a positive integer or None, got {max_prefill_chunk!r}")
+
+
+def _cpu_has_fast_bf16() -> bool:
+    """AMX or AVX512-BF16 makes bf16 matmul several times faster than fp32 on CPU."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags

@@ -1,0 +1,203 @@
+"""The scheduler: which sequences run in the next forward pass, and how many tokens each.
+
+Pure Python, no tensors. schedule() returns a Batch: a list of (sequence,
+num_tokens), where num_tokens is 1 for a decode and a chunk length for a
+prefill. Three policies retell three generations of LLM serving:
+
+  static      a batch is formed, prefilled, and decoded until every member has
+              finished; nothing joins mid-batch (request-level batching).
+  continuous  iteration-level, prefill-first: whenever waiting prompts fit, the
+              step prefills them whole and running decodes wait (Orca / vLLM v0
+              without chunking): replies stall while a long prompt is prefilled.
+  chunked     decode-first under a token budget: every running sequence gets its
+              token, the leftover budget goes to prefill chunks (Sarathi-Serve
+              stall-free batching).
+
+Under static and continuous a prompt is always prefilled whole, so a prompt
+longer than the token budget runs alone in a step of its own length.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import POLICIES, check_budgets
+from engine.sequence import Sequence, Status
+
+
+@dataclass
+class Batch:
+    items: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, policy: str, max_num_batched_tokens: int,
+                 max_num_seqs: int, max_prefill_chunk: int | None = None, max_model_len: int = 1 << 30):
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []      # admission order: the newest is preempted first
+        self.max_model_len = max_model_len
+        self.set_policy(policy, max_num_batched_tokens, max_num_seqs, max_prefill_chunk)
+
+    def set_policy(self, policy: str, max_num_batched_tokens: int, max_num_seqs: int,
+                   max_prefill_chunk: int | None):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        check_budgets(max_num_batched_tokens, max_num_seqs, max_prefill_chunk)
+        self.policy = policy
+        self.token_budget = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_chunk = max_prefill_chunk
+
+    # ---- queue changes ----
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence):
+        """Take a finished or aborted sequence out of the queues and give back its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step ----
+    def schedule(self) -> Batch:
+        batch = Batch()
+        if self.policy == "chunked":
+            self._schedule_chunked(batch)
+        elif self.policy == "continuous":
+            self._schedule_continuous(batch)
+        else:
+            self._schedule_static(batch)
+        return batch
+
+    def _schedule_chunked(self, batch: Batch):
+        budget = self.token_budget
+        # decode first: running requests must never wait for a prompt
+        budget = self._add_decodes(batch, budget)
+        # then prompts already under way, then new ones, in chunks that fill the leftover budget
+        for seq in list(self.running):
+            if budget <= 0 or len(batch.items) >= self.max_num_seqs:
+                return
+            if seq.is_prefill_done or seq not in self.running:
+                continue
+            n = self._chunk(seq, budget)
+            if self._reserve(seq, n, batch):
+                batch.items.append((seq, n))
+                budget -= n
+        while budget > 0 and self._can_admit(batch):
+            seq = self.waiting[0]
+            n = self._admit(seq, lambda s: self._chunk(s, budget))
+            if n == 0:
+                return
+            batch.items.append((seq, n))
+            budget -= n
+
+    def _schedule_continuous(self, batch: Batch):
+        # prefill first: any prompt that fits runs now, whole; decodes wait for it
+        budget = self.token_budget
+        for seq in list(self.running):
+            if not seq.is_prefill_done and seq in self.running and len(batch.items) < self.max_num_seqs:
+                n = seq.num_uncomputed_tokens
+                if batch.items and n > budget:
+                    break
+                if self._reserve(seq, n, batch):
+                    batch.items.append((seq, n))
+                    budget -= n
+        while self._can_admit(batch):
+            n = self._admit(self.waiting[0], lambda s: s.num_uncomputed_tokens,
+                            fits=lambda n: not batch.items or n <= budget)
+            if n == 0:
+                break
+            batch.items.append((self.running[-1], n))
+            budget -= n
+        if not batch.items:
+            self._add_decodes(batch, self.token_budget)
+
+    def _schedule_static(self, batch: Batch):
+        if not self.running:                     # the last batch is done: form the next one
+            while self.waiting and len(self.running) < self.max_num_seqs:
+                if self._admit(self.waiting[0], lambda s: s.num_uncomputed_tokens) == 0:
+                    break
+        # prefill every member before anyone decodes; then decode until all have finished
+        budget = self.token_budget
+        for seq in list(self.running):
+            if not seq.is_prefill_done and seq in self.running:
+                n = seq.num_uncomputed_tokens
+                if batch.items and n > budget:
+                    break
+                if self._reserve(seq, n, batch):
+                    batch.items.append((seq, n))
+                    budget -= n
+        if not batch.items:
+            self._add_decodes(batch, self.token_budget)
+
+    # ---- helpers ----
+    def _add_decodes(self, batch: Batch, budget: int) -> int:
+        for seq in list(self.running):
+            if budget <= 0 or len(batch.items) >= self.max_num_seqs:
+                break
+            if seq.is_prefill_done and seq in self.running and self._reserve(seq, 1, batch):
+                batch.items.append((seq, 1))
+                budget -= 1
+        return budget
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_uncomputed_tokens, budget)
+        return min(n, self.max_prefill_chunk) if self.max_prefill_chunk else n
+
+    def _can_admit(self, batch: Batch) -> bool:
+        return (bool(self.waiting) and len(self.running) < self.max_num_seqs
+                and len(batch.items) < self.max_num_seqs)
+
+    def _admit(self, seq: Sequence, size, fits=lambda n: True) -> int:
+        """Move the head of the queue to running with its first chunk's blocks. 0 = it must wait.
+
+        Admission needs room for the whole remaining prompt, not just the first
+        chunk, so that admitted prompts are not preempted again and again.
+        """
+        if self.bm.blocks_needed(seq, seq.num_tokens) > self.bm.num_free:
+            return 0
+        if seq.num_computed_tokens == 0 and not seq.block_table:
+            self.bm.match_prefix(seq)
+        n = size(seq)
+        if n <= 0 or not fits(n) or not self.bm.allocate(seq, seq.num_computed_tokens + n):
+            if not seq.num_computed_tokens - seq.num_cached_tokens:   # nothing computed yet: undo the match
+                self.bm.free(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+            return 0
+        self.waiting.popleft()
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return n
+
+    def _reserve(self, seq: Sequence, n: int, batch: Batch) -> bool:
+        """Blocks for n more tokens of a running seq, preempting the newest others if the cache is full."""
+        scheduled = {id(s) for s, _ in batch.items}
+        while not self.bm.allocate(seq, seq.num_computed_tokens + n):
+            victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
+            victim = victims[-1] if victims else seq
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, batch: Batch):
+        """Recompute preemption: drop its KV; it goes back to the head of the queue."""
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
