@@ -51,6 +51,15 @@ def rope_table(hf_config, head_dim: int, max_len: int, dtype, device) -> tuple[t
     return (emb.cos() * scale).to(device, dtype), (emb.sin() * scale).to(device, dtype)
 
 
+def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # numpy's calloc hands back lazily zeroed pages: a 1 GB cache costs nothing until it is used
+    import numpy as np
+    raw = np.zeros(int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, weights, max_model_len: int | None = None):
         self.device = torch.device(config.device)
@@ -73,11 +82,9 @@ class ModelRunner:
         self.num_layers = hf_config.num_hidden_layers
         self.kv_heads, self.head_dim = hf_config.num_key_value_heads, self.model.head_dim
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
-        # empty, not zeros: a fresh large CPU allocation is zero pages from the OS, touched lazily
-        self.kv_cache = torch.empty(self.num_layers, 2, self.num_blocks, self.block_size, self.kv_heads,
-                                    self.head_dim, dtype=self.dtype, device=self.device)
-        if self.device.type == "cuda":
-            self.kv_cache.zero_()   # masked-out slots must hold finite numbers
+        # zeros, not empty: masked-out slots are still multiplied by 0, and garbage could be NaN
+        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
+        self.kv_cache = _zeros(shape, self.dtype, self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
 

@@ -1,0 +1,57 @@
+"""Shared test helpers: tiny random models saved in HF format, and the transformers reference."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers.",
+]
+
+
+def default_model_folder() -> Path:
+    from engine.loader import resolve_model
+    return resolve_model(None)
+
+
+def save_tiny_model(arch: str, folder: Path, seed: int = 0) -> Path:
+    """A randomly initialised 2-layer model of the given family, saved with the default tokenizer."""
+    import transformers as tf
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=False)
+    cfg = {
+        "llama": lambda: tf.LlamaConfig(**common, rope_theta=10000.0),
+        "mistral": lambda: tf.MistralConfig(**common, sliding_window=None),
+        "qwen2": lambda: tf.Qwen2Config(**common),
+        "qwen3": lambda: tf.Qwen3Config(**common, head_dim=32),
+        "llama-tied-scaled": lambda: tf.LlamaConfig(**{**common, "tie_word_embeddings": True},
+                                                    rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    }[arch]()
+    cls = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM,
+           "qwen3": tf.Qwen3ForCausalLM, "llama-tied-scaled": tf.LlamaForCausalLM}[arch]
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():   # bigger weights than the default init, so greedy outputs vary with context
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder)
+    src = default_model_folder()
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json":
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: bool = True) -> list[int]:
+    """transformers generate, greedy: the reference our engine must match token for token."""
+    ids = torch.tensor([prompt_ids])
+    kwargs = {} if eos else {"eos_token_id": None}
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=0, **kwargs)
+    return out[0, len(prompt_ids):].tolist()
