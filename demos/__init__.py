@@ -1,0 +1,10 @@
+"""Classroom scenarios, comparison reports, benchmarks and trace files.
+
+    scenarios.py  fixed workloads (arrival times, prompts, reply lengths)
+    runner.py     replays a scenario against an engine, keeps its record stream
+    metrics.py    TTFT, TBT, stalls, throughput, budget fill: pure functions over records
+    report.py     the self-contained HTML comparison report
+    compare.py    python -m demos.compare: one scenario under several policies
+    bench.py      python -m demos.bench: our engine against transformers
+    trace.py      save / load traces, convert them for Perfetto
+"""

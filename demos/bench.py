@@ -1,0 +1,368 @@
+"""Benchmark: our engine against transformers, on one workload, device and dtype, in one run.
+
+    python -m demos.bench --json out/bench.json                 # fp32, the default mixed workload
+    python -m demos.bench --requests 64 --prompt-range 32,1024 --output-range 16,256 --json out/big.json
+
+Parts (each can be skipped with --skip):
+  workload   N requests, all arriving at t=0, prompts and reply lengths drawn
+             uniformly from the given ranges (seeded; random token ids, replies
+             ignore EOS so everyone produces the same tokens). Run by:
+               batchscope-<policy>   our engine, each policy
+               hf-static             transformers generate in static batches of
+                                     --batch requests (left padding; a batch runs
+                                     until its longest reply is done)
+               hf-cb                 transformers' own continuous batching
+                                     (init_continuous_batching), where installed
+             Metrics: demos.metrics definitions over per-token times.
+  decode     one decode step at batch 1 and 32 with ~512 tokens of context:
+             our engine's step (and its forward part) against transformers'
+             forward with a KV cache of the same size, beside the memory-
+             bandwidth floor (weight bytes / measured copy bandwidth; and with
+             the KV cache read as well).
+  record     the fraction of our step time spent building the StepRecord.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from demos import metrics
+from demos.compare import machine
+from demos.runner import warm_up
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.loader import resolve_model
+
+POLICIES = ("static", "continuous", "chunked")
+
+
+# ---- the workload ----
+def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
+                  seed: int = 0) -> list[tuple[list[int], int]]:
+    """[(prompt token ids, reply length)]; ids avoid the first 1,000 (special and byte tokens)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p, o = rng.randint(*prompt_range), rng.randint(*output_range)
+        out.append(([rng.randrange(1000, vocab) for _ in range(p)], o))
+    return out
+
+
+def run_ours(engine: LLMEngine, workload, progress: bool = True) -> tuple[dict, list[dict]]:
+    stream: list[dict] = []
+    engine.subscribe(stream.append)
+    bar = tqdm(total=sum(o for _, o in workload), desc=f"batchscope-{engine.scheduler.policy}", unit="tok",
+               disable=not progress, file=sys.stderr)
+    try:
+        ids = [engine.add_request(prompt_token_ids=p, params=SamplingParams(max_tokens=o, ignore_eos=True))
+               for p, o in workload]
+        while not all(engine.get_request(r).is_finished for r in ids):
+            rec = engine.step()
+            bar.update(sum(metrics.produces_token(i) for i in rec["items"]))
+    finally:
+        engine.unsubscribe(stream.append)
+        bar.close()
+    return metrics.summarize(stream), stream
+
+
+def record_fraction(stream: list[dict]) -> dict:
+    recs = [r for r in metrics.steps(stream) if "timing" in r]
+    rec_s = sum(r["timing"]["record"] for r in recs)
+    step_s = sum(r["t_end"] - r["t_start"] + r["timing"]["record"] for r in recs)
+    fr = [r["timing"]["record"] / (r["t_end"] - r["t_start"] + r["timing"]["record"]) for r in recs]
+    return {"record_s_total": rec_s, "step_s_total": step_s, "fraction": rec_s / step_s if step_s else None,
+            "fraction_p99": metrics.percentile(fr, 99), "record_us_p50": (metrics.percentile(
+                [r["timing"]["record"] for r in recs], 50) or 0) * 1e6}
+
+
+class _TimeStreamer:
+    """A generate() streamer that notes when each new token column arrives."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.first = True
+
+    def put(self, value):
+        if self.first:          # generate() first hands over the prompt
+            self.first = False
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def load_hf(folder, dtype: torch.dtype, device: str):
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").to(device)
+    return m.eval().requires_grad_(False)
+
+
+@torch.inference_mode()
+def run_hf_static(model, workload, batch: int, pad_id: int, progress: bool = True) -> dict:
+    dev = model.device
+    t0 = time.perf_counter()
+    times: dict[str, list[float]] = {}
+    bar = tqdm(total=sum(o for _, o in workload), desc="hf-static", unit="tok", disable=not progress, file=sys.stderr)
+    for b0 in range(0, len(workload), batch):
+        group = workload[b0:b0 + batch]
+        width = max(len(p) for p, _ in group)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p, _ in group], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group], device=dev)
+        n = max(o for _, o in group)
+        st = _TimeStreamer()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       pad_token_id=pad_id, streamer=st)
+        for i, (_, o) in enumerate(group):
+            times[str(b0 + i)] = st.times[:o]     # a request's reply is its first o tokens; the rest is waste
+        bar.update(sum(o for _, o in group))
+    bar.close()
+    s = metrics.latency_summary({str(i): t0 for i in range(len(workload))}, times)
+    s["generated_tokens_incl_padding_waste"] = sum(
+        len(workload[b0:b0 + batch]) * max(o for _, o in workload[b0:b0 + batch]) for b0 in range(0, len(workload), batch))
+    return s
+
+
+@torch.inference_mode()
+def run_hf_cb(model, workload, batch: int, budget: int, progress: bool = True) -> dict:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    page = 256
+    blocks = sum(-(-(len(p) + o) // page) for p, o in workload) + 8     # room for everyone: no preemption
+    cbc = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=budget,
+                                   max_requests_per_batch=batch)
+    gc = GenerationConfig(max_new_tokens=max(o for _, o in workload), do_sample=False, eos_token_id=-1)
+    mgr = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
+    mgr.start()
+    bar = tqdm(total=len(workload), desc="hf-cb", unit="req", disable=not progress, file=sys.stderr)
+    try:
+        t0 = time.perf_counter()
+        rids = [mgr.add_request(p, max_new_tokens=o, record_timestamps=True, eos_token_id=-1) for p, o in workload]
+        results = {}
+        while len(results) < len(rids):
+            r = mgr.get_result(timeout=120)
+            if r is None:
+                raise RuntimeError("transformers continuous batching stopped answering")
+            if r.is_finished():
+                if r.error:
+                    raise RuntimeError(f"transformers continuous batching failed a request: {r.error}")
+                results[r.request_id] = r
+                bar.update(1)
+    finally:
+        bar.close()
+        mgr.stop(block=True)
+    times = {rid: list(results[rid].timestamps or []) for rid in rids}
+    bad = [rid for (p, o), rid in zip(workload, rids) if len(times[rid]) != o]
+    if bad:
+        raise RuntimeError(f"transformers continuous batching returned wrong lengths for {bad[:3]}")
+    return metrics.latency_summary({rid: t0 for rid in rids}, times)
+
+
+def hf_has_cb(model) -> bool:
+    return hasattr(model, "init_continuous_batching")
+
+
+# ---- decode step against the bandwidth floor ----
+def copy_bandwidth(mb: int = 256, repeats: int = 5) -> float:
+    """Bytes moved per second (read + write) copying a large buffer, best of `repeats`."""
+    src = torch.ones(mb * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * src.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def ours_decode_step(engine: LLMEngine, batch: int, context: int, repeats: int) -> dict:
+    """Median step (and forward) time of `repeats` decode steps of `batch` sequences at ~`context` tokens."""
+    rng = random.Random(1)
+    rids = [engine.add_request(prompt_token_ids=[rng.randrange(1000, engine.vocab_size) for _ in range(context - 1)],
+                               params=SamplingParams(max_tokens=repeats + 3, ignore_eos=True)) for _ in range(batch)]
+    recs = []
+    while not all(engine.get_request(r).is_finished for r in rids):
+        rec = engine.step()
+        if all(i["kind"] == "decode" for i in rec["items"]) and len(rec["items"]) == batch:
+            recs.append(rec)
+    recs = recs[1:]         # the first full decode step may still pay one-off costs
+    return {"step_ms": statistics.median(r["t_end"] - r["t_start"] for r in recs) * 1e3,
+            "forward_ms": statistics.median(r["timing"]["forward"] for r in recs) * 1e3, "samples": len(recs)}
+
+
+@torch.inference_mode()
+def hf_decode_step(model, batch: int, context: int, repeats: int, vocab: int) -> dict:
+    """Median time of transformers' forward for one new token per row over a KV cache of context - 1 tokens."""
+    from transformers import DynamicCache
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1000, vocab, (batch, context - 1), generator=g).to(model.device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, cache=cache, use_cache=True)
+    nxt = torch.randint(1000, vocab, (batch, 1), generator=g).to(model.device)
+    pos = torch.full((batch, 1), context - 1, device=model.device)
+    ts = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        model(input_ids=nxt, cache=cache, use_cache=True, position_ids=pos)
+        ts.append(time.perf_counter() - t)
+        cache.crop(-1)                      # back to context - 1 tokens
+    return {"forward_ms": statistics.median(ts[1:]) * 1e3, "samples": repeats}
+
+
+def kv_bytes(hf_config, batch: int, context: int, itemsize: int) -> int:
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * itemsize * batch * context
+
+
+# ---- the whole run ----
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def main(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(prog="python -m demos.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default="out/bench.json")
+    ap.add_argument("--model", default=None, help="local model folder or Hub id (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16: both sides use it")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt-range", default="32,512")
+    ap.add_argument("--output-range", default="16,128")
+    ap.add_argument("--batch", type=int, default=16, help="max sequences per step (ours, hf-cb), hf-static batch size")
+    ap.add_argument("--budget", type=int, default=512, help="token budget per step (ours, hf-cb)")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--decode-batches", default="1,32")
+    ap.add_argument("--decode-context", type=int, default=512)
+    ap.add_argument("--decode-repeats", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    ap.add_argument("--skip", default="", help="comma list of: ours, hf-static, hf-cb, decode")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    progress = not args.quiet
+    prange = tuple(int(x) for x in args.prompt_range.split(","))
+    orange = tuple(int(x) for x in args.output_range.split(","))
+    cfg = dict(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.batch,
+               max_num_batched_tokens=args.budget)
+    probe = LLMEngine(EngineConfig(**cfg, num_kv_blocks=64))
+    workload = make_workload(args.requests, prange, orange, probe.vocab_size, args.seed)
+    folder = resolve_model(args.model)
+    out = {"machine": machine(), "model": probe.model_name, "dtype": args.dtype, "device": probe.device,
+           "weight_bytes": probe.runner.weight_bytes,
+           "workload": {"requests": args.requests, "prompt_range": prange, "output_range": orange,
+                        "prompt_tokens": sum(len(p) for p, _ in workload),
+                        "output_tokens": sum(o for _, o in workload), "seed": args.seed, "arrivals": "all at t=0",
+                        "batch": args.batch, "token_budget": args.budget},
+           "systems": {}, "ratios": {}}
+    del probe
+    t_all = time.perf_counter()
+
+    def log(msg):
+        print(f"[{time.perf_counter() - t_all:6.0f}s] {msg}", file=sys.stderr, flush=True)
+
+    streams = {}
+    if "ours" not in skip:
+        for policy in [p.strip() for p in args.policies.split(",") if p.strip()]:
+            engine = LLMEngine(EngineConfig(**cfg, policy=policy))
+            warm_up(engine, max(len(p) for p, _ in workload))
+            out["systems"][f"batchscope-{policy}"], streams[policy] = run_ours(engine, workload, progress)
+            del engine
+            log(f"batchscope-{policy} done")
+    hf = None
+    if not {"hf-static", "hf-cb", "decode"} <= skip:
+        hf = load_hf(folder, EngineConfig(dtype=args.dtype).torch_dtype, args.device)
+        tok_pad = hf.generation_config.pad_token_id
+        pad = tok_pad if isinstance(tok_pad, int) else 0
+        run_hf_static(hf, [(workload[0][0][:64], 2)], 1, pad, progress=False)      # warm-up
+    if "hf-static" not in skip:
+        out["systems"]["hf-static"] = run_hf_static(hf, workload, args.batch, pad, progress)
+        log("hf-static done")
+    if "hf-cb" not in skip:
+        if hf_has_cb(hf):
+            try:
+                out["systems"]["hf-cb"] = run_hf_cb(hf, workload, args.batch, args.budget, progress)
+            except Exception as e:          # report, do not lose the rest of the run
+                out["systems"]["hf-cb"] = {"error": f"{type(e).__name__}: {e}"}
+        else:
+            out["systems"]["hf-cb"] = {"error": "this transformers has no init_continuous_batching"}
+        log("hf-cb done")
+    for name, s in out["systems"].items():
+        if name.startswith("batchscope") and "output_tokens_per_s" in s:
+            out["ratios"][name] = {
+                f"output_tokens_per_s_vs_{b}": ratio(s["output_tokens_per_s"], out["systems"][b].get("output_tokens_per_s"))
+                for b in ("hf-static", "hf-cb") if b in out["systems"]}
+            for b in ("hf-static", "hf-cb"):
+                if b in out["systems"]:
+                    for k in ("ttft_p50_s", "ttft_p99_s", "tbt_p50_s", "tbt_p99_s"):
+                        out["ratios"][name][f"{k}_{b}_over_ours"] = ratio(out["systems"][b].get(k), s[k])
+    if streams:
+        out["record"] = {p: record_fraction(st) for p, st in streams.items()}
+
+    if "decode" not in skip:
+        from transformers import AutoConfig
+        hf_config = AutoConfig.from_pretrained(folder)
+        bw = copy_bandwidth()
+        itemsize = EngineConfig(dtype=args.dtype).torch_dtype.itemsize
+        out["decode"] = {"copy_bandwidth_gb_s": bw / 1e9, "context": args.decode_context,
+                         "weight_floor_ms": out["weight_bytes"] / bw * 1e3, "batches": {}}
+        for b in (int(x) for x in args.decode_batches.split(",")):
+            engine = LLMEngine(EngineConfig(**{**cfg, "max_num_seqs": max(b, args.batch),
+                                               "max_num_batched_tokens": max(args.budget, 2048)}, policy="chunked"))
+            warm_up(engine)
+            ours = ours_decode_step(engine, b, args.decode_context, args.decode_repeats)
+            del engine
+            theirs = hf_decode_step(hf, b, args.decode_context, args.decode_repeats, hf_config.vocab_size)
+            kvb = kv_bytes(hf_config, b, args.decode_context, itemsize)
+            out["decode"]["batches"][str(b)] = {
+                "ours_step_ms": ours["step_ms"], "ours_forward_ms": ours["forward_ms"],
+                "hf_forward_ms": theirs["forward_ms"], "hf_over_ours_step": theirs["forward_ms"] / ours["step_ms"],
+                "weight_floor_ms": out["weight_bytes"] / bw * 1e3,
+                "weight_plus_kv_floor_ms": (out["weight_bytes"] + kvb) / bw * 1e3, "kv_bytes": kvb}
+            log(f"decode batch {b} done")
+    out["wall_s"] = time.perf_counter() - t_all
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2))
+    print_summary(out)
+    print(f"wrote {args.json}")
+
+
+def print_summary(out: dict, file=sys.stdout):
+    def f(v, scale=1e3):
+        return "–" if v is None else f"{v * scale:,.1f}"
+    print(f"{'system':24}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'TBT p50':>10}{'TBT p99':>10}  (ms)", file=file)
+    for name, s in out["systems"].items():
+        if "error" in s:
+            print(f"{name:24}  error: {s['error']}", file=file)
+            continue
+        print(f"{name:24}{f(s['output_tokens_per_s'], 1):>10}{f(s['ttft_p50_s']):>10}{f(s['ttft_p99_s']):>10}"
+              f"{f(s['tbt_p50_s']):>10}{f(s['tbt_p99_s']):>10}", file=file)
+    for name, r in out.get("ratios", {}).items():
+        print(f"{name}: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items() if v is not None), file=file)
+    for p, r in out.get("record", {}).items():
+        print(f"record building, {p}: {r['fraction'] * 100:.3f}% of step time (p50 {r['record_us_p50']:.0f} us)",
+              file=file)
+    d = out.get("decode")
+    if d:
+        print(f"copy bandwidth {d['copy_bandwidth_gb_s']:.1f} GB/s, weight floor {d['weight_floor_ms']:.2f} ms",
+              file=file)
+        for b, r in d["batches"].items():
+            print(f"decode batch {b} @ {d['context']}: ours step {r['ours_step_ms']:.2f} ms (forward "
+                  f"{r['ours_forward_ms']:.2f}), transformers forward {r['hf_forward_ms']:.2f} ms, "
+                  f"floor {r['weight_floor_ms']:.2f} / with KV {r['weight_plus_kv_floor_ms']:.2f} ms", file=file)
+
+
+if __name__ == "__main__":
+    main()

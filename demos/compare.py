@@ -1,0 +1,185 @@
+"""Run one scenario under several policies, each on a fresh engine, and compare.
+
+    python -m demos.compare --scenario long-prompt-interrupts \\
+        --policies static,continuous,chunked --out out/report.html --json out/metrics.json
+
+Writes a self-contained HTML report (demos/report.py) and a JSON file with, per
+policy, the numbers of demos.metrics.summarize (ttft_p50_s, ttft_p99_s,
+tbt_p50_s, tbt_p99_s, tbt_max_s, output_tokens_per_s, num_steps,
+num_preemptions, ...). A scenario with a focus request (long-prompt-interrupts:
+"Doc") also gets, per policy, the latencies of the requests that were decoding
+when it arrived, and chunked-vs-continuous ratios of them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from demos import metrics, trace
+from demos.report import fmt, write_report
+from demos.runner import Run, longest_prompt, run_scenario, warm_up
+from demos.scenarios import SCENARIOS, Scenario, get_scenario
+from engine import EngineConfig, LLMEngine
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    import torch
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    out = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+           "python": platform.python_version(), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import transformers
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def run_policy(scenario: Scenario, policy: str, engine_kwargs: dict, warmup: bool = True,
+               progress: bool = True) -> Run:
+    """A fresh engine with the scenario's budgets (engine_kwargs override them), warmed up, then the scenario."""
+    engine = LLMEngine(EngineConfig(**{**scenario.engine, **engine_kwargs, "policy": policy}))
+    if warmup:
+        warm_up(engine, longest_prompt(engine, scenario))
+    bar = tqdm(total=scenario.total_output_tokens, desc=f"{scenario.name} / {policy}", unit="tok",
+               disable=not progress, file=sys.stderr, leave=True)
+
+    def tick(obj):
+        if obj.get("type") == "step":
+            bar.update(sum(metrics.produces_token(i) for i in obj["items"]))
+    try:
+        return run_scenario(engine, scenario, on_record=tick)
+    finally:
+        bar.close()
+
+
+def summarize_run(run: Run) -> dict:
+    s = metrics.summarize(run.stream)
+    if run.scenario.focus:
+        s["focus"] = metrics.focus_summary(run.stream, run.request_of(run.scenario.focus))
+    return s
+
+
+def ratios(summaries: dict[str, dict], a: str = "chunked", b: str = "continuous") -> dict | None:
+    """b / a for latencies (how many times lower under a), a / b for throughput."""
+    if a not in summaries or b not in summaries:
+        return None
+    sa, sb = summaries[a], summaries[b]
+
+    def div(x, y):
+        return x / y if x is not None and y else None
+    out = {f"{k}_{b}_over_{a}": div(sb[k], sa[k]) for k in ("ttft_p99_s", "tbt_p99_s", "tbt_max_s")}
+    out[f"output_tokens_per_s_{a}_over_{b}"] = div(sa["output_tokens_per_s"], sb["output_tokens_per_s"])
+    if "focus" in sa and "focus" in sb:
+        for k in ("tbt_p99_s", "tbt_max_s", "stall_max_s"):
+            out[f"victims_{k}_{b}_over_{a}"] = div(sb["focus"][k], sa["focus"][k])
+    return out
+
+
+def compare(scenario: Scenario, policies: list[str], engine_kwargs: dict | None = None, warmup: bool = True,
+            progress: bool = True, trace_dir: str | None = None) -> tuple[dict[str, Run], dict[str, dict]]:
+    runs, summaries = {}, {}
+    for policy in policies:
+        runs[policy] = run = run_policy(scenario, policy, engine_kwargs or {}, warmup, progress)
+        summaries[policy] = summarize_run(run)
+        if trace_dir:
+            trace.save(Path(trace_dir) / f"{scenario.name}.{policy}.json", run.stream, meta=run.meta)
+            trace.save_chrome(Path(trace_dir) / f"{scenario.name}.{policy}.chrome.json", [run.meta, *run.stream])
+    return runs, summaries
+
+
+def print_table(summaries: dict[str, dict], out=sys.stdout):
+    rows = [("output tokens/s", "output_tokens_per_s", 1), ("TTFT p50 ms", "ttft_p50_s", 1e3),
+            ("TTFT p99 ms", "ttft_p99_s", 1e3), ("TBT p50 ms", "tbt_p50_s", 1e3), ("TBT p99 ms", "tbt_p99_s", 1e3),
+            ("TBT max ms", "tbt_max_s", 1e3), ("steps", "num_steps", None), ("preemptions", "num_preemptions", None)]
+    focus = [("victims TBT p99 ms", "tbt_p99_s", 1e3), ("victims TBT max ms", "tbt_max_s", 1e3),
+             ("victims longest stall ms", "stall_max_s", 1e3)]
+    print(f"{'':28}" + "".join(f"{p:>14}" for p in summaries), file=out)
+    for name, key, scale in rows:
+        print(f"{name:28}" + "".join(f"{fmt(s[key], scale):>14}" for s in summaries.values()), file=out)
+    if all("focus" in s for s in summaries.values()):
+        for name, key, scale in focus:
+            print(f"{name:28}" + "".join(f"{fmt(s['focus'][key], scale):>14}" for s in summaries.values()), file=out)
+
+
+def parse_params(items: list[str]) -> dict:
+    """--param k=v pairs for the scenario factory; numbers become numbers."""
+    out = {}
+    for item in items:
+        k, _, v = item.partition("=")
+        if not _:
+            raise SystemExit(f"--param needs key=value, got {item!r}")
+        for cast in (int, float):
+            try:
+                v = cast(v)
+                break
+            except ValueError:
+                pass
+        out[k] = v
+    return out
+
+
+def main(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(prog="python -m demos.compare", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenario", required=True, choices=list(SCENARIOS))
+    ap.add_argument("--policies", default="static,continuous,chunked")
+    ap.add_argument("--out", default="out/report.html", help="HTML report")
+    ap.add_argument("--json", default=None, help="metrics JSON")
+    ap.add_argument("--traces", default=None, help="folder for one trace per policy (ours and Chrome's)")
+    ap.add_argument("--model", default=None, help="local model folder or Hub id (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the engine's auto)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the throwaway request before each policy")
+    ap.add_argument("--param", action="append", default=[], help="scenario parameter key=value (repeatable)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+
+    scenario = get_scenario(args.scenario, **parse_params(args.param))
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    kw = {k: v for k, v in dict(model=args.model, dtype=args.dtype, device=args.device,
+                                max_num_batched_tokens=args.max_num_batched_tokens,
+                                max_num_seqs=args.max_num_seqs).items() if v is not None}
+    if args.no_prefix_caching:
+        kw["enable_prefix_caching"] = False
+    runs, summaries = compare(scenario, policies, kw, warmup=not args.no_warmup, progress=not args.quiet,
+                              trace_dir=args.traces)
+    print_table(summaries)
+    r = ratios(summaries)
+    if r:
+        print("chunked vs continuous: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items() if v is not None))
+    path = write_report(args.out, scenario, runs, summaries)
+    print(f"wrote {path}")
+    if args.json:
+        meta = next(iter(runs.values())).meta
+        doc = {"scenario": scenario.name, "params": parse_params(args.param), "model": meta["model"],
+               "dtype": meta["dtype"], "device": meta["device"], "machine": machine(),
+               "engine": {k: meta[k] for k in ("max_num_batched_tokens", "max_num_seqs", "attention_backend")},
+               "policies": summaries, "ratios": r}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Classroom scenarios: fixed workloads that show one batching effect each.
+
+A Scenario is data: a list of Arrivals (when a request joins, who sends it,
+what it says, how many tokens it gets) plus the engine budgets it is meant to
+run under. Everything that could vary is fixed (arrival offsets, prompts,
+output lengths, seeds), and replies use ignore_eos so every run produces the
+same number of tokens.
+
+    from demos.scenarios import get_scenario, SCENARIOS
+    sc = get_scenario("long-prompt-interrupts")
+    sc.arrivals[3].label, sc.arrivals[3].at      # "Doc", 20
+    get_scenario("bursty", rate=4.0, n=16)      # factories take keyword arguments
+
+Arrival offsets are read in the scenario's `clock`:
+  "step"  `at` counts engine steps from the start of the run. The arrival joins
+          just before that step; if the engine runs out of work first, the run
+          skips ahead to the next arrival. Step arrivals repeat exactly on any
+          machine: a fast GPU and a slow CPU see the same batches.
+  "wall"  `at` is seconds since the start of the run. Used by `bursty`, whose
+          point is load over time (requests per second); its arrival times
+          repeat exactly, but which step they land in depends on the machine.
+
+demos/runner.py replays a scenario against an engine; demos/metrics.py turns
+the resulting records into numbers.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data"
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float                          # steps or seconds from the start, per Scenario.clock
+    label: str                         # who sends it: the name the chart shows
+    max_tokens: int                    # reply length (ignore_eos: always exactly this many)
+    prompt: str | None = None          # a plain prompt, or
+    messages: tuple[dict, ...] | None = None   # a chat history (the model's chat template applies)
+    temperature: float = 0.0           # 0 = greedy
+    seed: int | None = None            # sampling seed when temperature > 0
+
+    def __post_init__(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError(f"arrival {self.label!r}: give exactly one of prompt or messages")
+        if self.at < 0 or self.max_tokens < 1:
+            raise ValueError(f"arrival {self.label!r}: at must be >= 0 and max_tokens >= 1")
+
+    def request_kwargs(self) -> dict:
+        """Keyword arguments for LLMEngine.add_request (params excluded)."""
+        if self.prompt is not None:
+            return {"prompt": self.prompt}
+        return {"messages": [dict(m) for m in self.messages]}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str                   # one paragraph for the lecturer: what to look at
+    arrivals: tuple[Arrival, ...]      # sorted by `at`
+    clock: str = "step"                # "step" or "wall", see the module docstring
+    engine: dict = field(default_factory=dict)   # EngineConfig budgets it is meant for
+    focus: str | None = None           # label of the arrival whose effect on the others is the point
+
+    def __post_init__(self):
+        if self.clock not in ("step", "wall"):
+            raise ValueError(f"clock must be 'step' or 'wall', got {self.clock!r}")
+        if not self.arrivals:
+            raise ValueError("a scenario needs at least one arrival")
+        if list(self.arrivals) != sorted(self.arrivals, key=lambda a: a.at):
+            raise ValueError("arrivals must be sorted by their offset")
+        if self.focus is not None and self.focus not in {a.label for a in self.arrivals}:
+            raise ValueError(f"focus {self.focus!r} is not the label of an arrival")
+
+    @property
+    def total_output_tokens(self) -> int:
+        return sum(a.max_tokens for a in self.arrivals)
+
+
+@lru_cache
+def load_text(name: str) -> str:
+    """A text shipped in demos/data/ (e.g. 'lighthouse_report': ~1,500 tokens)."""
+    return (DATA / f"{name}.txt").read_text().strip()
+
+
+def _chat(text: str, system: str | None = None) -> tuple[dict, ...]:
+    msgs = ({"role": "system", "content": system},) if system else ()
+    return msgs + ({"role": "user", "content": text},)
+
+
+QUESTIONS = (
+    "Explain how the gears on a bicycle make pedalling easier on hills.",
+    "Write a short poem about rain on a tin roof.",
+    "Give me three tips for learning to cook on a budget.",
+    "What is the difference between weather and climate?",
+    "Describe how a bread dough rises.",
+    "Why is the sky blue during the day and red at sunset?",
+    "Suggest a name for a small bookshop and explain why.",
+    "How do bees find their way back to the hive?",
+    "What should I pack for a two-day hike in the mountains?",
+    "Explain what a prime number is to a ten-year-old.",
+    "Write a friendly reminder for a team meeting tomorrow.",
+    "How does a refrigerator keep food cold?",
+)
+
+
+# ---- the scenarios ----
+
+def long_prompt_interrupts(users: int = 3, reply_tokens: int = 64, doc_at: int = 20,
+                           doc_tokens: int = 32) -> Scenario:
+    """Three users chatting; then a ~1,500-token document arrives to be summarised."""
+    names = ["Alice", "Bob", "Carol", "Dan", "Erin", "Frank"][:users]
+    arrivals = [Arrival(at=3 * i, label=name, max_tokens=reply_tokens, messages=_chat(QUESTIONS[i]))
+                for i, name in enumerate(names)]
+    doc = "Summarise the following document in three sentences.\n\n" + load_text("lighthouse_report")
+    arrivals.append(Arrival(at=doc_at, label="Doc", max_tokens=doc_tokens, messages=_chat(doc)))
+    return Scenario(
+        name="long-prompt-interrupts",
+        description=("Alice, Bob and Carol are mid-reply when a ~1,500-token document arrives. "
+                     "Under continuous batching the whole prompt is prefilled in one step and every "
+                     "reply freezes for that step (the stall); chunked prefill spreads it over several "
+                     "steps that still carry everyone's next token. Static batching never stalls them, "
+                     "but the document waits for the whole batch to finish."),
+        arrivals=tuple(arrivals), engine={"max_num_batched_tokens": 256, "max_num_seqs": 16},
+        focus="Doc")
+
+
+def static_vs_continuous(reply_tokens: tuple[int, ...] = (8, 96, 16, 64, 24, 128, 12, 48),
+                         max_num_seqs: int = 4) -> Scenario:
+    """Eight requests with very different reply lengths, four slots."""
+    arrivals = tuple(Arrival(at=0, label=f"U{i + 1}", max_tokens=n, messages=_chat(QUESTIONS[i % len(QUESTIONS)]))
+                     for i, n in enumerate(reply_tokens))
+    return Scenario(
+        name="static-vs-continuous",
+        description=(f"{len(arrivals)} requests, {max_num_seqs} slots, replies of {min(reply_tokens)} to "
+                     f"{max(reply_tokens)} tokens. Static batching holds a batch until its longest reply "
+                     "is done, so finished slots sit idle while others wait; continuous batching refills "
+                     "a slot the step after it frees."),
+        arrivals=arrivals, engine={"max_num_batched_tokens": 256, "max_num_seqs": max_num_seqs})
+
+
+def bursty(rate: float = 4.0, n: int = 24, seed: int = 7, min_tokens: int = 16,
+           max_tokens: int = 96) -> Scenario:
+    """Poisson arrivals at `rate` requests per second (wall clock), reply lengths uniform in a range."""
+    if rate <= 0 or n < 1 or not 1 <= min_tokens <= max_tokens:
+        raise ValueError("bursty needs rate > 0, n >= 1 and 1 <= min_tokens <= max_tokens")
+    rng = random.Random(seed)
+    t, arrivals = 0.0, []
+    for i in range(n):
+        arrivals.append(Arrival(at=round(t, 4), label=f"B{i + 1}", max_tokens=rng.randint(min_tokens, max_tokens),
+                                messages=_chat(QUESTIONS[rng.randrange(len(QUESTIONS))])))
+        t += rng.expovariate(rate)
+    return Scenario(
+        name="bursty",
+        description=(f"{n} requests arriving as a Poisson process at {rate:g} per second (seed {seed}), "
+                     f"replies of {min_tokens} to {max_tokens} tokens. Bursts queue up: watch TTFT grow "
+                     "under static batching, and the running count rise and fall."),
+        arrivals=tuple(arrivals), clock="wall", engine={"max_num_batched_tokens": 256, "max_num_seqs": 16})
+
+
+def shared_system_prompt(users: int = 6, every: int = 8, reply_tokens: int = 32) -> Scenario:
+    """Several customers of one shop assistant: the same ~350-token system prompt, different questions."""
+    system = load_text("shop_system_prompt")
+    questions = ("Are you open on Sunday?", "How much is a standard service?",
+                 "Can I return a helmet I bought last week?", "My new bike's gears slip. Is that covered?",
+                 "Do you repair punctures while I wait?", "Can I book a repair by email?",
+                 "I rode the bike once and don't like it. Can I return it?", "What warranty do used bikes have?")
+    arrivals = tuple(Arrival(at=every * i, label=f"C{i + 1}", max_tokens=reply_tokens,
+                             messages=_chat(questions[i % len(questions)], system=system))
+                     for i in range(users))
+    return Scenario(
+        name="shared-system-prompt",
+        description=("Every request starts with the same ~350-token system prompt. The first one computes "
+                     "it; later ones find its full KV blocks in the prefix cache and prefill only their "
+                     "question (see items[].cached and the kv 'cached' count)."),
+        arrivals=arrivals, engine={"max_num_batched_tokens": 256, "max_num_seqs": 16})
+
+
+SCENARIOS = {
+    "long-prompt-interrupts": long_prompt_interrupts,
+    "static-vs-continuous": static_vs_continuous,
+    "bursty": bursty,
+    "shared-system-prompt": shared_system_prompt,
+}
+
+
+def get_scenario(name: str, **params) -> Scenario:
+    """The named scenario; params go to its factory (e.g. rate=2.0 for bursty)."""
+    if name not in SCENARIOS:
+        raise KeyError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+    return SCENARIOS[name](**params)
