@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,11 @@ def machine() -> dict:
     except ImportError:
         pass
     return out
+
+
+def torch_threads() -> int:
+    import torch
+    return torch.get_num_threads()
 
 
 def run_policy(scenario: Scenario, policy: str, engine_kwargs: dict, warmup: bool = True,
@@ -95,15 +101,38 @@ def ratios(summaries: dict[str, dict], a: str = "chunked", b: str = "continuous"
 
 
 def compare(scenario: Scenario, policies: list[str], engine_kwargs: dict | None = None, warmup: bool = True,
-            progress: bool = True, trace_dir: str | None = None) -> tuple[dict[str, Run], dict[str, dict]]:
-    runs, summaries = {}, {}
-    for policy in policies:
-        runs[policy] = run = run_policy(scenario, policy, engine_kwargs or {}, warmup, progress)
-        summaries[policy] = summarize_run(run)
-        if trace_dir:
+            progress: bool = True, trace_dir: str | None = None, repeats: int = 1
+            ) -> tuple[dict[str, Run], dict[str, dict], dict[str, list[dict]]]:
+    """Run every policy `repeats` times, interleaved (so a busy machine slows all of them alike).
+
+    Returns the last run of each policy (for charts and traces), the median of
+    each number over the repeats, and every repeat's numbers.
+    """
+    runs, each = {}, {p: [] for p in policies}
+    for _ in range(repeats):
+        for policy in policies:
+            runs[policy] = run = run_policy(scenario, policy, engine_kwargs or {}, warmup, progress)
+            each[policy].append(summarize_run(run))
+    if trace_dir:
+        for policy, run in runs.items():
             trace.save(Path(trace_dir) / f"{scenario.name}.{policy}.json", run.stream, meta=run.meta)
             trace.save_chrome(Path(trace_dir) / f"{scenario.name}.{policy}.chrome.json", [run.meta, *run.stream])
-    return runs, summaries
+    return runs, {p: median_summary(ss) for p, ss in each.items()}, each
+
+
+def median_summary(summaries: list[dict]) -> dict:
+    """Field by field median of several summaries (nested dicts too; other values from the first)."""
+    out = {}
+    for k, v in summaries[0].items():
+        vals = [s.get(k) for s in summaries]
+        if isinstance(v, dict):
+            out[k] = median_summary(vals)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            nums = [x for x in vals if x is not None]
+            out[k] = statistics.median(nums) if nums else None
+        else:
+            out[k] = v
+    return out
 
 
 def print_table(summaries: dict[str, dict], out=sys.stdout):
@@ -152,8 +181,13 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--no-warmup", action="store_true", help="skip the throwaway request before each policy")
     ap.add_argument("--param", action="append", default=[], help="scenario parameter key=value (repeatable)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per policy; the tables report medians")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
 
     scenario = get_scenario(args.scenario, **parse_params(args.param))
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -162,20 +196,21 @@ def main(argv: list[str] | None = None):
                                 max_num_seqs=args.max_num_seqs).items() if v is not None}
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
-    runs, summaries = compare(scenario, policies, kw, warmup=not args.no_warmup, progress=not args.quiet,
-                              trace_dir=args.traces)
+    runs, summaries, each = compare(scenario, policies, kw, warmup=not args.no_warmup, progress=not args.quiet,
+                                    trace_dir=args.traces, repeats=args.repeats)
     print_table(summaries)
     r = ratios(summaries)
     if r:
         print("chunked vs continuous: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items() if v is not None))
-    path = write_report(args.out, scenario, runs, summaries)
+    path = write_report(args.out, scenario, runs, summaries, repeats=args.repeats)
     print(f"wrote {path}")
     if args.json:
         meta = next(iter(runs.values())).meta
         doc = {"scenario": scenario.name, "params": parse_params(args.param), "model": meta["model"],
                "dtype": meta["dtype"], "device": meta["device"], "machine": machine(),
                "engine": {k: meta[k] for k in ("max_num_batched_tokens", "max_num_seqs", "attention_backend")},
-               "policies": summaries, "ratios": r}
+               "threads": torch_threads(), "repeats": args.repeats, "policies": summaries, "ratios": r,
+               "each_run": each if args.repeats > 1 else None}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}")

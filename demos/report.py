@@ -154,7 +154,7 @@ table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:
 th:first-child{text-align:left}h2{margin-top:2em}.meta{color:#666;font-size:90%}"""
 
 
-def write_report(path: str | Path, scenario, runs: dict, summaries: dict[str, dict]) -> Path:
+def write_report(path: str | Path, scenario, runs: dict, summaries: dict[str, dict], repeats: int = 1) -> Path:
     streams = {p: r.stream for p, r in runs.items()}
     figs = [gantt_figure(s, f"{p}: which request ran in which step") for p, s in streams.items()]
     figs += [tbt_figure(streams),
@@ -177,7 +177,8 @@ def write_report(path: str | Path, scenario, runs: dict, summaries: dict[str, di
 <p class="meta">model {html.escape(str(meta['model']))}, {meta['dtype']} on {meta['device']};
 token budget {meta['max_num_batched_tokens']}, max {meta['max_num_seqs']} sequences; {len(scenario.arrivals)} requests,
 {scenario.total_output_tokens} output tokens; arrivals on the {scenario.clock} clock; {html.escape(meta['created'])}</p>
-<h2>Metrics</h2>{metrics_table(summaries)}{focus}
+<h2>Metrics</h2>{"<p class='meta'>Medians of %d runs per policy; the charts show the last run.</p>" % repeats if repeats > 1 else ""}
+{metrics_table(summaries)}{focus}
 <p class="meta">TTFT = first token - arrival; TBT = gap between consecutive tokens of one request; a stall is a TBT
 during which a step left the request out. Throughput counts every output token from the first arrival to the last token.</p>
 <h2>Gantt charts</h2>{''.join(divs[:n])}

@@ -123,8 +123,10 @@ def long_prompt_interrupts(users: int = 3, reply_tokens: int = 64, doc_at: int =
                      "Under continuous batching the whole prompt is prefilled in one step and every "
                      "reply freezes for that step (the stall); chunked prefill spreads it over several "
                      "steps that still carry everyone's next token. Static batching never stalls them, "
-                     "but the document waits for the whole batch to finish."),
-        arrivals=tuple(arrivals), engine={"max_num_batched_tokens": 256, "max_num_seqs": 16},
+                     "but the document waits for the whole batch to finish. The token budget (128) sets "
+                     "the chunk size: the height of the chunked steps, and so the TBT, that replies see "
+                     "while the document is read."),
+        arrivals=tuple(arrivals), engine={"max_num_batched_tokens": 128, "max_num_seqs": 16},
         focus="Doc")
 
 

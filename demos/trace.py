@@ -7,7 +7,7 @@ live reads a trace the same way.
 
     from demos import trace
     trace.save("out/run.json", run.stream, meta=run.meta)
-    objs = trace.load("out/run.json")       # the list, header included
+    objs = trace.load("out/run.json")       # the list, header included (also reads {"records": [...]})
     trace.header(objs)                      # the header dict, or None
     trace.save_chrome("out/run.chrome.json", objs)   # open in ui.perfetto.dev or chrome://tracing
 
@@ -33,6 +33,8 @@ def save(path: str | Path, stream: list[dict], meta: dict | None = None):
 
 def load(path: str | Path) -> list[dict]:
     objs = json.loads(Path(path).read_text())
+    if isinstance(objs, dict) and isinstance(objs.get("records"), list):   # the app's /api/trace answer
+        objs = objs["records"]
     if not isinstance(objs, list) or not all(isinstance(o, dict) and "type" in o for o in objs):
         raise ValueError(f"{path}: a trace is a JSON array of objects that each have a 'type'")
     return objs

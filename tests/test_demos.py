@@ -181,6 +181,11 @@ def test_compare_smoke(tiny_model, tmp_path):
     assert "Plotly.newPlot" in page and "<script src=\"http" not in page   # plotly embedded: opens offline
     assert page.count("class=\"plotly-graph-div\"") == 3 + 4
     assert len(list((tmp_path / "traces").glob("*.json"))) == 6
+    from demos import figure
+    figure.main(["--traces", str(tmp_path / "traces"), "--out", str(tmp_path / "f.svg")])
+    svg = (tmp_path / "f.svg").read_text()
+    assert svg.startswith("<svg") and svg.count("<polyline") == len(cont["focus"]["victims"]) + len(
+        chunk["focus"]["victims"]) and "continuous: time between tokens" in svg
 
 
 def test_bench_smoke(tiny_model, tmp_path):
