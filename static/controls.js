@@ -1,0 +1,130 @@
+// Engine controls: policy, the chunked-prefill switch, budgets, slow motion.
+// They read and write /api/engine; when the server has a presenter key, writes
+// carry it in X-Presenter-Key (kept in this tab's sessionStorage only).
+(function () {
+  const BS = (window.BS = window.BS || {});
+  let root, state = {}, locked = false, busy = false;
+
+  const $ = (id) => root.querySelector("[data-testid=" + id + "]");
+
+  function key() {
+    try { return sessionStorage.getItem("batchscope.key") || ""; } catch (e) { return ""; }
+  }
+
+  function status(text, bad) {
+    const el = $("ctl-status");
+    el.textContent = text;
+    el.dataset.bad = bad ? "1" : "";
+  }
+
+  function render() {
+    const p = state.policy;
+    root.querySelectorAll("[data-testid=policy] button").forEach((b) => {
+      const on = b.dataset.policy === p;
+      b.setAttribute("aria-checked", on ? "true" : "false");
+      b.classList.toggle("bs-on", on);
+    });
+    const sw = $("chunked-toggle"), on = p === "chunked";
+    sw.setAttribute("aria-checked", on ? "true" : "false");
+    sw.classList.toggle("bs-on", on);
+    $("chunked-state").textContent = BS.t(on ? "ctl.on" : "ctl.off");
+    for (const input of root.querySelectorAll("input[data-setting]")) {
+      const v = state[input.dataset.setting];
+      if (v != null && document.activeElement !== input) input.value = v;
+    }
+    const d = $("step-delay");
+    if (state.step_delay != null && document.activeElement !== d) {
+      d.value = Math.round(state.step_delay * 1000);
+      $("step-delay-value").textContent = d.value;
+    }
+    root.querySelector(".bs-controls").classList.toggle("bs-locked", locked && !key());
+    $("key-box").hidden = !state.presenter_key_required;
+  }
+
+  function absorb(obj) {
+    if (!obj || typeof obj !== "object") return;
+    const s = obj.settings || obj.engine || obj;
+    for (const k of ["policy", "max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk", "step_delay"]) {
+      if (s[k] !== undefined) state[k] = s[k];
+      else if (obj[k] !== undefined) state[k] = obj[k];
+    }
+    for (const k of ["presenter_key_required", "locked"]) if (obj[k] !== undefined) state[k] = obj[k];
+    locked = !!(state.presenter_key_required || state.locked);
+    render();
+  }
+
+  async function load() {
+    try {
+      const r = await fetch(BS.url("/api/engine"), { cache: "no-store" });
+      if (r.ok) absorb(await r.json());
+    } catch (e) { /* offline: the socket's reconnect message says so */ }
+  }
+
+  // POST a change; the view updates from the answer (the engine's real settings)
+  BS.apply = async function (change) {
+    if (busy) return false;
+    busy = true;
+    try {
+      const headers = { "Content-Type": "application/json" };
+      if (key()) headers["X-Presenter-Key"] = key();
+      const r = await fetch(BS.url("/api/engine"), { method: "POST", headers, body: JSON.stringify(change) });
+      let body = null;
+      try { body = await r.json(); } catch (e) { /* not JSON */ }
+      if (!r.ok) {
+        if (r.status === 401 || r.status === 403) { state.presenter_key_required = true; locked = true; status(BS.t("ctl.locked"), true); }
+        else status(BS.t("ctl.failed") + ": " + errorText(body, r.status), true);
+        render();
+        return false;
+      }
+      absorb(body);
+      status(BS.t("ctl.saved"), false);
+      return true;
+    } catch (e) {
+      status(BS.t("ctl.failed") + ": " + e.message, true);
+      return false;
+    } finally {
+      busy = false;
+    }
+  };
+
+  function errorText(body, code) {
+    if (!body) return "HTTP " + code;
+    const d = body.detail || body.error || body.message || body;
+    return typeof d === "string" ? d : d.message || JSON.stringify(d);
+  }
+
+  BS.initControls = function (el) {
+    root = el;
+    root.querySelectorAll("[data-testid=policy] button").forEach((b) =>
+      b.addEventListener("click", () => BS.apply({ policy: b.dataset.policy })));
+    $("chunked-toggle").addEventListener("click", () =>
+      BS.apply({ policy: state.policy === "chunked" ? "continuous" : "chunked" }));
+    for (const input of root.querySelectorAll("input[data-setting]")) {
+      input.addEventListener("change", () => {
+        const v = parseInt(input.value, 10);
+        if (!(v >= 1)) { status(BS.t("ctl.failed") + ": " + input.value, true); render(); return; }
+        BS.apply({ [input.dataset.setting]: v });
+      });
+    }
+    const d = $("step-delay");
+    d.addEventListener("input", () => { $("step-delay-value").textContent = d.value; });
+    d.addEventListener("change", () => BS.apply({ step_delay: +d.value / 1000 }));
+    const k = $("presenter-key");
+    k.value = key();
+    k.addEventListener("change", () => {
+      try { sessionStorage.setItem("batchscope.key", k.value); } catch (e) { /* private mode */ }
+      status("", false);
+      render();
+    });
+    // settings changed by anyone (another presenter, a scenario) arrive as policy events
+    BS.onStore((store) => {
+      if (store.settings && store.settings.policy && store.settings !== state._seen) {
+        state._seen = store.settings;
+        absorb(store.settings);
+      }
+    });
+    BS.onLang(render);
+    load();
+    setInterval(load, 5000);
+  };
+})();

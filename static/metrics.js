@@ -1,0 +1,176 @@
+// Live metrics per policy segment, and the per-session token-arrival sparklines.
+// Definitions (the same as demos/metrics.py and docs/step_record.md):
+//   TTFT  = first token time - arrival
+//   TBT   = gap between consecutive tokens of one request
+//   stall = a TBT gap during which a step left the running request out
+// A token's time is the end of the step that produced it. A segment is a run of
+// consecutive steps under one setting (policy, token budget, max sequences).
+(function () {
+  const BS = (window.BS = window.BS || {});
+  const MAX_SEGMENTS = 4;
+  let table, lastDraw = 0, lastKey = "";
+
+  function key(s) { return s.policy + "/" + s.token_budget + "/" + s.max_num_seqs; }
+
+  function pct(sorted, p) {
+    if (!sorted.length) return null;
+    const i = Math.min(sorted.length - 1, Math.max(0, Math.ceil(p / 100 * sorted.length) - 1));
+    return sorted[i];
+  }
+
+  // segments (newest last) of the steps up to index `upto`, at most MAX_SEGMENTS of them
+  BS.segments = function (upto) {
+    const steps = BS.store.steps;
+    const segs = [];
+    let end = upto;
+    while (end >= 0 && segs.length < MAX_SEGMENTS) {
+      let start = end;
+      const k = key(steps[end]);
+      while (start > 0 && key(steps[start - 1]) === k) start--;
+      segs.unshift({ start, end, first: steps[start], last: steps[end] });
+      end = start - 1;
+    }
+    return segs;
+  };
+
+  BS.segmentMetrics = function (seg) {
+    const s0 = seg.first.step, s1 = seg.last.step, steps = BS.store.steps;
+    const ttft = [], tbt = [];
+    let stall = 0, tokens = 0, kv = 0, waiting = 0, busy = 0;
+    for (const r of BS.store.reqs.values()) {
+      if (!r.tokens.length || r.lastStep < s0 || r.firstStep > s1) continue;
+      const t0 = r.tokens[0];
+      if (t0.step >= s0 && t0.step <= s1 && r.arrived != null) ttft.push(t0.t - r.arrived);
+      for (const tk of r.tokens) {
+        if (tk.step < s0 || tk.step > s1) continue;
+        tokens++;
+        if (tk.gap != null) { tbt.push(tk.gap); if (tk.stalled) stall = Math.max(stall, tk.gap); }
+      }
+    }
+    for (let i = seg.start; i <= seg.end; i++) {
+      const s = steps[i];
+      kv = Math.max(kv, s.kv.total ? s.kv.used / s.kv.total : 0);
+      waiting = Math.max(waiting, s.waiting);
+      busy += s.t_end - s.t_start;
+    }
+    ttft.sort((a, b) => a - b); tbt.sort((a, b) => a - b);
+    const span = seg.last.t_end - seg.first.t_start;
+    return {
+      policy: seg.first.policy, budget: seg.first.token_budget, maxSeqs: seg.first.max_num_seqs,
+      steps: seg.end - seg.start + 1, from: s0, to: s1,
+      ttft50: pct(ttft, 50), ttft99: pct(ttft, 99), tbt50: pct(tbt, 50), tbt99: pct(tbt, 99),
+      stall, tps: span > 0 ? tokens / span : null, tokens, kv, waiting, busy,
+    };
+  };
+
+  const sec = (v) => (v == null ? "–" : v < 1 ? (v * 1000).toFixed(0) + " ms" : v.toFixed(2) + " s");
+
+  function cellText(m, row) {
+    switch (row) {
+      case "steps": return m.from + "–" + m.to + " (" + m.steps + ")";
+      case "ttft": return sec(m.ttft50) + " / " + sec(m.ttft99);
+      case "tbt": return sec(m.tbt50) + " / " + sec(m.tbt99);
+      case "stall": return m.stall > 0 ? sec(m.stall) : "0";
+      case "tps": return m.tps == null ? "–" : m.tps.toFixed(1);
+      case "kv": return (m.kv * 100).toFixed(1) + " %";
+      case "waiting": return String(m.waiting);
+    }
+    return "";
+  }
+
+  const ROWS = ["steps", "ttft", "tbt", "stall", "tps", "kv", "waiting"];
+
+  function el(tag, text, cls) {
+    const e = document.createElement(tag);
+    if (text != null) e.textContent = text;
+    if (cls) e.className = cls;
+    return e;
+  }
+
+  function drawTable() {
+    const steps = BS.store.steps;
+    if (!steps.length) {
+      table.replaceChildren(el("caption", BS.t("metrics.empty")));
+      return;
+    }
+    const upto = BS.view && BS.view.mode !== "live" && BS.view.cursor != null
+      ? steps.findLastIndex((s) => s.step <= BS.view.cursor) : steps.length - 1;
+    const ms = BS.segments(Math.max(0, upto)).map(BS.segmentMetrics);
+    const head = el("tr");
+    head.append(el("th", BS.t("metrics.segment")));
+    for (const m of ms) {
+      const th = el("th", null, "bs-seg bs-seg-" + m.policy);
+      th.append(el("span", BS.t("policy." + m.policy), "bs-seg-policy"), el("span", " · " + m.budget + " tok", "bs-seg-budget"));
+      th.dataset.policy = m.policy;
+      head.append(th);
+    }
+    const body = ROWS.map((row) => {
+      const tr = el("tr");
+      tr.dataset.metric = row;
+      tr.append(el("th", BS.t("metrics." + row)));
+      for (const m of ms) {
+        const td = el("td", cellText(m, row));
+        if (row === "stall" && m.stall > 0.25) td.className = "bs-bad";
+        tr.append(td);
+      }
+      return tr;
+    });
+    table.replaceChildren(el("thead"), el("tbody"));
+    table.tHead.append(head);
+    table.tBodies[0].append(...body);
+  }
+
+  // ---- sparklines: one per chat panel, the user's token arrivals over the last seconds ----
+  const SPARK_SEC = 20;
+
+  function drawSpark(c) {
+    const user = c.dataset.spark;
+    const dpr = window.devicePixelRatio || 1, r = c.getBoundingClientRect();
+    const w = Math.max(60, Math.round(r.width)), h = Math.max(16, Math.round(r.height));
+    if (c.width !== w * dpr) { c.width = w * dpr; c.height = h * dpr; }
+    const g = c.getContext("2d");
+    g.setTransform(dpr, 0, 0, dpr, 0, 0);
+    g.clearRect(0, 0, w, h);
+    const steps = BS.store.steps;
+    if (!steps.length) return;
+    const now = steps[steps.length - 1].t_end, t0 = now - SPARK_SEC;
+    const color = BS.colorOf(user);
+    const mineEl = document.querySelector("[data-mine]");
+    const only = mineEl ? new Set(mineEl.dataset.mine.split(/\s+/).filter(Boolean)) : null;
+    let worst = 0;
+    const pts = [];
+    for (const rq of BS.store.reqs.values()) {
+      if (rq.label !== user || (only && !only.has(rq.rid))) continue;
+      if (rq.end != null && rq.end < t0) continue;
+      for (const tk of rq.tokens) {
+        if (tk.t < t0) continue;
+        pts.push(tk);
+        if (tk.gap != null) worst = Math.max(worst, tk.gap);
+      }
+    }
+    const scale = Math.max(0.3, worst);
+    g.fillStyle = "#eee"; g.fillRect(0, h - 1, w, 1);
+    for (const tk of pts) {
+      const x = (tk.t - t0) / SPARK_SEC * w;
+      const hh = tk.gap == null ? 3 : Math.max(2, Math.min(1, tk.gap / scale) * (h - 2));
+      g.fillStyle = tk.stalled ? "#222" : color;
+      g.fillRect(x - 1, h - hh, 2, hh);
+    }
+    const label = c.parentElement && c.parentElement.querySelector("[data-spark-gap]");
+    if (label) label.textContent = worst ? BS.t("spark.gap") + " " + sec(worst) : "";
+  }
+
+  BS.initMetrics = function (root) {
+    table = root.querySelector("[data-testid=metrics] table");
+    const tick = (now) => {
+      const v = BS.store.version + ":" + (BS.view ? BS.view.mode + BS.view.cursor : "") + BS.lang();
+      if (now - lastDraw > 500 && v !== lastKey) {
+        lastDraw = now; lastKey = v;
+        drawTable();
+        document.querySelectorAll("canvas[data-spark]").forEach(drawSpark);
+      }
+      requestAnimationFrame(tick);
+    };
+    requestAnimationFrame(tick);
+  };
+})();

@@ -1,0 +1,104 @@
+// Colours and fill patterns shared by the chart, the batch bar and the chat panels.
+// Okabe-Ito colours (safe for the common colour-vision deficiencies); the kind of
+// a cell is never told by colour alone: decode is solid, prefill is striped with
+// its token count, a stall is a dark cross-hatch.
+(function () {
+  const BS = (window.BS = window.BS || {});
+
+  // the chat panels' users, in panel order; the server side uses the same names and colours
+  const USERS = [
+    ["Alice", "#E69F00"], ["Bob", "#56B4E9"], ["Carol", "#009E73"], ["Dan", "#CC79A7"],
+    ["Eve", "#0072B2"], ["Frank", "#D55E00"], ["Grace", "#F0E442"], ["Heidi", "#7F7F7F"],
+  ];
+  const BY_NAME = new Map(USERS.map(([n, c]) => [n.toLowerCase(), c]));
+  const OTHERS = ["#5A5A5A", "#8C8C8C", "#3F3F3F", "#A6A6A6"];   // requests from elsewhere (API clients)
+
+  BS.users = USERS.map(([name, color]) => ({ name, color }));
+
+  BS.colorOf = function (label) {
+    const key = String(label || "").toLowerCase();
+    if (BY_NAME.has(key)) return BY_NAME.get(key);
+    const base = key.split(/[\s·#:-]/)[0];          // "Alice 2" or "alice-doc" keep Alice's colour
+    if (BY_NAME.has(base)) return BY_NAME.get(base);
+    let h = 0;
+    for (const ch of key) h = (h * 31 + ch.charCodeAt(0)) >>> 0;
+    return OTHERS[h % OTHERS.length];
+  };
+
+  // text drawn on a colour: dark on light colours, white on dark ones
+  BS.inkOn = function (hex) {
+    const n = parseInt(hex.slice(1), 16);
+    const r = (n >> 16) & 255, g = (n >> 8) & 255, b = n & 255;
+    return 0.299 * r + 0.587 * g + 0.114 * b > 150 ? "#111" : "#fff";
+  };
+
+  const cache = new Map();
+
+  function tile(draw, size) {
+    const c = document.createElement("canvas");
+    c.width = c.height = size;
+    draw(c.getContext("2d"), size);
+    return c;
+  }
+
+  // prefill: stripes of the user's colour on a pale tint of it
+  BS.prefillPattern = function (ctx, color) {
+    const key = "p" + color;
+    if (!cache.has(key)) {
+      cache.set(key, tile((g, s) => {
+        g.fillStyle = color; g.globalAlpha = 0.28; g.fillRect(0, 0, s, s); g.globalAlpha = 1;
+        g.strokeStyle = color; g.lineWidth = 3;
+        g.beginPath();
+        for (let k = -s; k <= s; k += s / 2) { g.moveTo(k, s); g.lineTo(k + s, 0); }
+        g.stroke();
+      }, 10));
+    }
+    return ctx.createPattern(cache.get(key), "repeat");
+  };
+
+  // stall: dark cross-hatch on pale grey, the same for everyone
+  BS.stallPattern = function (ctx) {
+    if (!cache.has("stall")) {
+      cache.set("stall", tile((g, s) => {
+        g.fillStyle = "#e4e4e4"; g.fillRect(0, 0, s, s);
+        g.strokeStyle = "#222"; g.lineWidth = 1.6;
+        g.beginPath(); g.moveTo(0, 0); g.lineTo(s, s); g.moveTo(s, 0); g.lineTo(0, s); g.stroke();
+      }, 8));
+    }
+    return ctx.createPattern(cache.get("stall"), "repeat");
+  };
+
+  // unused budget in the batch bar
+  BS.unusedPattern = function (ctx) {
+    if (!cache.has("unused")) {
+      cache.set("unused", tile((g, s) => {
+        g.fillStyle = "#f6f6f6"; g.fillRect(0, 0, s, s);
+        g.fillStyle = "#c8c8c8"; g.fillRect(0, 0, 1.5, 1.5);
+      }, 4));
+    }
+    return ctx.createPattern(cache.get("unused"), "repeat");
+  };
+
+  // legend swatches are small canvases drawn with the same patterns
+  BS.drawSwatches = function (root) {
+    (root || document).querySelectorAll("canvas[data-swatch]").forEach((c) => {
+      const g = c.getContext("2d"), w = c.width, h = c.height, kind = c.dataset.swatch;
+      g.clearRect(0, 0, w, h);
+      const color = "#0072B2";
+      if (kind === "decode") { g.fillStyle = color; g.fillRect(0, 0, w, h); }
+      else if (kind === "prefill") {
+        g.fillStyle = BS.prefillPattern(g, color); g.fillRect(0, 0, w, h);
+        g.fillStyle = "#111"; g.font = "bold 11px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
+        g.fillText("P", w / 2, h / 2 + 1);
+      } else if (kind === "stall") {
+        g.fillStyle = BS.stallPattern(g); g.fillRect(0, 0, w, h);
+        g.strokeStyle = "#222"; g.lineWidth = 2; g.strokeRect(1, 1, w - 2, h - 2);
+      } else if (kind === "queued") {
+        g.strokeStyle = "#555"; g.setLineDash([3, 3]); g.lineWidth = 2;
+        g.beginPath(); g.moveTo(0, h / 2); g.lineTo(w, h / 2); g.stroke();
+      } else if (kind === "marker") {
+        g.fillStyle = "#111"; g.fillRect(w / 2 - 1.5, 0, 3, h);
+      }
+    });
+  };
+})();
