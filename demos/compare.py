@@ -149,6 +149,33 @@ def print_table(summaries: dict[str, dict], out=sys.stdout):
             print(f"{name:28}" + "".join(f"{fmt(s['focus'][key], scale):>14}" for s in summaries.values()), file=out)
 
 
+def markdown(doc: dict) -> str:
+    """The JSON document of a comparison as a markdown table (docs/results.md is pasted from this)."""
+    pols = doc["policies"]
+    m = doc["machine"]
+    rows = [("output tokens/s", "output_tokens_per_s", 1, 1), ("TTFT p50 (ms)", "ttft_p50_s", 1e3, 0),
+            ("TTFT p99 (ms)", "ttft_p99_s", 1e3, 0), ("TBT p50 (ms)", "tbt_p50_s", 1e3, 0),
+            ("TBT p99 (ms)", "tbt_p99_s", 1e3, 0), ("TBT max (ms)", "tbt_max_s", 1e3, 0),
+            ("steps", "num_steps", 1, 0), ("preemptions", "num_preemptions", 1, 0)]
+    focus = [("their TBT p99 (ms)", "tbt_p99_s", 1e3, 0), ("their longest gap (ms)", "tbt_max_s", 1e3, 0),
+             ("their longest stall (ms)", "stall_max_s", 1e3, 0), ("TTFT of the newcomer (ms)", "focus_ttft_s", 1e3, 0)]
+
+    def cell(v, scale, nd):
+        return "–" if v is None else f"{v * scale:,.{nd}f}"
+    lines = [f"{doc['scenario']}: {doc['model']}, {doc['dtype']} on {doc['device']} ({m['cpu']}, {m['cpu_count']} "
+             f"cores, {doc.get('threads', '?')} torch thread(s)), token budget "
+             f"{doc['engine']['max_num_batched_tokens']}, {m['date']}; medians of {doc.get('repeats', 1)} run(s) "
+             "per policy.", "", "| | " + " | ".join(pols) + " |", "|---|" + "---:|" * len(pols)]
+    for name, key, scale, nd in rows:
+        lines.append(f"| {name} | " + " | ".join(cell(s.get(key), scale, nd) for s in pols.values()) + " |")
+    if all("focus" in s for s in pols.values()):
+        lines.append("| **requests decoding when the newcomer arrived** | "
+                     + " | ".join(", ".join(s["focus"]["victim_labels"]) for s in pols.values()) + " |")
+        for name, key, scale, nd in focus:
+            lines.append(f"| {name} | " + " | ".join(cell(s["focus"].get(key), scale, nd) for s in pols.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def parse_params(items: list[str]) -> dict:
     """--param k=v pairs for the scenario factory; numbers become numbers."""
     out = {}
@@ -182,6 +209,7 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--no-warmup", action="store_true", help="skip the throwaway request before each policy")
     ap.add_argument("--param", action="append", default=[], help="scenario parameter key=value (repeatable)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    ap.add_argument("--md", default=None, help="also write the table as markdown here")
     ap.add_argument("--repeats", type=int, default=1, help="runs per policy; the tables report medians")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
@@ -214,6 +242,9 @@ def main(argv: list[str] | None = None):
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.json}")
+        if args.md:
+            Path(args.md).write_text(markdown(doc))
+            print(f"wrote {args.md}")
 
 
 if __name__ == "__main__":

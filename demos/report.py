@@ -167,9 +167,9 @@ def write_report(path: str | Path, scenario, runs: dict, summaries: dict[str, di
     meta = next(iter(runs.values())).meta
     focus = ""
     if all("focus" in s for s in summaries.values()) and summaries:
-        victims = ", ".join(next(iter(summaries.values()))["focus"]["victim_labels"])
-        focus = (f"<h2>The requests that were decoding when {html.escape(scenario.focus)} arrived ({html.escape(victims)})</h2>"
-                 + metrics_table(summaries, FOCUS_ROWS, key="focus"))
+        who = "".join(f"<td>{html.escape(', '.join(s['focus']['victim_labels']))}</td>" for s in summaries.values())
+        table = metrics_table(summaries, FOCUS_ROWS, key="focus").replace("</tr>", f"</tr><tr><th>who</th>{who}</tr>", 1)
+        focus = f"<h2>The requests that were decoding when {html.escape(scenario.focus)} arrived</h2>" + table
     n = len(streams)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>batchscope: {html.escape(scenario.name)}</title>
 <style>{CSS}</style></head><body>

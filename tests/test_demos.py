@@ -163,7 +163,7 @@ def test_compare_smoke(tiny_model, tmp_path):
     compare.main(["--scenario", "long-prompt-interrupts", "--policies", "static,continuous,chunked",
                   "--model", tiny_model, "--dtype", "float32", "--out", str(out), "--json", str(js),
                   "--traces", str(tmp_path / "traces"), "--param", "reply_tokens=12", "--param", "doc_at=6",
-                  "--param", "doc_tokens=4", "--quiet"])
+                  "--param", "doc_tokens=4", "--quiet", "--md", str(tmp_path / "m.md")])
     doc = json.loads(js.read_text())
     keys = ["ttft_p50_s", "ttft_p99_s", "tbt_p50_s", "tbt_p99_s", "tbt_max_s", "output_tokens_per_s",
             "num_steps", "num_preemptions"]
@@ -181,6 +181,9 @@ def test_compare_smoke(tiny_model, tmp_path):
     assert "Plotly.newPlot" in page and "<script src=\"http" not in page   # plotly embedded: opens offline
     assert page.count("class=\"plotly-graph-div\"") == 3 + 4
     assert len(list((tmp_path / "traces").glob("*.json"))) == 6
+    md = (tmp_path / "m.md").read_text()
+    assert "| output tokens/s |" in md
+    assert f"| steps | {doc['policies']['static']['num_steps']} | {cont['num_steps']} | {chunk['num_steps']} |" in md
     from demos import figure
     figure.main(["--traces", str(tmp_path / "traces"), "--out", str(tmp_path / "f.svg")])
     svg = (tmp_path / "f.svg").read_text()
@@ -193,7 +196,7 @@ def test_bench_smoke(tiny_model, tmp_path):
     js = tmp_path / "b.json"
     bench.main(["--model", tiny_model, "--requests", "5", "--prompt-range", "8,40", "--output-range", "2,9",
                 "--batch", "2", "--budget", "64", "--decode-batches", "1,3", "--decode-context", "40",
-                "--decode-repeats", "3", "--json", str(js), "--quiet"])
+                "--decode-repeats", "3", "--json", str(js), "--quiet", "--md", str(tmp_path / "b.md")])
     doc = json.loads(js.read_text())
     want = doc["workload"]["output_tokens"]
     assert set(doc["systems"]) == {"batchscope-static", "batchscope-continuous", "batchscope-chunked",
@@ -207,5 +210,7 @@ def test_bench_smoke(tiny_model, tmp_path):
         assert 0 < r["fraction"] < 1
     d = doc["decode"]
     assert d["copy_bandwidth_gb_s"] > 0 and set(d["batches"]) == {"1", "3"}
+    md = (tmp_path / "b.md").read_text()
+    assert all(f"| {name} |" in md for name in doc["systems"]) and "| 3 |" in md
     for b in d["batches"].values():
         assert b["ours_step_ms"] > 0 and b["hf_forward_ms"] > 0 and b["weight_plus_kv_floor_ms"] > b["weight_floor_ms"]
