@@ -8,11 +8,15 @@ every layer), not through the forward signatures.
 Backends share one call: backend(q, k, v, k_cache, v_cache, meta) -> out.
   TorchAttention      portable (CPU and CUDA): all decodes in one batched SDPA
                       call over their gathered blocks, one call per prefill chunk.
-  FlashAttention      flash-attn's varlen kernel reading block tables directly
-                      (CUDA, when the package is installed).
+  TritonAttention     CUDA: decodes through a Triton paged-attention kernel that
+                      reads the cache by block table (graph-capturable); prefill
+                      chunks as in TorchAttention.
+  FlashAttention      flash-attn reading block tables directly (CUDA, when the
+                      package is installed and block_size % 256 == 0).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -30,17 +34,18 @@ class PrefillChunk:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor                 # (num_tokens,) cache slot of each token
+    slot_mapping: torch.Tensor      # (num_tokens,) cache slot of each token
+    context_lens: torch.Tensor      # (num_seqs,) tokens in the cache once this step is written; decodes first
+    block_tables: torch.Tensor      # (num_seqs, max_blocks) long, rows padded with 0
     num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None   # (num_decodes, max_blocks)
-    decode_mask: torch.Tensor | None = None           # (num_decodes, 1, 1, max_blocks * block_size)
+    decode_blocks: int = 0          # host-side: blocks of the longest decode (sizes the decode launch)
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # flash-attn varlen layout (built only for that backend)
+    # flash-attn varlen layout: cumulative query and context lengths, and their maxima (host ints)
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    block_tables: torch.Tensor | None = None          # (num_seqs, max_blocks)
+    derived: dict = field(default_factory=dict)   # per-step tensors a backend builds in its first layer
 
 
 _META: AttentionMetadata | None = None
@@ -62,8 +67,19 @@ def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
+def sdpa(q, k, v, **kw) -> torch.Tensor:
+    """q: (b, heads, q_len, head_dim); k, v: (b, kv_heads, ctx, head_dim)."""
+    if q.is_cuda and k.shape[1] != q.shape[1]:
+        # CUDA SDPA honours enable_gqa only in its flash kernel (16-bit, no mask); elsewhere it falls back
+        # to the math kernel and its (q_len, ctx) score matrix per head: expanding K/V is far cheaper
+        group = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), **kw)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+
+
 class TorchAttention:
     name = "torch-sdpa"
+    graphable = False                # decode shapes follow the longest context: no fixed shape to capture
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         # q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim)
@@ -71,54 +87,104 @@ class TorchAttention:
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            # gather each decode's blocks: (nd, max_blocks * block_size, kv_heads, head_dim)
-            kc = k_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-            vc = v_cache[meta.decode_block_tables].flatten(1, 2).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), kc, vc, attn_mask=meta.decode_mask,
-                                               enable_gqa=True)
-            out[:nd] = o.squeeze(2)
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta)
         for c in meta.prefills:
             qc = q[c.q_start:c.q_start + c.q_len].transpose(0, 1).unsqueeze(0)  # (1, heads, q_len, head_dim)
             if c.mask is None:   # the chunk is the whole context so far: plain causal attention
                 kc = k[c.q_start:c.q_start + c.q_len].transpose(0, 1).unsqueeze(0)
                 vc = v[c.q_start:c.q_start + c.q_len].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
+                o = sdpa(qc, kc, vc, is_causal=True)
             else:                # earlier chunks (or cached prefix) come from the paged cache
                 kc = k_cache[c.block_table].flatten(0, 1)[:c.ctx_len].transpose(0, 1).unsqueeze(0)
                 vc = v_cache[c.block_table].flatten(0, 1)[:c.ctx_len].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask, enable_gqa=True)
+                o = sdpa(qc, kc, vc, attn_mask=c.mask)
             out[c.q_start:c.q_start + c.q_len] = o.squeeze(0).transpose(0, 1)
         return out
 
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        nd, bs = meta.num_decodes, k_cache.shape[1]
+        tables = meta.block_tables[:nd, :meta.decode_blocks]
+        if "decode_mask" not in meta.derived:   # (nd, 1, 1, decode_blocks * block_size), shared by all layers
+            ctx = meta.context_lens[:nd]
+            meta.derived["decode_mask"] = (torch.arange(tables.shape[1] * bs, device=q.device)[None]
+                                           < ctx[:, None])[:, None, None]
+        # gather each decode's blocks: (nd, kv_heads, decode_blocks * block_size, head_dim)
+        kc = k_cache[tables].flatten(1, 2).transpose(1, 2)
+        vc = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        return sdpa(q.unsqueeze(2), kc, vc, attn_mask=meta.derived["decode_mask"]).squeeze(2)
+
+
+class TritonAttention(TorchAttention):
+    name = "triton-paged"
+    graphable = True
+
+    def __init__(self, num_sms: int):
+        from engine import triton_attention
+        self.kernel = triton_attention
+        self.num_sms = num_sms
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        splits = decode_splits(meta.num_decodes, k_cache.shape[2], meta.decode_blocks, self.num_sms)
+        return self.kernel.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, splits)
+
+
+def decode_splits(num_seqs: int, kv_heads: int, max_blocks: int, num_sms: int) -> int:
+    """Split-K for the Triton decode: ranges to cut each sequence's blocks into. Enough programs for
+    two waves over the GPU, at least 8 blocks per range, at most 16 ranges; host-known sizes only."""
+    want = -(-2 * num_sms // (num_seqs * kv_heads))
+    return max(1, min(want, max_blocks // 8, 16))
+
 
 class FlashAttention:
-    """flash-attn 2 varlen with a paged KV cache (block_size must be a multiple of 256 for flash-attn 2)."""
+    """flash-attn 2 with a paged KV cache (its paged kernels need block_size % 256 == 0)."""
     name = "flash-attn"
+    graphable = True
 
     def __init__(self):
-        from flash_attn import flash_attn_varlen_func
-        self.fn = flash_attn_varlen_func
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.fn(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
-                       max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, causal=True,
-                       block_table=meta.block_tables)
+        if "i32" not in meta.derived:   # flash-attn takes int32 indices
+            meta.derived["i32"] = meta.context_lens.int(), meta.block_tables.int()
+        ctx, tables = meta.derived["i32"]
+        if not meta.prefills:           # decode only, fixed shapes: the CUDA-graph path
+            return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx, block_table=tables,
+                                     causal=True).squeeze(1)
+        return self.varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q.int(),
+                           cu_seqlens_k=meta.cu_seqlens_k.int(), max_seqlen_q=meta.max_seqlen_q,
+                           max_seqlen_k=meta.max_seqlen_k, causal=True, block_table=tables)
 
 
-def select_backend(name: str, device: torch.device, block_size: int):
-    """auto: flash-attn where it is installed, on CUDA, and the block size suits it; else torch."""
-    if name == "torch":
-        return TorchAttention()
-    usable = device.type == "cuda" and block_size % 256 == 0 and _flash_attn_installed()
-    if name == "flash_attn" and not usable:
+def select_backend(name: str, device: torch.device, block_size: int, head_dim: int):
+    """auto: on CUDA flash-attn where installed and the block size suits it, else the Triton kernel
+    where the tile sizes suit it, else torch; on CPU always torch."""
+    cuda = device.type == "cuda"
+    flash_ok = cuda and block_size % 256 == 0 and _installed("flash_attn")
+    # the Triton interpreter (TRITON_INTERPRET=1) runs the kernel on CPU tensors: tests use it
+    triton_ok = ((cuda or os.environ.get("TRITON_INTERPRET") == "1") and kernel_supports(block_size, head_dim)
+                 and _installed("triton"))
+    if name == "flash_attn" and not flash_ok:
         raise ValueError("attention_backend='flash_attn' needs CUDA, the flash-attn package and block_size % 256 == 0")
-    return FlashAttention() if usable else TorchAttention()
+    if name == "triton" and not triton_ok:
+        raise ValueError("attention_backend='triton' needs CUDA, the triton package, and block_size and head_dim "
+                         "powers of two >= 16")
+    if name == "flash_attn" or (name == "auto" and flash_ok):
+        return FlashAttention()
+    if name == "triton" or (name == "auto" and cuda and triton_ok):
+        return TritonAttention(torch.cuda.get_device_properties(device).multi_processor_count if cuda else 8)
+    return TorchAttention()
 
 
-def _flash_attn_installed() -> bool:
+def kernel_supports(block_size: int, head_dim: int) -> bool:
+    """The Triton kernel's tiles (tl.dot) need powers of two of at least 16."""
+    return all(x >= 16 and x & (x - 1) == 0 for x in (block_size, head_dim))
+
+
+def _installed(module: str) -> bool:
     try:
-        import flash_attn  # noqa: F401
+        __import__(module)
         return True
     except Exception:
         return False

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 POLICIES = ("static", "continuous", "chunked")
+BACKENDS = ("auto", "torch", "triton", "flash_attn")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -21,12 +22,12 @@ class EngineConfig:
     max_prefill_chunk: int | None = None  # optional cap on one request's chunk (chunked policy)
     block_size: int = 16                # tokens per KV block
     kv_cache_gb: float = 1.0            # KV cache size on CPU
-    gpu_memory_utilization: float = 0.85  # fraction of free GPU memory for weights + KV cache
+    gpu_memory_utilization: float = 0.85  # fraction of the GPU memory free at start for weights, activations, KV
     num_kv_blocks: int | None = None    # overrides the two above (tests use it to force preemption)
     max_model_len: int | None = None    # defaults to the model's context length
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"     # auto | torch | flash_attn
-    enforce_eager: bool = False         # CUDA: no CUDA graphs
+    attention_backend: str = "auto"     # auto | torch | triton | flash_attn (auto: see attention.select_backend)
+    enforce_eager: bool = False         # CUDA: no CUDA graphs for decode steps
     seed: int = 0
 
     def __post_init__(self):
@@ -45,8 +46,8 @@ class EngineConfig:
             raise ValueError("block_size must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be >= 2")
-        if self.attention_backend not in ("auto", "torch", "flash_attn"):
-            raise ValueError(f"attention_backend must be auto, torch or flash_attn, got {self.attention_backend!r}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

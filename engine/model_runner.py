@@ -1,20 +1,28 @@
 """The model runner: a Batch of (sequence, num_tokens) in, one forward pass, next tokens out.
 
 It owns the weights, the paged KV cache and the RoPE table, flattens the step's
-tokens into one ragged batch (decodes first, then prefill chunks), builds the
-step's AttentionMetadata, runs the model once and samples.
+tokens into one ragged batch (decodes first, then prefill chunks) as plain
+lists, moves them to the device in one copy, builds the step's
+AttentionMetadata, runs the model once (a decode-only step on CUDA replays a
+CUDA graph) and samples.
 """
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk, select_backend, set_metadata
 from engine.config import EngineConfig
+from engine.cuda_graph import DecodeGraphs, pad_decodes
 from engine.models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+from engine.models.llama import head_dim_of
 from engine.sampler import sample
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Batch
+from engine.sequence import Sequence
 
 
 def check_architecture(hf_config):
@@ -60,13 +68,39 @@ def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(raw).view(dtype).view(shape)
 
 
+@dataclass
+class StepInputs:
+    """One step's flat inputs as host lists: one row per token, decodes first, then prefill chunks."""
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]                 # cache slot each token's K/V is written to
+    query_lens: list[int]            # per sequence: tokens in this step
+    context_lens: list[int]          # per sequence: tokens in the cache once this step is written
+    block_tables: list[list[int]]    # per sequence
+    rows: list[int]                  # flat row whose logits give a sequence's next token
+    num_decodes: int
+
+
+def token_slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of tokens start..end-1 of a sequence, one contiguous run per block."""
+    slots = []
+    for b in range(start // block_size, (end - 1) // block_size + 1):
+        lo, hi = max(start, b * block_size), min(end, (b + 1) * block_size)
+        base = table[b] * block_size - b * block_size
+        slots.extend(range(base + lo, base + hi))
+    return slots
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, weights, max_model_len: int | None = None):
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         check_architecture(hf_config)
-        self.backend = select_backend(config.attention_backend, self.device, config.block_size)
+        cuda = self.device.type == "cuda"
+        free_at_start = torch.cuda.mem_get_info(self.device)[0] if cuda else 0   # the memory budget's base
+        self.backend = select_backend(config.attention_backend, self.device, config.block_size, head_dim_of(hf_config))
+        self.graphs: DecodeGraphs | None = None
 
         # ---- weights ----
         with torch.device("meta"):            # no time spent initialising weights we overwrite
@@ -78,93 +112,142 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.cos, self.sin = rope_table(hf_config, self.model.head_dim, max_model_len, self.dtype, self.device)
 
-        # ---- paged KV cache: (layers, 2, num_blocks, block_size, kv_heads, head_dim) ----
+        # ---- paged KV cache: (layers, 2, num_blocks + 1, block_size, kv_heads, head_dim) ----
+        # the extra block is scratch: padded rows of a CUDA-graph decode write there
         self.num_layers = hf_config.num_hidden_layers
         self.kv_heads, self.head_dim = hf_config.num_key_value_heads, self.model.head_dim
-        self.num_blocks = config.num_kv_blocks or self._blocks_that_fit(config)
-        # zeros, not empty: masked-out slots are still multiplied by 0, and garbage could be NaN
-        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.kv_heads, self.head_dim)
-        self.kv_cache = _zeros(shape, self.dtype, self.device)
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        if config.num_kv_blocks:
+            self.num_blocks = config.num_kv_blocks
+        elif cuda:
+            self.num_blocks = self._blocks_left_after_warmup(config, free_at_start)
+        else:
+            self.num_blocks = max(2, int(config.kv_cache_gb * 2**30 // self.bytes_per_block))
+        self._allocate_cache(self.num_blocks + 1)
+        self.scratch_block = self.num_blocks
+
+        # ---- CUDA graphs for decode-only steps ----
+        if cuda and not config.enforce_eager and self.backend.graphable:
+            self.graphs = DecodeGraphs(self.model, self.cos, self.sin, config.max_num_seqs, self.max_blocks_per_seq,
+                                       self.scratch_block, self.block_size)
 
     @property
     def bytes_per_block(self) -> int:
         return 2 * self.num_layers * self.block_size * self.kv_heads * self.head_dim * self.dtype.itemsize
 
-    def _blocks_that_fit(self, config: EngineConfig) -> int:
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * config.gpu_memory_utilization
-        else:
-            budget = config.kv_cache_gb * 2**30
-        return max(2, int(budget // self.bytes_per_block))
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
 
     @property
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+    def _allocate_cache(self, num_blocks: int):
+        # zeros, not empty: masked-out slots are still multiplied by 0, and garbage could be NaN
+        shape = (self.num_layers, 2, num_blocks, self.block_size, self.kv_heads, self.head_dim)
+        self.kv_cache = None                  # let a previous cache go first
+        self.kv_cache = _zeros(shape, self.dtype, self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+
+    def _blocks_left_after_warmup(self, config: EngineConfig, free_at_start: int) -> int:
+        """CUDA: run the largest step the scheduler can form (a whole prompt of max_model_len tokens,
+        or a full token budget) on a throwaway cache; the KV cache gets what the peak leaves of
+        gpu_memory_utilization * the memory that was free before the weights were loaded."""
+        n, cap = max(config.max_num_batched_tokens, self.max_model_len), self.max_model_len
+        batch, blocks = Batch(), 0
+        for i in range(0, n, cap):               # prompts no longer than the model's context
+            m = min(cap, n - i)
+            used = -(-m // self.block_size)
+            seq = Sequence(f"warmup{i}", "warmup", [0] * m, SamplingParams(max_tokens=1), 0.0,
+                           block_table=list(range(blocks, blocks + used)))
+            batch.items.append((seq, m))
+            blocks += used
+        self._allocate_cache(blocks)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.run(batch)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - blocks * self.bytes_per_block
+        self.kv_cache = None
+        for layer in self.model.layers:
+            layer.self_attn.k_cache = layer.self_attn.v_cache = None
+        torch.cuda.empty_cache()
+        budget = free_at_start * config.gpu_memory_utilization - peak
+        if budget < 2 * self.bytes_per_block:
+            raise RuntimeError(f"no GPU memory left for the KV cache (peak {peak / 2**30:.1f} GiB of "
+                               f"{free_at_start * config.gpu_memory_utilization / 2**30:.1f} GiB allowed)")
+        return int(budget // self.bytes_per_block) - 1    # one block is the scratch block
+
     # ---- one step ----
-    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Flat inputs and metadata for the batch. Returns input_ids, positions, logit rows."""
-        bs, dev = self.block_size, self.device
-        ids: list[int] = []
-        decode_slots: list[int] = []
-        slot_parts: list[torch.Tensor] = []
-        pos_parts: list[torch.Tensor] = []
-        rows: list[int] = []                          # flat row whose logits pick a sequence's next token
+    def prepare(self, batch: Batch) -> StepInputs:
+        """The step's flat inputs, on the host."""
+        bs = self.block_size
         decodes = [(s, n) for s, n in batch.items if s.is_prefill_done]
-        prefills = [(s, n) for s, n in batch.items if not s.is_prefill_done]
         assert batch.items[:len(decodes)] == decodes, "decodes must come first in the batch"
-
-        decode_pos = []
-        for seq, _ in decodes:
-            p = seq.num_computed_tokens
-            ids.append(seq.output_token_ids[-1])
-            decode_pos.append(p)
-            decode_slots.append(seq.block_table[p // bs] * bs + p % bs)
-            rows.append(len(rows))
-        meta = AttentionMetadata(slot_mapping=None, num_decodes=len(decodes))
-        if decodes:
-            max_blocks = max(len(s.block_table) for s, _ in decodes)
-            tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s, _ in decodes]
-            meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
-            ctx = torch.tensor(decode_pos, device=dev) + 1
-            meta.decode_mask = (torch.arange(max_blocks * bs, device=dev)[None] < ctx[:, None])[:, None, None]
-            pos_parts.append(ctx - 1)
-            slot_parts.append(torch.tensor(decode_slots, dtype=torch.long, device=dev))
-
-        q_start = len(decodes)
-        for seq, n in prefills:
-            start = seq.num_computed_tokens
-            p = seq.prompt_len
-            ids.extend(seq.prompt_token_ids[start:start + n] if start + n <= p else seq.all_token_ids[start:start + n])
-            pos = torch.arange(start, start + n, device=dev)
-            table = torch.tensor(seq.block_table, dtype=torch.long, device=dev)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
-            pos_parts.append(pos)
-            mask = None
-            if start > 0:   # earlier chunks (or a cached prefix) are in the cache: causal mask with an offset
-                mask = torch.arange(start + n, device=dev)[None] <= pos[:, None]
-            meta.prefills.append(PrefillChunk(q_start, n, start + n, table, mask))
+        step = StepInputs([], [], [], [], [], [], [], len(decodes))
+        for seq, n in batch.items:
+            start, table = seq.num_computed_tokens, seq.block_table
+            if seq.is_prefill_done:
+                step.input_ids.append(seq.output_token_ids[-1])
+                step.slots.append(table[start // bs] * bs + start % bs)
+            else:
+                p = seq.prompt_len
+                step.input_ids.extend(seq.prompt_token_ids[start:start + n] if start + n <= p
+                                      else seq.all_token_ids[start:start + n])
+                step.slots.extend(token_slots(table, start, start + n, bs))
+            step.positions.extend(range(start, start + n))
+            step.query_lens.append(n)
+            step.context_lens.append(start + n)
+            step.block_tables.append(table)
             if start + n == seq.num_tokens:
-                rows.append(q_start + n - 1)
-            q_start += n
+                step.rows.append(len(step.input_ids) - 1)
+        return step
 
-        meta.slot_mapping = torch.cat(slot_parts)
-        set_metadata(meta)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.cat(pos_parts)
-        return input_ids, positions, rows
+    def upload(self, step: StepInputs):
+        """All of the step's index lists in one host-to-device copy (from pinned memory on CUDA),
+        then the metadata. Returns input_ids, positions, logit rows, metadata."""
+        width = max(map(len, step.block_tables))
+        tables = [t + [0] * (width - len(t)) for t in step.block_tables]
+        parts = [step.input_ids, step.positions, step.slots, step.rows, step.context_lens,
+                 [0, *itertools.accumulate(step.query_lens)], [0, *itertools.accumulate(step.context_lens)],
+                 list(itertools.chain.from_iterable(tables))]
+        flat = torch.tensor(list(itertools.chain.from_iterable(parts)), dtype=torch.long,
+                            pin_memory=self.device.type == "cuda")
+        flat = flat.to(self.device, non_blocking=True)
+        ids, pos, slots, rows, ctx, cu_q, cu_k, tables_t = flat.split([len(p) for p in parts])
+        nd = step.num_decodes
+        meta = AttentionMetadata(slot_mapping=slots, context_lens=ctx, block_tables=tables_t.view(len(tables), width),
+                                 num_decodes=nd, decode_blocks=max(map(len, step.block_tables[:nd]), default=0),
+                                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(step.query_lens),
+                                 max_seqlen_k=max(step.context_lens))
+        q_start = nd
+        for i in range(nd, len(step.query_lens)):
+            n, ctx_len = step.query_lens[i], step.context_lens[i]
+            mask = None
+            if ctx_len > n:   # earlier chunks (or a cached prefix) are in the cache: causal mask with an offset
+                mask = torch.arange(ctx_len, device=self.device)[None] <= pos[q_start:q_start + n, None]
+            table = meta.block_tables[i, :len(step.block_tables[i])]
+            meta.prefills.append(PrefillChunk(q_start, n, ctx_len, table, mask))
+            q_start += n
+        return ids, pos, rows, meta
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[int | None]:
         """One forward pass. Returns the sampled token of each sequence that completed its known tokens,
         in batch order (decodes, then prefills whose chunk finishes the prompt); None for bad logits."""
-        input_ids, positions, rows = self.prepare(batch)
-        hidden = self.model(input_ids, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
-        set_metadata(None)
-        if not rows:
+        step = self.prepare(batch)
+        n = len(batch.items)
+        size = self.graphs.bucket(n) if self.graphs and step.num_decodes == n else None
+        if size:
+            pad_decodes(step, size, self.scratch_block, self.block_size)
+        input_ids, positions, rows, meta = self.upload(step)
+        if size:
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            set_metadata(meta)
+            hidden = self.model(input_ids, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+            set_metadata(None)
+        if not step.rows:
             return []
         logits = self.model.compute_logits(hidden[rows])
         seqs = [s for s, n in batch.items if s.num_computed_tokens + n == s.num_tokens]

@@ -42,12 +42,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 class Attention(nn.Module):
     def __init__(self, cfg, layer_idx: int, backend):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_dim_of(cfg)
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = bool(getattr(cfg, "attention_bias", False))   # Llama-style: on q, k, v and o
         qkv_bias = bias or cfg.model_type == "qwen2"         # Qwen2: on q, k, v only
