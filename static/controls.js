@@ -48,8 +48,9 @@
       if (s[k] !== undefined) state[k] = s[k];
       else if (obj[k] !== undefined) state[k] = obj[k];
     }
-    for (const k of ["presenter_key_required", "locked"]) if (obj[k] !== undefined) state[k] = obj[k];
-    locked = !!(state.presenter_key_required || state.locked);
+    const server = obj.server || {};
+    if (server.presenter_key_required !== undefined) state.presenter_key_required = server.presenter_key_required;
+    locked = !!state.presenter_key_required;
     render();
   }
 

@@ -242,10 +242,10 @@
     }
 
     if (win.cw) labelLongSteps(g, win);
-    drawMarkers(g, win, TOP - 20, h - AXIS, true);
+    const markers = drawMarkers(g, win, TOP - 20, h - AXIS, true);
     drawAxis(g, win, h - AXIS, plotW);
     view.drawn = { steps: win.steps.map((s) => s.step), rows: shown.map((r) => ({ rid: r.rid, label: r.label })),
-                   cells, rowH, win };
+                   cells, markers, rowH, win };
     return win;
   }
 
@@ -274,7 +274,7 @@
   }
 
   function drawMarkers(g, win, yTop, yBottom, flags) {
-    const steps = BS.store.steps;
+    const steps = BS.store.steps, out = [];
     for (const s of win.steps) {
       const i = findIndex(s.step);
       if (i === 0) continue;
@@ -283,17 +283,19 @@
       const x = Math.round(LABEL_W + win.x(s)) - 1;
       if (x < LABEL_W) continue;
       g.fillStyle = "#111"; g.fillRect(x - 1, yTop, 3, yBottom - yTop);
+      const txt = markerText(prev, s);
+      out.push({ step: s.step, x, text: txt, policy: s.policy });
       if (flags) {
-        const txt = markerText(prev, s);
         g.font = "bold 12px sans-serif";
         const tw = g.measureText(txt).width + 10;
-        const bx = Math.min(x + 2, LABEL_W + (win.cw ? win.cw * 1e6 : 1e6)) ;
+        const bx = Math.min(x + 2, g.canvas.width / (window.devicePixelRatio || 1) - tw);
         g.fillStyle = "#111"; g.fillRect(bx, yTop, tw, 18);
         g.fillStyle = "#fff"; g.textAlign = "left"; g.textBaseline = "middle";
         g.fillText(txt, bx + 5, yTop + 9.5);
         g.textAlign = "center";
       }
     }
+    return out;
   }
 
   function drawAxis(g, win, y, plotW) {
@@ -446,6 +448,7 @@
     if (mode !== "live" && view.mode === "live") view.cursor = steps.length ? steps[steps.length - 1].step : null;
     view.mode = mode;
     dirty = true;
+    updatePlayUI();
   }
 
   BS.play = {

@@ -5,6 +5,7 @@
 (function () {
   const BS = (window.BS = window.BS || {});
   const MAX_STEPS = 20000;        // about 10 minutes at 30 steps/s
+  const MAX_BACKFILL = 2000;      // steps asked for at most after a reconnect
   let needRebuild = false;        // an older step was inserted: per-request data is recomputed once per batch
 
   const store = (BS.store = {
@@ -122,11 +123,18 @@
       case "request": addEvent(msg); break;
       case "policy": store.settings = Object.assign({}, store.settings, settingsOf(msg)); break;
       case "snapshot": {
-        if (msg.engine || msg.settings) store.settings = Object.assign({}, store.settings, settingsOf(msg.engine || msg.settings));
-        for (const m of msg.records || msg.recent || msg.steps || []) BS.ingest(m);
+        if (msg.settings) store.settings = Object.assign({}, store.settings, settingsOf(msg.settings));
+        const before = store.steps.length ? store.steps[store.steps.length - 1].step : null;
+        const recs = msg.records || [];
+        for (const m of recs) BS.ingest(m);
+        // still a hole between what we had and where the snapshot starts: ask for more, once
+        const first = recs.find((m) => m.type === "step");
+        if (before != null && first && first.step > before + 1) {
+          backfill(Math.min(MAX_BACKFILL, recs.filter((m) => m.type === "step").length + first.step - before));
+        }
         break;
       }
-      case "gap": break;   // the server dropped messages for us; the step indices show where
+      case "gap": backfill(300); break;   // the server skipped records for us: fetch the recent ones again
       default: return;
     }
     trim();
@@ -176,6 +184,16 @@
     };
     ws.onerror = () => { try { ws.close(); } catch (e) { /* already closed */ } };
   };
+
+  // ask the server for the last `steps` steps again (after a gap or a reconnect); at most one pending
+  let backfillTimer = null;
+  function backfill(steps) {
+    if (backfillTimer) return;
+    backfillTimer = setTimeout(() => {
+      backfillTimer = null;
+      if (ws && ws.readyState === 1) ws.send(JSON.stringify({ type: "snapshot", last: steps }));
+    }, 300);
+  }
 
   // tests and the lecturer's console can cut the line to show it heals
   BS.dropSocket = function () { if (ws) ws.close(); };
