@@ -31,7 +31,7 @@ PROMPTS = [
     "Give me a synonym for happy.",
     "Why do cats purr? Answer briefly.",
     "Count from one to five.",
-    "Summarise the plot of Cinderella in one sentence. " + "Keep it short. " * 40,
+    "Summarise the plot of Cinderella in one sentence. " + "Keep it short. " * 15,
 ]
 KEY = "soak-presenter-key"
 
@@ -192,6 +192,8 @@ def verdict(stats: dict) -> list[str]:
         problems.append(f"{len(stats['mismatches'])} greedy replies differ from the reference")
     if stats["blocks_leaked"] or stats["live_requests_left"]:
         problems.append(f"{stats['blocks_leaked']} KV blocks / {stats['live_requests_left']} requests left")
+    if not stats["preemptions"]:
+        problems.append("no preemption happened: the KV cache was meant to be small enough to force it")
     if not stats["healthy_after"]:
         problems.append("server unhealthy afterwards")
     if stats["rss_end_mb"] > stats["rss_start_mb"] * 1.25 + 150:
@@ -204,8 +206,8 @@ def main(argv=None):
     p.add_argument("--requests", type=int, default=500)
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--disconnect", type=float, default=0.3, help="share of clients that hang up mid-stream")
-    p.add_argument("--max-tokens", type=int, default=12)
-    p.add_argument("--kv-cache-gb", type=float, default=0.03, help="small, to force preemption")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--kv-cache-gb", type=float, default=0.008, help="small, to force preemption")
     p.add_argument("--flip-every", type=float, default=2.0, help="seconds between policy switches")
     p.add_argument("--max-seconds", type=float, default=1800, help="stop sending after this long")
     p.add_argument("--seed", type=int, default=0)
