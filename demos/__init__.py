@@ -6,5 +6,7 @@
     report.py     the self-contained HTML comparison report
     compare.py    python -m demos.compare: one scenario under several policies
     bench.py      python -m demos.bench: our engine against transformers
+    baselines.py  the transformers baselines bench.py times
+    figure.py     python -m demos.figure: a small SVG of TBT around a long prompt, for docs
     trace.py      save / load traces, convert them for Perfetto
 """
