@@ -137,3 +137,13 @@ def test_tbt_series_and_cdf():
     assert [t for t, _, _ in rows] == sorted(t for t, _, _ in rows)
     x, y = metrics.cdf([3, 1, 2])
     assert x == [1, 2, 3] and y == pytest.approx([1 / 3, 2 / 3, 1.0])
+
+
+def test_gantt_segments_merge_steps_and_mark_stalls():
+    from demos.report import segments
+    s = stall_stream(stall_s=1.0, tick=0.01)
+    segs = [x for x in segments(s) if x["req"] == "a"]
+    kinds = sorted((x["kind"], round(x["start"], 3), round(x["end"], 3), x["tokens"]) for x in segs)
+    # prefill in step 0; decodes in steps 1-4 merged; left out in step 5 (the stall); decodes 6-7 merged
+    assert kinds == [("decode", 0.01, 0.05, 4), ("decode", 1.05, 1.07, 2), ("prefill", 0.0, 0.01, 20),
+                     ("stall", 0.05, 1.05, 0)]
