@@ -8,7 +8,7 @@
   const LABEL_W = 132;        // px for row labels, left of both plots
   const TOP = 24;             // px above the rows, for setting-change flags
   const AXIS = 20;            // px below the rows, for the x axis
-  const MIN_CELL = 11;        // px per step in step mode
+  const MIN_CELL = 3;         // px per step at the widest zoom
   const REPLAY_RATE = 8;      // steps per second while replaying
   const MIN_SPAN = 2, MAX_SPAN = 30;   // seconds shown in wall-time mode
   const ROW_H = 30, MIN_ROWS = 5, MAX_H = 420;   // the chart grows with its rows, up to MAX_H px
@@ -17,6 +17,7 @@
     mode: "live",             // live | paused | replay
     cursor: null,             // .step of the last step shown (null = the newest)
     axis: "step",             // step | time
+    span: 100,                // steps in view (both axes); cells never get narrower than MIN_CELL
     windowSec: 2,             // time mode: seconds shown (follows the steps in view)
     drawn: null,              // what the last frame showed: {steps, rows, cells, x0, cw, ...} (hover and tests read it)
   });
@@ -45,8 +46,8 @@
     const steps = BS.store.steps, ci = cursorIndex();
     if (ci < 0) return null;
     const last = steps[ci];
+    const n = Math.max(8, Math.min(view.span, Math.floor(plotW / MIN_CELL)));
     if (view.axis === "step") {
-      const n = Math.max(8, Math.floor(plotW / MIN_CELL));
       const cw = plotW / n, first = Math.max(steps[0].step, last.step - n + 1);   // fill from the left first
       let i = ci;
       while (i > 0 && steps[i - 1].step >= first) i--;
@@ -55,7 +56,6 @@
     }
     // wall time shows about the steps step mode would, each as wide as it took; the span grows at
     // once (a long stall stays in view) and shrinks slowly (no jitter)
-    const n = Math.max(8, Math.floor(plotW / MIN_CELL));
     const span = last.t_end - steps[Math.max(0, ci - n + 1)].t_start;
     const target = Math.max(MIN_SPAN, Math.min(MAX_SPAN, span));
     view.windowSec = target > view.windowSec ? target : view.windowSec * 0.97 + target * 0.03;
@@ -471,6 +471,7 @@
     },
     seek(stepNum) { setMode("paused"); view.cursor = stepNum; },
     setAxis(axis) { view.axis = axis === "time" ? "time" : "step"; dirty = true; },
+    zoom(steps) { view.span = Math.max(8, Math.round(steps)); dirty = true; },
   };
 
   function tickReplay(dt) {
@@ -533,6 +534,8 @@
     on("replay", () => BS.play.replay());
     root.querySelectorAll("input[name=bs-axis]").forEach((r) =>
       r.addEventListener("change", () => { if (r.checked) BS.play.setAxis(r.value); }));
+    const zoom = root.querySelector("[data-testid=zoom]");
+    if (zoom) zoom.addEventListener("input", () => BS.play.zoom(+zoom.value));
     const scrub = root.querySelector("[data-testid=scrub]");
     if (scrub) scrub.addEventListener("input", () => BS.play.seek(+scrub.value));
     document.addEventListener("keydown", (e) => {

@@ -1,0 +1,330 @@
+"""The teaching UI: Gradio Blocks at `/`, on the same FastAPI app as the API.
+
+    app = create_app(service)
+    mount_ui(app, service)          # /static/batchscope (the chart's JS and CSS) and / (this page)
+
+The page has three parts. The stage (static/stage.html, drawn by the scripts
+in static/) holds the engine controls, the live chart fed by /ws/steps and the
+metrics. The teaching steps and scenario buttons drive scripted users. The
+chat panels are Gradio components, one named, coloured user each, streaming
+from the engine through the service's in-process API (app/ui_sessions.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import html
+from pathlib import Path
+
+import gradio as gr
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+
+from app import ui_scenarios
+from app.ui_sessions import Session, Sessions, Turn, check_message, drive, fresh, stream_all
+from app.ui_text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, t
+from demos.scenarios import SCENARIOS, get_scenario, load_text
+from engine import SamplingParams
+
+STATIC = Path(__file__).resolve().parent.parent / "static"
+SCRIPTS = ["i18n.js", "palette.js", "socket.js", "gantt.js", "controls.js", "metrics.js", "main.js"]
+STATIC_URL = "/static/batchscope"     # Gradio serves its own assets under /static/js, /static/fonts, ...
+MAX_PANELS = len(USERS)
+LESSONS = [("static", "static-vs-continuous"), ("continuous", "long-prompt-interrupts"),
+           ("chunked", "long-prompt-interrupts")]
+KEY_JS = "(...a) => [...a.slice(0, -1), (window.sessionStorage && sessionStorage.getItem('batchscope.key')) || '']"
+
+
+def head_html() -> str:
+    """<head> additions: the stylesheet and the chart scripts, versioned so a new deploy is never stale."""
+    def url(name):
+        digest = hashlib.sha1((STATIC / name).read_bytes()).hexdigest()[:10]
+        return f"{STATIC_URL}/{name}?v={digest}"
+    tags = [f'<link rel="stylesheet" href="{url("style.css")}">']
+    tags += [f'<script src="{url(name)}"></script>' for name in SCRIPTS]
+    return "\n".join(tags)
+
+
+def panel_head(index: int) -> str:
+    name, color = USERS[index]
+    name = html.escape(name)
+    return (f'<div class="bs-panel-head" data-testid="panel-head-{index}">'
+            f'<span class="bs-dot" style="background:{color}"></span><span>{name}</span>'
+            f'<span class="bs-spark-wrap"><canvas data-spark="{name}" data-testid="spark-{index}"></canvas>'
+            f'<span class="bs-spark-gap" data-spark-gap></span></span></div>')
+
+
+def notice_html(text: str) -> str:
+    return f'<div class="bs-error" role="alert">{html.escape(text)}</div>' if text else ""
+
+
+def mine_html(session: Session) -> str:
+    """This tab's request ids, for the sparklines (hidden)."""
+    return f'<span data-mine="{html.escape(" ".join(session.request_ids()))}"></span>'
+
+
+class UI:
+    def __init__(self, service, max_tokens: int = 128, scenario_params: dict | None = None,
+                 doc_max_tokens: int = 48):
+        self.service = service
+        self.max_tokens, self.doc_max_tokens = max_tokens, doc_max_tokens
+        self.scenario_params = scenario_params or {}
+        self.sessions = Sessions()
+        self.doc = load_text("lighthouse_report")
+        self._doc_tokens: int | None = None
+
+    # ---- helpers ----
+    def session(self, request: gr.Request | None) -> Session:
+        return self.sessions.get(getattr(request, "session_hash", None))
+
+    def authorised(self, key: str | None) -> bool:
+        wanted = self.service.config.presenter_key
+        return wanted is None or hmac.compare_digest((key or "").encode(), wanted.encode())
+
+    def params(self, max_tokens: int | None = None) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens or self.max_tokens, temperature=0.6, top_p=0.9)
+
+    def doc_turn(self, lang: str) -> Turn:
+        ask = SUMMARY_ASK[lang]
+        if self._doc_tokens is None:
+            self._doc_tokens = round(len(self.doc) / 4.5, -2)    # about; the chart shows the exact count
+        return Turn(shown=t(lang, "doc_shown", ask=ask, tokens=f"~{self._doc_tokens:,.0f}"),
+                    full=fresh(f"{ask}\n\n{self.doc}"))
+
+    # ---- renders ----
+    def render_one(self, s: Session, i: int, clear_box: bool = True):
+        p = s.panels[i]
+        return [p.chat(), "" if clear_box else gr.skip(), notice_html(p.notice), mine_html(s)]
+
+    def render_all(self, s: Session, columns: bool):
+        cols = [gr.update(visible=i < s.visible) for i in range(MAX_PANELS)] if columns else [gr.skip()] * MAX_PANELS
+        return ([p.chat() for p in s.panels] + [notice_html(p.notice) for p in s.panels] + cols
+                + [mine_html(s)])
+
+    # ---- chat events ----
+    async def send(self, i: int, text: str | None, request: gr.Request, preset: str | None = None):
+        s = self.session(request)
+        panel = s.panels[i]
+        if preset == "short":
+            turn = Turn(shown=SHORT[s.lang][i], full=SHORT[s.lang][i])
+        elif preset == "long":
+            turn = self.doc_turn(s.lang)
+        else:
+            panel.notice = check_message(text, s.lang) or ""
+            if panel.notice:
+                yield [panel.chat(), gr.skip(), notice_html(panel.notice), mine_html(s)]
+                return
+            turn = Turn(shown=text, full=text)
+        panel.notice = ""
+        messages = panel.messages(turn.full)
+        panel.turns.append(turn)
+        changed = asyncio.Event()
+        max_tokens = self.doc_max_tokens if preset == "long" else None
+        job = drive(self.service, panel, turn, messages, self.params(max_tokens), changed, s.lang)
+        clear = preset is None
+        async for _ in stream_all([job], changed, lambda: None):
+            yield self.render_one(s, i, clear_box=clear)
+            clear = False
+
+    async def send_all(self, i: int, text: str | None, request: gr.Request):
+        s = self.session(request)
+        problem = check_message(text, s.lang)
+        s.panels[i].notice = problem or ""
+        if problem:
+            yield self.render_all(s, columns=False) + [gr.skip()]
+            return
+        changed, jobs = asyncio.Event(), []
+        for p in s.panels[:s.visible]:
+            p.notice = ""
+            turn = Turn(shown=text, full=text)
+            messages = p.messages(text)
+            p.turns.append(turn)
+            jobs.append(drive(self.service, p, turn, messages, self.params(), changed, s.lang))
+        clear = True
+        async for _ in stream_all(jobs, changed, lambda: None):
+            yield self.render_all(s, columns=False) + ["" if clear else gr.skip()]
+            clear = False
+
+    async def run_scenario(self, name: str, policy: str | None, key: str, request: gr.Request):
+        s = self.session(request)
+        scenario = get_scenario(name, **self.scenario_params.get(name, {}))
+        note = ""
+        if self.authorised(key):
+            change = dict(scenario.engine)
+            if policy:
+                change["policy"] = policy
+            await self.service.set_policy(**change)
+        elif policy:
+            note = t(s.lang, "locked")
+        changed = asyncio.Event()
+        job = ui_scenarios.play(self.service, s, scenario, changed, s.lang)
+        first = True
+        async for _ in stream_all([job], changed, lambda: None):
+            yield self.render_all(s, columns=first) + [note]
+            first = False
+
+    # ---- panel management ----
+    def resize(self, delta: int, request: gr.Request):
+        s = self.session(request)
+        s.visible = max(1, min(MAX_PANELS, s.visible + delta))
+        return [gr.update(visible=i < s.visible) for i in range(MAX_PANELS)]
+
+    def clear(self, request: gr.Request):
+        s = self.session(request)
+        for p in s.panels:
+            p.turns, p.notice = [], ""
+        return self.render_all(s, columns=False)
+
+    def drop(self, request: gr.Request):
+        self.sessions.drop(getattr(request, "session_hash", None))
+
+
+def build_ui(service, **options) -> gr.Blocks:
+    ui = UI(service, **options)
+    with gr.Blocks(title="batchscope") as demo:
+        # ---- header, language, teaching steps ----
+        with gr.Row(equal_height=True):
+            with gr.Column(scale=5):
+                title = gr.Markdown(t("en", "title"), elem_classes="bs-title")
+                subtitle = gr.Markdown(t("en", "subtitle"))
+            lang = gr.Radio(list(LANGS), value="English", label=t("en", "lang"), scale=1,
+                            elem_id="bs-lang", elem_classes="bs-lang")
+        steps_title = gr.Markdown(t("en", "steps_title"))
+        with gr.Row(equal_height=True):
+            lesson_md, lesson_btn = [], []
+            for k in range(3):
+                with gr.Column(elem_classes="bs-lesson"):
+                    lesson_md.append(gr.Markdown(t("en", f"step{k + 1}")))
+                    lesson_btn.append(gr.Button(t("en", f"step{k + 1}_btn"), variant="primary",
+                                                elem_id=f"bs-lesson-{k + 1}"))
+        with gr.Row(equal_height=True):
+            scen_label = gr.Markdown(t("en", "scenarios"))
+            scen_btn = {name: gr.Button(SCENARIO_BUTTONS["en"].get(name, name), size="sm",
+                                        elem_id=f"bs-scenario-{name}") for name in SCENARIOS}
+        note = gr.Markdown("", elem_id="bs-note")
+        key = gr.Textbox(visible=False)
+
+        # ---- the stage: controls, chart, metrics (static/) ----
+        gr.HTML((STATIC / "stage.html").read_text(), js_on_load=None, elem_id="bs-stage")
+
+        # ---- chat panels ----
+        with gr.Row():
+            add_btn = gr.Button(t("en", "add"), size="sm", elem_id="bs-add")
+            remove_btn = gr.Button(t("en", "remove"), size="sm", elem_id="bs-remove")
+            clear_btn = gr.Button(t("en", "clear"), size="sm", elem_id="bs-clear")
+            stop_btn = gr.Button(t("en", "stop"), size="sm", variant="stop", elem_id="bs-stop")
+        mine = gr.HTML(mine_html(Session()), elem_classes="bs-mine", js_on_load=None)
+        cols, chats, boxes, notices, sends, shorts, longs, alls = [], [], [], [], [], [], [], []
+        for row in range(0, MAX_PANELS, 4):
+            with gr.Row(equal_height=True):
+                for i in range(row, row + 4):
+                    panel = _panel(i)
+                    for part, store in zip(panel, (cols, chats, boxes, notices, sends, alls, shorts, longs)):
+                        store.append(part)
+
+        # ---- events ----
+        streaming = []
+        every = dict(concurrency_limit=None, show_progress="hidden")
+        for i in range(MAX_PANELS):
+            one = [chats[i], boxes[i], notices[i], mine]
+            send = _typed_send(ui, i, None)
+            streaming.append(sends[i].click(send, [boxes[i]], one, **every))
+            streaming.append(boxes[i].submit(send, [boxes[i]], one, **every))
+            streaming.append(shorts[i].click(_typed_send(ui, i, "short"), None, one, **every))
+            streaming.append(longs[i].click(_typed_send(ui, i, "long"), None, one, **every))
+            streaming.append(alls[i].click(_typed_send_all(ui, i), [boxes[i]],
+                                           chats + notices + cols + [mine, boxes[i]], **every))
+        everyone = chats + notices + cols + [mine, note]
+        for k, (policy, name) in enumerate(LESSONS):
+            streaming.append(lesson_btn[k].click(_typed_scenario(ui, name, policy), [key], everyone,
+                                                 js=KEY_JS, **every))
+        for name, btn in scen_btn.items():
+            streaming.append(btn.click(_typed_scenario(ui, name, None), [key], everyone, js=KEY_JS, **every))
+
+        def add(request: gr.Request):
+            return ui.resize(1, request)
+
+        def remove(request: gr.Request):
+            return ui.resize(-1, request)
+
+        add_btn.click(add, None, cols)
+        remove_btn.click(remove, None, cols)
+        clear_btn.click(ui.clear, None, chats + notices + cols + [mine], cancels=streaming)
+        stop_btn.click(None, None, None, cancels=streaming)
+
+        def switch_language(choice: str, request: gr.Request):
+            code = LANGS.get(choice, "en")
+            ui.session(request).lang = code
+            return ([t(code, "title"), t(code, "subtitle"), gr.update(label=t(code, "lang")), t(code, "steps_title")]
+                    + [t(code, f"step{k + 1}") for k in range(3)]
+                    + [gr.update(value=t(code, f"step{k + 1}_btn")) for k in range(3)]
+                    + [t(code, "scenarios")]
+                    + [gr.update(value=SCENARIO_BUTTONS[code].get(n, n)) for n in scen_btn]
+                    + [gr.update(value=t(code, w)) for w in ("add", "remove", "clear", "stop")]
+                    + [gr.update(placeholder=t(code, "placeholder", name=USERS[i][0])) for i in range(MAX_PANELS)]
+                    + [gr.update(value=t(code, "send")) for _ in sends] + [gr.update(value=t(code, "all")) for _ in alls]
+                    + [gr.update(value=t(code, "short")) for _ in shorts]
+                    + [gr.update(value=t(code, "long")) for _ in longs])
+
+        lang.change(switch_language, [lang],
+                    [title, subtitle, lang, steps_title] + lesson_md + lesson_btn + [scen_label]
+                    + list(scen_btn.values()) + [add_btn, remove_btn, clear_btn, stop_btn]
+                    + boxes + sends + alls + shorts + longs,
+                    js="(c) => { if (window.BS && BS.setLang) BS.setLang(c === '中文' ? 'zh' : 'en'); return c; }")
+        demo.unload(ui.drop)
+    demo.bs_ui = ui
+    return demo
+
+
+def _panel(i: int) -> tuple:
+    """One user's chat panel: (column, chatbot, textbox, notice, send, send-to-all, short, long)."""
+    with gr.Column(visible=i < 4, min_width=200, elem_classes="bs-panel", elem_id=f"bs-panel-{i}") as col:
+        gr.HTML(panel_head(i), js_on_load=None)
+        chat = gr.Chatbot(height=210, show_label=False, render_markdown=False, buttons=[],
+                          feedback_options=None, elem_id=f"bs-chat-{i}")
+        box = gr.Textbox(show_label=False, lines=1, max_lines=4, elem_id=f"bs-box-{i}",
+                         placeholder=t("en", "placeholder", name=USERS[i][0]))
+        notice = gr.HTML("", js_on_load=None, elem_id=f"bs-notice-{i}")
+        with gr.Row():
+            send = gr.Button(t("en", "send"), size="sm", variant="primary", elem_id=f"bs-send-{i}", min_width=60)
+            every = gr.Button(t("en", "all"), size="sm", elem_id=f"bs-all-{i}", min_width=60)
+        with gr.Row():
+            short = gr.Button(t("en", "short"), size="sm", elem_id=f"bs-short-{i}", min_width=60)
+            long = gr.Button(t("en", "long"), size="sm", elem_id=f"bs-long-{i}", min_width=60)
+    return col, chat, box, notice, send, every, short, long
+
+
+# Gradio finds gr.Request by the handler's type hints, so each event gets a real, typed function.
+def _typed_send(ui: UI, i: int, preset: str | None):
+    if preset:
+        async def handler(request: gr.Request):
+            async for out in ui.send(i, None, request, preset):
+                yield out
+    else:
+        async def handler(text: str | None, request: gr.Request):
+            async for out in ui.send(i, text, request):
+                yield out
+    return handler
+
+
+def _typed_send_all(ui: UI, i: int):
+    async def handler(text: str | None, request: gr.Request):
+        async for out in ui.send_all(i, text, request):
+            yield out
+    return handler
+
+
+def _typed_scenario(ui: UI, name: str, policy: str | None):
+    async def handler(key: str | None, request: gr.Request):
+        async for out in ui.run_scenario(name, policy, key, request):
+            yield out
+    return handler
+
+
+def mount_ui(app: FastAPI, service, path: str = "/", **options) -> FastAPI:
+    """Serve static/ at /static/batchscope and the Gradio page at `path` on the given app."""
+    app.mount(STATIC_URL, StaticFiles(directory=STATIC), name="batchscope-static")
+    blocks = build_ui(service, **options)
+    return gr.mount_gradio_app(app, blocks, path=path, head=head_html(), theme=gr.themes.Default(),
+                               footer_links=[], ssr_mode=False)

@@ -1,0 +1,95 @@
+"""Scripted users: play a demos/scenarios.py Scenario through the chat panels.
+
+Each distinct label of the scenario takes a panel (a panel of the same name
+if there is one, else the next free one), so the lecturer sees the scripted
+users type and the chart shows them in their panel's colour. Arrivals on the
+"step" clock are timed by counting the step records the engine publishes;
+when a record says the engine has run out of work, the next arrival comes at once.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from app.ui_sessions import Panel, Session, Turn, drive, fresh
+from demos.scenarios import Scenario
+from engine import SamplingParams
+
+SHOWN_CHARS = 220           # a long scripted prompt is shown shortened in its panel
+
+
+def shorten(text: str) -> str:
+    if len(text) <= SHOWN_CHARS:
+        return text
+    head = " ".join(text[:SHOWN_CHARS].split())
+    return f"{head} … (+{len(text) - SHOWN_CHARS:,} characters)"
+
+
+def assign_panels(session: Session, scenario: Scenario) -> dict[str, Panel]:
+    """label -> panel: same name first, then free panels in order; more than eight labels share."""
+    by_name = {p.name.lower(): p for p in session.panels}
+    labels = list(dict.fromkeys(a.label for a in scenario.arrivals))
+    out: dict[str, Panel] = {label: by_name[label.lower()] for label in labels if label.lower() in by_name}
+    free = [p for p in session.panels if p not in out.values()]
+    for i, label in enumerate(x for x in labels if x not in out):
+        out[label] = free[i % len(free)] if free else session.panels[i % len(session.panels)]
+    used = max(session.panels.index(p) for p in out.values()) + 1
+    session.visible = max(session.visible, min(used, len(session.panels)))
+    return out
+
+
+async def play(service, session: Session, scenario: Scenario, changed: asyncio.Event, lang: str):
+    panels = assign_panels(session, scenario)
+    loop = asyncio.get_running_loop()
+    children: list[asyncio.Future] = []
+    clock = StepClock(service.broadcaster.subscribe(0), children) if scenario.clock == "step" else None
+    try:
+        start = loop.time()
+        for a in scenario.arrivals:
+            if clock is None:
+                await asyncio.sleep(max(0.0, start + a.at - loop.time()))
+            else:
+                await clock.wait_until(a.at)
+            messages = [dict(m) for m in a.messages] if a.messages else [{"role": "user", "content": a.prompt}]
+            text = messages[-1]["content"] = fresh(messages[-1]["content"])
+            panel = panels[a.label]
+            turn = Turn(shown=shorten(text), full=text)
+            panel.turns.append(turn)
+            params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed,
+                                    ignore_eos=True)
+            children.append(asyncio.ensure_future(drive(service, panel, turn, messages, params, changed, lang)))
+            if clock is not None:
+                clock.idle = False          # the engine has work now, whatever the last record said
+            changed.set()
+        await asyncio.gather(*children)
+    finally:
+        if clock is not None:
+            clock.sub.close()
+        for c in children:
+            c.cancel()
+        await asyncio.gather(*children, return_exceptions=True)
+
+
+class StepClock:
+    """Counts the engine's steps from the records it publishes, and knows when it has gone idle."""
+
+    def __init__(self, sub, children: list):
+        self.sub, self.children = sub, children
+        self.steps = 0
+        self.idle = True                    # nothing of ours has been sent yet
+
+    async def wait_until(self, target: float):
+        while self.steps < target and not self.idle:
+            try:
+                items = await asyncio.wait_for(self.sub.get(), timeout=2.0)
+            except asyncio.TimeoutError:
+                # a slow step, or nothing will come: our requests all ended (e.g. refused)
+                if all(c.done() for c in self.children):
+                    return
+                continue
+            if items is None:
+                return
+            for x in items:
+                rec = getattr(x, "obj", x)
+                if rec.get("type") == "step":
+                    self.steps += 1
+                    self.idle = rec.get("running", 0) + rec.get("waiting", 0) == 0

@@ -1,0 +1,100 @@
+"""Words of the Gradio side of the UI, in English and Chinese, and the panel users.
+
+The chart's own strings live in static/i18n.js; the users' names and colours
+must match static/palette.js (a test checks that they do).
+"""
+from __future__ import annotations
+
+# (name, Okabe-Ito colour): one per chat panel, in panel order
+USERS = [("Alice", "#E69F00"), ("Bob", "#56B4E9"), ("Carol", "#009E73"), ("Dan", "#CC79A7"),
+         ("Eve", "#0072B2"), ("Frank", "#D55E00"), ("Grace", "#F0E442"), ("Heidi", "#7F7F7F")]
+
+LANGS = {"English": "en", "中文": "zh"}
+
+# short preset questions, one per panel, so that "send to all" looks like a class
+SHORT = {
+    "en": ["What is a GPU, in two sentences?", "Write a haiku about rain.", "Name three prime numbers.",
+           "Why is the sky blue?", "Give one tip for learning to cook.", "How do bees find their hive?",
+           "What is the capital of France?", "Explain what a recipe is to a child."],
+    "zh": ["用两句话解释什么是 GPU。", "写一首关于雨的俳句。", "说出三个质数。", "天空为什么是蓝色的？",
+           "给一个学做饭的建议。", "蜜蜂怎么找到蜂巢？", "法国的首都是哪里？", "向孩子解释什么是菜谱。"],
+}
+SUMMARY_ASK = {"en": "Summarise the following document in three sentences.",
+               "zh": "用三句话总结下面这篇文章。"}
+
+TEXT = {
+    "en": {
+        "title": "## batchscope: watch an LLM engine batch requests, step by step",
+        "subtitle": ("Each chat panel below is one user. Send messages from several panels at once and watch "
+                     "the chart: every column is one forward pass of the model, shared by everyone in it."),
+        "lang": "Language",
+        "steps_title": "### Three generations of batching: press a button, then watch the chart",
+        "step1": ("**1 · Static batching.** A batch is formed, prefilled together, then decoded until its "
+                  "*longest* reply is done. Nobody joins mid-batch: short replies finish and their slots sit "
+                  "idle, while newcomers wait (dashed *queued* lines)."),
+        "step1_btn": "▶ 1 · Run: 8 requests, 4 slots (static)",
+        "step2": ("**2 · Continuous batching.** The scheduler decides again at every step: a finished request "
+                  "leaves, a waiting one joins at once. But a new prompt is prefilled *whole, in one step*, and "
+                  "everyone else sits that step out: a long document freezes all replies (the cross-hatched "
+                  "**stall**)."),
+        "step2_btn": "▶ 2 · Run: 3 chats, then a long document (continuous)",
+        "step3": ("**3 · Chunked prefill.** Decode first: every running reply gets its next token, and the "
+                  "leftover token budget takes a *chunk* of the new prompt. The document is read over several "
+                  "steps that still carry everyone's token, so the stall is gone. Flip the **Chunked prefill** "
+                  "switch to compare."),
+        "step3_btn": "▶ 3 · Run: the same, with chunked prefill",
+        "scenarios": "More scenarios (run under the current settings):",
+        "add": "+ Add a user", "remove": "− Remove a user", "clear": "Clear chats", "stop": "■ Stop all",
+        "send": "Send", "short": "Short question", "long": "Long document (~1,500 tokens)",
+        "all": "Send to all", "placeholder": "Type a message for {name}...",
+        "locked": "Settings are locked (presenter key), so this ran under the current policy.",
+        "err_empty": "The message is empty: type something first.",
+        "err_chars": "That message is too long ({n:,} characters; the limit is {limit:,}).",
+        "err_long": "That message is too long for the model: {msg}",
+        "err_busy": "The engine is busy: {msg}",
+        "err_down": "The engine is not available right now: {msg}",
+        "err_reply": "The reply stopped early: {msg}",
+        "doc_shown": "📄 {ask} (a {tokens}-token document: the history of a lighthouse)",
+    },
+    "zh": {
+        "title": "## batchscope：一步一步看 LLM 引擎如何批处理请求",
+        "subtitle": "下面每个聊天面板是一个用户。同时从几个面板发消息，然后看图：每一列是模型的一次前向计算，由其中所有人共享。",
+        "lang": "语言",
+        "steps_title": "### 批处理的三代：按下按钮，然后看图",
+        "step1": ("**1 · 静态批处理。** 先组成一批，一起预填充，然后一起解码，直到其中*最长*的回复结束。"
+                  "中途谁也加不进来：短回复早早结束，它的位置空着，新来的请求只能排队（虚线表示*排队*）。"),
+        "step1_btn": "▶ 1 · 运行：8 个请求，4 个位置（静态）",
+        "step2": ("**2 · 连续批处理。** 调度器每一步都重新决定：结束的请求离开，等待的请求马上加入。"
+                  "但新的提示词要在*一步之内整个*预填充，其他人这一步只能等：一篇长文会让所有回复卡住"
+                  "（交叉线格子就是**停顿**）。"),
+        "step2_btn": "▶ 2 · 运行：3 个聊天，然后来了一篇长文（连续）",
+        "step3": ("**3 · 分块预填充。** 解码优先：每个进行中的回复先拿到下一个 token，剩下的 token 预算再装入新提示词的"
+                  "*一块*。长文分几步读完，每一步仍然带着所有人的 token，停顿就消失了。拨动**分块预填充**开关来对比。"),
+        "step3_btn": "▶ 3 · 运行：同样的场景，打开分块预填充",
+        "scenarios": "更多场景（按当前设置运行）：",
+        "add": "+ 添加用户", "remove": "− 移除用户", "clear": "清空聊天", "stop": "■ 全部停止",
+        "send": "发送", "short": "短问题", "long": "长文（约 1500 token）",
+        "all": "发给所有人", "placeholder": "给 {name} 输入消息……",
+        "locked": "设置已锁定（演示者密钥），所以按当前策略运行。",
+        "err_empty": "消息是空的：请先输入内容。",
+        "err_chars": "消息太长（{n:,} 个字符；上限是 {limit:,}）。",
+        "err_long": "消息对模型来说太长：{msg}",
+        "err_busy": "引擎正忙：{msg}",
+        "err_down": "引擎暂时不可用：{msg}",
+        "err_reply": "回复提前停止：{msg}",
+        "doc_shown": "📄 {ask}（一篇 {tokens} token 的文章：一座灯塔的历史）",
+    },
+}
+
+# scenario buttons: demos/scenarios.py name -> button text
+SCENARIO_BUTTONS = {
+    "en": {"long-prompt-interrupts": "3 chats + a long document", "static-vs-continuous": "8 requests, 4 slots",
+           "bursty": "a burst of 24 requests", "shared-system-prompt": "shared system prompt (prefix cache)"},
+    "zh": {"long-prompt-interrupts": "3 个聊天 + 一篇长文", "static-vs-continuous": "8 个请求，4 个位置",
+           "bursty": "24 个请求突然涌入", "shared-system-prompt": "共享系统提示词（前缀缓存）"},
+}
+
+
+def t(lang: str, key: str, **fmt) -> str:
+    s = TEXT.get(lang, TEXT["en"]).get(key) or TEXT["en"][key]
+    return s.format(**fmt) if fmt else s

@@ -1,0 +1,279 @@
+"""The teaching UI in a real browser: Debian's Chromium driven by Playwright, against one real
+server (engine, API, UI) on loopback for the whole module.
+
+Skipped when /usr/bin/chromium is absent (Playwright's own browser download is not used).
+Set BATCHSCOPE_SCREENSHOT_DIR to keep the long-prompt screenshots somewhere (default: a temp dir).
+"""
+import json
+import os
+import re
+import socket
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium (/usr/bin/chromium) is not "
+                                                                "installed; browser tests need it")]
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+SCENARIO = dict(reply_tokens=16, doc_tokens=2, doc_at=8)
+
+
+@pytest.fixture(scope="module")
+def server():
+    import uvicorn
+
+    from app.config import ServerConfig
+    from app.server import create_app
+    from app.service import EngineService
+    from app.ui import mount_ui
+    from engine import EngineConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    service = EngineService(EngineConfig(kv_cache_gb=0.25, policy="chunked"), ServerConfig(port=port))
+    app = create_app(service)
+    mount_ui(app, service, max_tokens=12, doc_max_tokens=2, scenario_params={"long-prompt-interrupts": SCENARIO})
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 300
+    while not srv.started:
+        assert thread.is_alive() and time.time() < deadline, "the server did not start"
+        time.sleep(0.2)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(server, browser):
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1100})
+    pg = ctx.new_page()
+    errors = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(server + "/")
+    pg.wait_for_selector("[data-testid=gantt]")
+    pg.wait_for_function("document.querySelector('[data-testid=conn]').dataset.state === 'live'")
+    yield pg
+    ctx.close()
+    assert not errors, errors
+
+
+def api(server, path, body=None, headers=None):
+    req = urllib.request.Request(server + path, data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def wait_js(pg, expr, timeout=120):
+    pg.wait_for_function(expr, timeout=timeout * 1000)
+
+
+def replies_done(pg, n_labels):
+    """JS: the newest request of each of these labels has ended."""
+    labels = json.dumps(n_labels)
+    return (f"(() => {{ const want = {labels}; const rs = [...BS.store.reqs.values()];"
+            f" return want.every(l => {{ const mine = rs.filter(r => r.label === l);"
+            f" return mine.length && mine[mine.length - 1].end != null; }}); }})()")
+
+
+def bot_text(pg, i):
+    loc = pg.locator(f"#bs-chat-{i} [data-testid=bot]")
+    return loc.last.inner_text() if loc.count() else ""
+
+
+# ---- the tests ----
+
+def test_two_panels_stream_and_share_a_step_in_the_chart(page):
+    page.fill("#bs-box-0 textarea", "Tell me about the sea.")
+    page.fill("#bs-box-1 textarea", "Tell me about the hills.")
+    page.click("#bs-send-0")
+    page.click("#bs-send-1")
+    seen = {0: set(), 1: set()}
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        for i in seen:
+            seen[i].add(bot_text(page, i))
+        if page.evaluate(replies_done(page, ["Alice", "Bob"])):
+            break
+        time.sleep(0.05)
+    for i in seen:
+        seen[i].add(bot_text(page, i))
+        growing = sorted((t for t in seen[i] if t and t != "…"), key=len)
+        assert len(growing) >= 2, f"panel {i} did not stream: {growing}"
+        assert all(growing[-1].startswith(t) for t in growing), growing
+    # both requests are cells of the same step in the chart, in their users' colours
+    cell = page.evaluate("""() => {
+        const cells = BS.view.drawn.cells, by = new Map();
+        for (const c of cells) { if (!by.has(c.step)) by.set(c.step, []); by.get(c.step).push(c); }
+        for (const [step, cs] of by) {
+          const a = cs.find(c => c.label === 'Alice' && c.kind === 'decode'), b = cs.find(c => c.label === 'Bob' && c.kind === 'decode');
+          if (a && b) {
+            const g = document.querySelector('[data-testid=gantt]').getContext('2d'), d = devicePixelRatio;
+            const px = (c) => Array.from(g.getImageData(Math.round((c.x + c.w / 2) * d), Math.round((c.y + c.h / 2) * d), 1, 1).data.slice(0, 3));
+            return {step, alice: px(a), bob: px(b)};
+          }
+        }
+        return null; }""")
+    assert cell, "no step shows both requests"
+    assert cell["alice"] == [0xE6, 0x9F, 0x00] and cell["bob"] == [0x56, 0xB4, 0xE9], cell
+    # the panel headers carry the same name and colour as the chart rows
+    assert "Alice" in page.inner_text("[data-testid=panel-head-0]")
+
+
+def test_chunked_prefill_switch_flips_the_policy_and_marks_the_chart(page, server):
+    api(server, "/api/engine", {"policy": "chunked"})
+    page.click("#bs-short-2")                                          # some steps under chunked first
+    wait_js(page, replies_done(page, ["Carol"]))
+    toggle = page.locator("[data-testid=chunked-toggle]")
+    wait_js(page, "document.querySelector('[data-testid=chunked-toggle]').getAttribute('aria-checked') === 'true'")
+    for policy, state in (("continuous", "false"), ("chunked", "true")):
+        toggle.click()
+        wait_js(page, f"document.querySelector('[data-testid=chunked-toggle]').getAttribute('aria-checked') === '{state}'")
+        assert api(server, "/api/engine")["policy"] == policy
+        page.click("#bs-short-2")
+        wait_js(page, f"BS.view.drawn.markers.some(m => m.policy === '{policy}')")
+        wait_js(page, replies_done(page, ["Carol"]))
+    texts = page.evaluate("BS.view.drawn.markers.map(m => m.text)")
+    assert any("OFF" in t and "continuous" in t for t in texts) and "chunked prefill ON" in texts
+    on = page.evaluate("BS.view.drawn.markers.filter(m => m.policy === 'chunked').pop()")
+    line = page.evaluate(f"Array.from(document.querySelector('[data-testid=gantt]').getContext('2d')"
+                         f".getImageData({on['x']} * devicePixelRatio, 120 * devicePixelRatio, 1, 1).data.slice(0, 3))")
+    assert max(line) < 40, f"no dark marker line at x={on['x']}: {line}"
+    assert page.inner_text("[data-testid=chunked-state]") == "ON"
+    assert page.locator("[data-testid=policy] button[aria-checked=true]").inner_text().endswith("chunked")
+
+
+def test_pause_single_step_replay_and_resume(page):
+    page.click("#bs-short-3")
+    wait_js(page, "[...BS.store.reqs.values()].some(r => r.label === 'Dan' && r.end == null && r.tokens.length >= 2)")
+    page.click("[data-testid=pause]")
+    assert page.get_attribute("[data-testid=play-state]", "data-mode") == "paused"
+    held = page.evaluate("BS.view.drawn.steps.at(-1)")
+    wait_js(page, f"BS.store.steps.at(-1).step >= {held} + 2")         # the engine goes on...
+    time.sleep(0.3)
+    assert page.evaluate("BS.view.drawn.steps.at(-1)") == held          # ...the chart holds still
+    page.click("[data-testid=step]")
+    nxt = page.evaluate(f"BS.store.steps.find(s => s.step > {held}).step")
+    wait_js(page, f"BS.view.drawn.steps.at(-1) === {nxt}")
+    page.click("[data-testid=step-back]")
+    wait_js(page, f"BS.view.drawn.steps.at(-1) === {held}")
+    page.click("[data-testid=replay]")
+    assert page.get_attribute("[data-testid=play-state]", "data-mode") == "replay"
+    page.click("[data-testid=resume]")
+    wait_js(page, "BS.view.drawn.steps.at(-1) === BS.store.steps.at(-1).step")
+    assert page.get_attribute("[data-testid=play-state]", "data-mode") == "live"
+    wait_js(page, replies_done(page, ["Dan"]))
+    # the language switch turns the chart's words and the Gradio parts to Chinese, and back
+    page.click("#bs-lang label:has-text('中文')")
+    wait_js(page, "document.querySelector('[data-i18n=\"chart.title\"]').textContent.includes('前向计算')")
+    page.wait_for_function("document.querySelector('#bs-lesson-1').textContent.includes('静态')")
+    assert "分块预填充" in page.inner_text("[data-testid=controls]")
+    page.click("#bs-lang label:has-text('English')")
+    page.wait_for_function("document.querySelector('#bs-lesson-1').textContent.includes('static')")
+
+
+def test_bad_input_gets_a_friendly_error_and_the_other_panels_carry_on(page, server):
+    page.click("#bs-send-0")                                           # empty
+    page.fill("#bs-box-1 textarea", "y" * 20_001)                      # oversize
+    page.click("#bs-send-1")
+    page.wait_for_selector("#bs-notice-0 [role=alert]")
+    page.wait_for_selector("#bs-notice-1 [role=alert]")
+    assert "empty" in page.inner_text("#bs-notice-0")
+    assert "too long" in page.inner_text("#bs-notice-1") and "20,001" in page.inner_text("#bs-notice-1")
+    # typed HTML shows as text; a hostile API label shows as text in the chart's tooltip
+    evil = "<img src=x onerror=\"window.__pwned=1\"><b>bold</b>"
+    page.fill("#bs-box-2 textarea", evil)
+    page.click("#bs-send-2")
+    api(server, "/v1/chat/completions", {"max_tokens": 4, "user": "<img src=y onerror=alert(1)>",
+                                         "messages": [{"role": "user", "content": "hi"}]})
+    wait_js(page, replies_done(page, ["Carol"]))
+    assert evil in page.inner_text("#bs-chat-2 [data-testid=user]")
+    assert page.locator("#bs-chat-2 img, #bs-chat-2 b").count() == 0
+    assert page.evaluate("window.__pwned") is None
+    page.click("[data-testid=pause]")
+    cell = page.evaluate("BS.view.drawn.cells.find(c => c.label.startsWith('<img'))")
+    assert cell, "the API request is not in the chart"
+    box = page.locator("[data-testid=gantt]").bounding_box()
+    page.mouse.move(box["x"] + cell["x"] + cell["w"] / 2, box["y"] + cell["y"] + cell["h"] / 2)
+    tip = page.locator("[data-testid=tooltip]")
+    tip.wait_for(state="visible")
+    assert "<img src=y" in tip.inner_text() and tip.locator("img").count() == 0
+    page.click("[data-testid=resume]")
+    # the notices clear on a good message, and the panels with errors work again
+    page.fill("#bs-box-0 textarea", "Hello again.")
+    page.click("#bs-send-0")
+    wait_js(page, "!document.querySelector('#bs-notice-0 [role=alert]')")
+    wait_js(page, replies_done(page, ["Alice"]))
+    assert bot_text(page, 0)
+
+
+def test_a_dropped_socket_reconnects_and_backfills(page, server):
+    page.evaluate("window.__connect = BS.connect; BS.connect = () => {}; BS.dropSocket()")
+    wait_js(page, "document.querySelector('[data-testid=conn]').dataset.state === 'lost'")
+    before = page.evaluate("BS.store.steps.length ? BS.store.steps.at(-1).step : -1")
+    api(server, "/v1/chat/completions", {"max_tokens": 6, "user": "Offline",
+                                         "messages": [{"role": "user", "content": "Count to three."}]})
+    last = api(server, "/api/engine")["step"] - 1
+    assert last > before
+    page.evaluate("BS.connect = window.__connect; BS.connect()")
+    wait_js(page, "document.querySelector('[data-testid=conn]').dataset.state === 'live'")
+    wait_js(page, f"BS.store.steps.at(-1).step >= {last}")
+    have = set(page.evaluate(f"BS.store.steps.filter(s => s.step > {before}).map(s => s.step)"))
+    assert set(range(before + 1, last + 1)) <= have, "steps missed while offline were not backfilled"
+    assert page.evaluate("[...BS.store.reqs.values()].some(r => r.label === 'Offline' && r.tokens.length === 6)")
+
+
+def test_long_prompt_stalls_everyone_until_chunked_prefill_is_on(page, tmp_path):
+    shots = Path(os.environ.get("BATCHSCOPE_SCREENSHOT_DIR") or tmp_path)
+    shots.mkdir(parents=True, exist_ok=True)
+    runs = {}
+    for lesson, policy in ((2, "continuous"), (3, "chunked")):
+        start = page.evaluate("BS.store.steps.length ? BS.store.steps.at(-1).step + 1 : 0")
+        page.click(f"#bs-lesson-{lesson}")
+        mine = f"[...BS.store.reqs.values()].filter(r => r.arrived != null && r.firstStep >= {start})"
+        try:
+            wait_js(page, f"{mine}.length === 4 && {mine}.every(r => r.end != null)", timeout=240)
+        except Exception as e:
+            state = page.evaluate(f"{mine}.map(r => [r.label, r.rid, r.promptLen, r.tokens.length, r.end])")
+            pytest.fail(f"lesson {lesson} did not finish ({str(e)[:200]}): {state}; last step "
+                        f"{page.evaluate('BS.store.steps.at(-1).step')}; note {page.inner_text('#bs-note')!r}")
+        page.click("[data-testid=pause]")
+        time.sleep(0.3)
+        runs[policy] = page.evaluate(f"""() => {{
+            const steps = BS.store.steps.filter(s => s.step >= {start});
+            const doc = steps.filter(s => s.items.some(i => i.label === 'Dan' && i.kind === 'prefill'));
+            return {{policy: steps.map(s => s.policy), docSteps: doc.length, docTokens: doc.map(s => s.num_tokens),
+                     stalledInDoc: doc.map(s => (s.stalled || []).length),
+                     decodesInDoc: doc.map(s => s.items.filter(i => i.kind === 'decode').length),
+                     drawnStalls: BS.view.drawn.cells.filter(c => c.kind === 'stall' && c.step >= {start}).length}}; }}""")
+        page.locator("[data-testid=stage]").screenshot(path=str(shots / f"long_prompt_{policy}.png"))
+        page.click("[data-testid=resume]")
+    off, on = runs["continuous"], runs["chunked"]
+    assert set(off["policy"]) == {"continuous"} and set(on["policy"]) == {"chunked"}
+    # off: the whole document in one step over budget, and the three chats stall in it (drawn as such)
+    assert off["docSteps"] == 1 and off["docTokens"][0] > 1000 and off["stalledInDoc"] == [3]
+    assert off["drawnStalls"] >= 3
+    # on: the document in budget-sized chunks, each carrying everyone's decode token; nobody stalls
+    assert on["docSteps"] >= 5 and max(on["docTokens"]) <= 256
+    assert set(on["stalledInDoc"]) == {0} and min(on["decodesInDoc"]) >= 1 and max(on["decodesInDoc"]) == 3
+    assert on["drawnStalls"] == 0
+    for policy in runs:
+        assert (shots / f"long_prompt_{policy}.png").stat().st_size > 10_000

@@ -1,0 +1,220 @@
+"""The teaching UI without a browser: panel state, input checks, scenario mapping, mounting.
+
+The test at the end drives the UI's handlers against the real engine (model marker).
+"""
+import asyncio
+import html
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from app.ui_scenarios import assign_panels, shorten
+from app.ui_sessions import MAX_CHARS, Panel, Session, Sessions, Turn, check_message, fresh
+from app.ui_text import LANGS, SCENARIO_BUTTONS, SHORT, TEXT, USERS
+from demos.scenarios import SCENARIOS, get_scenario
+
+STATIC = Path(__file__).resolve().parent.parent / "static"
+
+
+# ---- the browser side and the server side agree ----
+
+def test_panel_users_match_the_chart_palette():
+    js = (STATIC / "palette.js").read_text()
+    pairs = re.findall(r'\["(\w+)", "(#[0-9A-Fa-f]{6})"\]', js)
+    assert pairs == USERS
+
+
+def test_every_string_exists_in_both_languages():
+    js = (STATIC / "i18n.js").read_text()
+    en = js[js.index("en: {"):js.index("zh: {")]
+    zh = js[js.index("zh: {"):]
+    keys = lambda block: set(re.findall(r'^\s+"([\w.]+)":', block, re.M))
+    assert keys(en) == keys(zh) and len(keys(en)) > 50
+    assert set(TEXT["en"]) == set(TEXT["zh"])
+    assert set(SCENARIO_BUTTONS["en"]) == set(SCENARIO_BUTTONS["zh"]) == set(SCENARIOS)
+    assert all(len(SHORT[code]) == len(USERS) for code in LANGS.values())
+
+
+def test_stage_has_the_test_ids_and_the_i18n_keys_it_uses():
+    html = (STATIC / "stage.html").read_text()
+    for tid in ("gantt", "batch-bar", "policy", "chunked-toggle", "metrics", "pause", "resume", "step", "replay"):
+        assert f'data-testid="{tid}"' in html
+    js = (STATIC / "i18n.js").read_text()
+    for key in re.findall(r'data-i18n="([\w.]+)"', html):
+        assert f'"{key}":' in js, key
+
+
+def test_chart_never_writes_html_from_data():
+    for name in ("socket.js", "gantt.js", "metrics.js", "controls.js", "main.js", "i18n.js", "palette.js"):
+        src = (STATIC / name).read_text()
+        assert not re.search(r"\.(inner|outer)HTML\s*\+?=|insertAdjacentHTML|document\.write|\beval\(", src), name
+
+
+# ---- typed input ----
+
+@pytest.mark.parametrize("text", [None, "", "   ", "\n\t"])
+def test_empty_messages_are_refused_kindly(text):
+    assert "empty" in check_message(text, "en")
+    assert "空" in check_message(text, "zh")
+
+
+def test_oversize_messages_are_refused_with_their_size():
+    msg = check_message("x" * (MAX_CHARS + 1), "en")
+    assert "too long" in msg and f"{MAX_CHARS + 1:,}" in msg
+    assert check_message("x" * MAX_CHARS, "en") is None
+    assert check_message("<b>hi</b>", "en") is None
+
+
+def test_long_prompts_are_numbered_so_the_prefix_cache_cannot_hide_a_rerun():
+    doc = "word " * 1000
+    a, b = fresh(doc), fresh(doc)
+    assert a != b and a.endswith(doc) and b.endswith(doc)
+    assert fresh("short question") == "short question"
+
+
+# ---- panel state ----
+
+def test_history_sent_to_the_engine_keeps_finished_turns_only():
+    p = Panel("Alice", "#E69F00")
+    p.turns = [Turn("hi", "hi", reply="hello", done=True),
+               Turn("bad", "bad", reply="", error="too long", done=True),
+               Turn("again", "again", reply="partial", done=False)]
+    assert p.messages("next") == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                                  {"role": "user", "content": "next"}]
+    chat = p.chat()
+    assert chat[3]["content"] == "⚠ too long" and chat[5]["content"] == "partial"
+    p.turns.append(Turn("q", "q"))
+    assert p.chat()[-1]["content"] == "…"
+
+
+def test_sessions_are_per_tab_and_bounded():
+    s = Sessions(capacity=2)
+    a = s.get("a")
+    assert s.get("a") is a and s.get("b") is not a
+    s.get("c")
+    assert s.get("a") is not a          # the least recently used went first
+    s.drop("a")
+    assert s.get(None) is s.get(None)
+
+
+# ---- scenarios onto panels ----
+
+def test_scenario_users_take_panels_by_name_then_in_order():
+    s = Session()
+    panels = assign_panels(s, get_scenario("long-prompt-interrupts"))
+    assert {k: p.name for k, p in panels.items()} == {"Alice": "Alice", "Bob": "Bob", "Carol": "Carol", "Doc": "Dan"}
+    assert s.visible == 4
+    s = Session()
+    panels = assign_panels(s, get_scenario("static-vs-continuous"))
+    assert [panels[f"U{i}"].name for i in range(1, 9)] == [name for name, _ in USERS]
+    assert s.visible == 8
+
+
+def test_more_scenario_users_than_panels_share_them():
+    s = Session()
+    sc = get_scenario("bursty", n=20)
+    panels = assign_panels(s, sc)
+    assert len(panels) == 20 and len({p.name for p in panels.values()}) == 8
+
+
+def test_long_scripted_prompts_are_shortened_for_display():
+    text = "Summarise this.\n\n" + "x" * 5000
+    shown = shorten(text)
+    assert len(shown) < 300 and shown.startswith("Summarise this.") and "5,017" not in shown
+    assert f"+{len(text) - 220:,} characters" in shown
+    assert shorten("short") == "short"
+
+
+# ---- mounting on the FastAPI app ----
+
+@pytest.fixture(scope="module")
+def mounted():
+    from fastapi.testclient import TestClient
+
+    from app.config import ServerConfig
+    from app.server import create_app
+    from app.service import EngineService
+    from app.ui import mount_ui
+    from engine import EngineConfig
+    service = EngineService(EngineConfig(), ServerConfig())        # not started: no model needed here
+    app = create_app(service, manage_service=False)
+    mount_ui(app, service)
+    return TestClient(app)
+
+
+def test_page_loads_the_chart_scripts_with_versions(mounted):
+    page = mounted.get("/")
+    assert page.status_code == 200
+    config = mounted.get("/config").json()
+    head = config.get("head") or ""
+    for name in ("i18n.js", "gantt.js", "socket.js", "controls.js", "metrics.js", "main.js", "style.css"):
+        assert re.search(rf"/static/batchscope/{re.escape(name)}\?v=[0-9a-f]{{10}}", head), name
+
+
+def test_static_files_are_served_and_gradio_assets_are_not_shadowed(mounted):
+    r = mounted.get("/static/batchscope/gantt.js")
+    assert r.status_code == 200 and "initGantt" in r.text
+    assert mounted.get("/static/batchscope/../app/ui.py").status_code == 404
+    config = mounted.get("/config").json()
+    assert json.dumps(config).count("bs-chat-") == 8       # eight panels exist (four visible at first)
+
+
+# ---- the handlers against the real engine ----
+
+@pytest.mark.model
+def test_two_panels_share_steps_and_a_scenario_runs_on_the_step_clock():
+    from app.config import ServerConfig
+    from app.service import EngineService
+    from app.ui import UI
+    from engine import EngineConfig
+
+    service = EngineService(EngineConfig(kv_cache_gb=0.25, policy="chunked"), ServerConfig())
+    service.start()
+    records = []
+
+    class Tab:
+        session_hash = "tab"
+
+    async def main():
+        sub = service.broadcaster.subscribe(0)
+
+        async def collect():
+            while (items := await sub.get()) is not None:
+                records.extend(getattr(x, "obj", x) for x in items)
+        collector = asyncio.ensure_future(collect())
+        ui = UI(service, max_tokens=6,
+                scenario_params={"long-prompt-interrupts": dict(reply_tokens=16, doc_tokens=2, doc_at=8)})
+
+        async def drain(gen):
+            return [out async for out in gen]
+        a, b = await asyncio.gather(drain(ui.send(0, "Say hi.", Tab())), drain(ui.send(1, "Say bye.", Tab())))
+        empty = await drain(ui.send(2, "   ", Tab()))
+        empty.append(len(ui.sessions.get("tab").panels[2].turns))
+        await drain(ui.run_scenario("long-prompt-interrupts", "continuous", "", Tab()))
+        sub.close()
+        await collector
+        return ui, a, b, empty
+
+    try:
+        ui, a, b, empty = asyncio.run(main())
+    finally:
+        service.stop()
+    s = ui.sessions.get("tab")
+    alice, bob = s.panels[0].turns[0], s.panels[1].turns[0]
+    assert alice.reply and bob.reply and not alice.error and not bob.error
+    assert len(a) >= 3 and a[-1][0][-1]["content"] == html.escape(alice.reply)   # streamed, then complete
+    assert "empty" in empty[0][2] and empty[-1] == 0                    # refused before the engine
+    steps = [r for r in records if r["type"] == "step"]
+    shared = [r for r in steps if {alice.rid, bob.rid} <= {i["req"] for i in r["items"]}]
+    assert shared, "the two panels never shared a step"
+    # the scenario: Doc (in Dan's panel) arrived on step 8 of the run and stalled the others under continuous
+    doc = s.panels[3].turns[-1]
+    arrived = next(r for r in records if r.get("event") == "arrived" and r["req"] == doc.rid)
+    assert arrived["label"] == "Dan" and arrived["prompt_len"] > 1000
+    big = next(r for r in steps if any(i["req"] == doc.rid and i["kind"] == "prefill" for i in r["items"]))
+    assert big["policy"] == "continuous" and len(big["stalled"]) == 3
+    first = next(r for r in steps if any(i["req"] == s.panels[0].turns[-1].rid for i in r["items"]))
+    assert big["step"] - first["step"] >= 8
+    assert all(p.turns[-1].done and not p.turns[-1].error for p in s.panels[:4])
