@@ -84,6 +84,8 @@ class TorchAttention:
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         # q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim)
         write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if not meta.prefills:
+            return self.decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

@@ -18,7 +18,7 @@ from engine.attention import AttentionMetadata, PrefillChunk, select_backend, se
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs, pad_decodes
 from engine.models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
-from engine.models.llama import head_dim_of
+from engine.models.llama import FuseOnCuda, head_dim_of
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Batch
@@ -101,6 +101,7 @@ class ModelRunner:
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if cuda else 0   # the memory budget's base
         self.backend = select_backend(config.attention_backend, self.device, config.block_size, head_dim_of(hf_config))
         self.graphs: DecodeGraphs | None = None
+        FuseOnCuda.enabled = not config.enforce_eager    # enforce_eager: plain PyTorch, op by op
 
         # ---- weights ----
         with torch.device("meta"):            # no time spent initialising weights we overwrite

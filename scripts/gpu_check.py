@@ -5,7 +5,7 @@ initialised at real shapes (Qwen2.5-0.5B and -1.5B configs) and built locally; t
 synthetic word-level one, since every request is given as token ids.
 
     python3 scripts/gpu_check.py --out gpu_check.json          # on a GPU, under 8 minutes
-    python3 scripts/gpu_check.py --quick --out /tmp/check.json  # tiny model, CPU, under a minute
+    python3 scripts/gpu_check.py --quick --out check.json       # tiny model, CPU, about a minute
 
 Sections (each adds to the JSON as it finishes, so a run cut short still leaves its results):
   equality      greedy tokens equal transformers generate, fp32, staggered arrivals, mixed steps
