@@ -218,3 +218,14 @@ def test_two_panels_share_steps_and_a_scenario_runs_on_the_step_clock():
     first = next(r for r in steps if any(i["req"] == s.panels[0].turns[-1].rid for i in r["items"]))
     assert big["step"] - first["step"] >= 8
     assert all(p.turns[-1].done and not p.turns[-1].error for p in s.panels[:4])
+
+
+def test_lessons_change_settings_only_with_the_presenter_key():
+    from app.config import ServerConfig
+    from app.service import EngineService
+    from app.ui import UI
+    from engine import EngineConfig
+    locked = UI(EngineService(EngineConfig(), ServerConfig(presenter_key="s3cret")))
+    assert locked.authorised("s3cret")
+    assert not locked.authorised("") and not locked.authorised(None) and not locked.authorised("s3cre")
+    assert UI(EngineService(EngineConfig(), ServerConfig())).authorised(None)
