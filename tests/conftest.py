@@ -20,3 +20,82 @@ def hf_default_model():
     from transformers import AutoModelForCausalLM
     from tests.helpers import default_model_folder
     return AutoModelForCausalLM.from_pretrained(default_model_folder(), dtype=torch.float32).eval()
+
+
+# ---- a real server on loopback, shared by the server tests ----
+PRESENTER_KEY = "test-presenter-key"
+
+
+class LiveServer:
+    """Where the test server listens, its in-process service, and small HTTP helpers (loopback only)."""
+
+    def __init__(self, port: int, service):
+        import httpx
+        self.url = f"http://127.0.0.1:{port}"
+        self.ws = f"ws://127.0.0.1:{port}/ws/steps"
+        self.port, self.service, self.key = port, service, PRESENTER_KEY
+        self.http = httpx.Client(base_url=self.url, timeout=120, trust_env=False)
+
+    def chat(self, content: str = "Say hello.", **body):
+        body = {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 8, **body}
+        return self.http.post("/v1/chat/completions", json=body)
+
+    def engine(self) -> dict:
+        return self.http.get("/api/engine").json()
+
+    def set_engine(self, **changes):
+        return self.http.post("/api/engine", json=changes, headers={"X-Presenter-Key": self.key})
+
+    def records(self, last: int = 1024) -> list[dict]:
+        return self.http.get("/api/trace", params={"last": last}).json()["records"]
+
+    def openai(self, asynchronous: bool = False):
+        import httpx
+        import openai
+        if asynchronous:
+            return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="any", max_retries=0,
+                                      http_client=httpx.AsyncClient(trust_env=False, timeout=120))
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="any", max_retries=0,
+                             http_client=httpx.Client(trust_env=False, timeout=120))
+
+
+@pytest.fixture(scope="session")
+def live_server():
+    """batchscope served by uvicorn on a free 127.0.0.1 port, in a thread of this process (so tests can
+    also reach its service), with small limits; stopped at the end of the session."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from app import EngineService, ServerConfig, create_app
+    from engine import EngineConfig
+
+    service = EngineService(EngineConfig(kv_cache_gb=0.25),
+                            ServerConfig(presenter_key=PRESENTER_KEY, max_tokens_cap=256, default_max_tokens=16,
+                                         max_body_bytes=64 * 1024, max_ws_subscribers=8, ws_buffer=8,
+                                         history=1024, snapshot_steps=50, health_recovery_s=3.0))
+    sock = socket.socket()
+    # small send buffers (accepted sockets inherit them) so that a viewer that stops reading fills
+    # its pipe quickly, as a slow browser far away would, instead of after megabytes of loopback buffer
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)
+    sock.bind(("127.0.0.1", 0))
+    # no keepalive pings: a test viewer that stops reading must not be dropped for a late pong
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", ws_max_size=1 << 16,
+                                           ws_ping_interval=None, timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+        time.sleep(0.05)
+    live = LiveServer(sock.getsockname()[1], service)
+    try:
+        yield live
+    finally:
+        live.http.close()
+        service.begin_shutdown()
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

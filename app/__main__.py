@@ -1,0 +1,119 @@
+"""`python -m app`: load the model, then serve everything on one port.
+
+Every flag can also come from the environment as BATCHSCOPE_<FLAG> (for
+example BATCHSCOPE_MODEL, BATCHSCOPE_STEP_DELAY); HOST and PORT are honoured
+too, as hosting platforms set them. The presenter key comes only from the
+environment (PRESENTER_KEY), never from a flag: command lines are visible to
+every user of the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+
+import uvicorn
+
+from app.config import ServerConfig
+from app.server import create_app
+from app.service import EngineService
+from engine import EngineConfig
+from engine.config import POLICIES
+
+# flag -> (config class, field). Defaults come from the dataclasses, so they are written down once.
+FLAGS = {
+    "host": (ServerConfig, "host"), "port": (ServerConfig, "port"),
+    "model": (EngineConfig, "model"), "device": (EngineConfig, "device"), "dtype": (EngineConfig, "dtype"),
+    "policy": (EngineConfig, "policy"),
+    "max-num-batched-tokens": (EngineConfig, "max_num_batched_tokens"),
+    "max-num-seqs": (EngineConfig, "max_num_seqs"), "max-prefill-chunk": (EngineConfig, "max_prefill_chunk"),
+    "kv-cache-gb": (EngineConfig, "kv_cache_gb"), "max-model-len": (EngineConfig, "max_model_len"),
+    "step-delay": (ServerConfig, "step_delay"), "served-model-name": (ServerConfig, "served_model_name"),
+    "max-waiting": (ServerConfig, "max_waiting"), "max-tokens-cap": (ServerConfig, "max_tokens_cap"),
+    "default-max-tokens": (ServerConfig, "default_max_tokens"),
+    "max-body-bytes": (ServerConfig, "max_body_bytes"), "max-viewers": (ServerConfig, "max_ws_subscribers"),
+    "viewer-buffer": (ServerConfig, "ws_buffer"), "history": (ServerConfig, "history"),
+}
+TYPES = {"int": int, "float": float, "int | None": int, "float | None": float}
+
+
+def parse_args(argv: list[str] | None = None, env: dict | None = None) -> argparse.Namespace:
+    env = os.environ if env is None else env
+    p = argparse.ArgumentParser(prog="python -m app", description="batchscope: a live LLM engine you can watch.")
+    for flag, (cls, name) in FLAGS.items():
+        field = next(f for f in dataclasses.fields(cls) if f.name == name)
+        kind = TYPES.get(str(field.type), str)
+        var = "BATCHSCOPE_" + flag.upper().replace("-", "_")
+        raw = env.get(var) or (env.get(flag.upper()) if flag in ("host", "port") else None)
+        default = field.default
+        if raw is not None:
+            try:
+                default = kind(raw)
+            except ValueError:
+                p.error(f"environment variable {var}={raw!r} is not a valid {kind.__name__}")
+        p.add_argument(f"--{flag}", dest=name, type=kind, default=default,
+                       choices=POLICIES if flag == "policy" else None,
+                       help=f"(env {var}; default {field.default!r})")
+    p.add_argument("--log-level", default=env.get("BATCHSCOPE_LOG_LEVEL", "info"),
+                   choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def build(args: argparse.Namespace, env: dict | None = None) -> tuple[EngineService, object]:
+    """The service and the app. The Gradio UI mounts here, on the same app, in one line."""
+    env = os.environ if env is None else env
+    values = vars(args)
+    engine_config = EngineConfig(**{n: values[n] for c, n in FLAGS.values() if c is EngineConfig})
+    server_config = ServerConfig(**{n: values[n] for c, n in FLAGS.values() if c is ServerConfig},
+                                 presenter_key=env.get("PRESENTER_KEY") or None)
+    service = EngineService(engine_config, server_config)
+    app = create_app(service)
+    return service, app
+
+
+class Server(uvicorn.Server):
+    """uvicorn, plus: print the URL once listening, and abort in-flight requests on SIGINT/SIGTERM
+    so that open streams end at once instead of holding the shutdown up."""
+
+    def __init__(self, config: uvicorn.Config, service: EngineService):
+        super().__init__(config)
+        self.service = service
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started and self.servers:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            print(f"batchscope: serving {self.service.model_name} on {self.service.device} "
+                  f"at http://{host}:{port}", flush=True)
+
+    def handle_exit(self, sig, frame):
+        self.service.begin_shutdown("server shutting down")
+        super().handle_exit(sig, frame)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        service, app = build(args)
+    except ValueError as e:
+        print(f"batchscope: {e}", file=sys.stderr)
+        return 2
+    print("batchscope: loading the model...", file=sys.stderr, flush=True)
+    try:
+        service.start()                 # before listening: the URL is printed only once the model is ready
+    except Exception as e:
+        print(f"batchscope: could not load the model: {e}", file=sys.stderr)
+        return 1
+    cfg = service.config
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level,
+                            ws_max_size=1 << 16, timeout_graceful_shutdown=int(cfg.shutdown_timeout_s))
+    Server(config, service).run()
+    service.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Server settings: one small dataclass, checked when it is built.
+
+The engine has its own EngineConfig; this one holds what only the web layer
+needs: where to listen, the slow-motion delay, the presenter key and the
+limits that keep one busy classroom from taking the server down.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 7860
+    step_delay: float = 0.0           # seconds of pause after each step (slow motion for a class)
+    presenter_key: str | None = None  # when set, changing the engine needs it; never logged or echoed
+    served_model_name: str | None = None  # the name /v1/models shows; defaults to the model's name
+    # ---- limits ----
+    max_waiting: int = 64             # queued requests beyond which chat answers 429
+    retry_after_s: int = 2            # the Retry-After a 429 suggests
+    max_tokens_cap: int = 4096        # largest max_tokens a request may ask for
+    default_max_tokens: int = 512     # used when a request gives none
+    max_body_bytes: int = 1 << 20     # request bodies of the JSON API
+    max_ws_subscribers: int = 64      # step-stream viewers at once
+    ws_buffer: int = 512              # messages a viewer may fall behind before older ones are dropped
+    history: int = 4096               # records (steps + events) kept for snapshots and traces
+    snapshot_steps: int = 200         # steps a new viewer receives on connect
+    health_recovery_s: float = 10.0   # /healthz stays unhealthy this long after an engine-loop crash
+    shutdown_timeout_s: float = 10.0  # graceful shutdown gives up on connections after this
+
+    def __post_init__(self):
+        _positive_int("port", self.port, low=0)
+        for name in ("max_waiting", "max_tokens_cap", "default_max_tokens", "max_body_bytes",
+                     "max_ws_subscribers", "ws_buffer", "history", "snapshot_steps", "retry_after_s"):
+            _positive_int(name, getattr(self, name))
+        check_step_delay(self.step_delay)
+        self.default_max_tokens = min(self.default_max_tokens, self.max_tokens_cap)   # a lower cap wins
+        if self.ws_buffer > self.history:
+            raise ValueError(f"ws_buffer ({self.ws_buffer}) must not exceed history ({self.history})")
+        if self.presenter_key == "":
+            self.presenter_key = None     # an empty variable means "no key", not "the empty key"
+
+
+def check_step_delay(value) -> float:
+    # an upper bound keeps a typo (500 instead of 0.5) from freezing a live class
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 10:
+        raise ValueError(f"step_delay must be a number of seconds in [0, 10], got {value!r}")
+    return float(value)
+
+
+def _positive_int(name: str, value, low: int = 1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
