@@ -192,6 +192,8 @@ def test_two_panels_share_steps_and_a_scenario_runs_on_the_step_clock():
         a, b = await asyncio.gather(drain(ui.send(0, "Say hi.", Tab())), drain(ui.send(1, "Say bye.", Tab())))
         empty = await drain(ui.send(2, "   ", Tab()))
         empty.append(len(ui.sessions.get("tab").panels[2].turns))
+        everyone = await drain(ui.send_all(3, "Hello, everyone.", Tab()))
+        empty.append(everyone)
         await drain(ui.run_scenario("long-prompt-interrupts", "continuous", "", Tab()))
         sub.close()
         await collector
@@ -205,7 +207,13 @@ def test_two_panels_share_steps_and_a_scenario_runs_on_the_step_clock():
     alice, bob = s.panels[0].turns[0], s.panels[1].turns[0]
     assert alice.reply and bob.reply and not alice.error and not bob.error
     assert len(a) >= 3 and a[-1][0][-1]["content"] == html.escape(alice.reply)   # streamed, then complete
+    everyone = empty.pop()
     assert "empty" in empty[0][2] and empty[-1] == 0                    # refused before the engine
+    # send to all: the four visible panels got the message and a reply each, in one shared stream
+    to_all = [p.turns[1] if p.name in ("Alice", "Bob") else p.turns[0] for p in s.panels[:4]]
+    assert all(t.full == "Hello, everyone." and t.reply and t.done and not t.error for t in to_all)
+    assert len(everyone[-1]) == 8 * 3 + 2 and everyone[-1][3][-1]["content"] == html.escape(to_all[3].reply)
+    assert not any(p.turns for p in s.panels[4:])
     steps = [r for r in records if r["type"] == "step"]
     shared = [r for r in steps if {alice.rid, bob.rid} <= {i["req"] for i in r["items"]}]
     assert shared, "the two panels never shared a step"
