@@ -70,6 +70,7 @@ def build(args: argparse.Namespace, env: dict | None = None) -> tuple[EngineServ
                                  presenter_key=env.get("PRESENTER_KEY") or None)
     service = EngineService(engine_config, server_config)
     app = create_app(service)
+    __import__("app.ui").ui.mount_ui(app, service)   # the teaching UI at /; Gradio loads only here
     return service, app
 
 
