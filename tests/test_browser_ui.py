@@ -82,6 +82,14 @@ def api(server, path, body=None, headers=None):
         return json.loads(r.read())
 
 
+@pytest.fixture
+def slow_motion(server):
+    """A pause after every step, so that streams are seen growing even on a fast machine."""
+    api(server, "/api/engine", {"step_delay": 0.05})
+    yield
+    api(server, "/api/engine", {"step_delay": 0.0})
+
+
 def wait_js(pg, expr, timeout=120):
     pg.wait_for_function(expr, timeout=timeout * 1000)
 
@@ -101,7 +109,12 @@ def bot_text(pg, i):
 
 # ---- the tests ----
 
-def test_two_panels_stream_and_share_a_step_in_the_chart(page):
+def test_two_panels_stream_and_share_a_step_in_the_chart(page, server, slow_motion):
+    # slow motion from the page's own control: 100 ms after every step
+    page.evaluate("""() => { const d = document.querySelector('[data-testid=step-delay]');
+                             d.value = 100; d.dispatchEvent(new Event('change')); }""")
+    wait_js(page, "document.querySelector('[data-testid=ctl-status]').textContent === 'Applied.'")
+    assert api(server, "/api/engine")["step_delay"] == pytest.approx(0.1)
     page.fill("#bs-box-0 textarea", "Tell me about the sea.")
     page.fill("#bs-box-1 textarea", "Tell me about the hills.")
     page.click("#bs-send-0")
@@ -161,7 +174,7 @@ def test_chunked_prefill_switch_flips_the_policy_and_marks_the_chart(page, serve
     assert page.locator("[data-testid=policy] button[aria-checked=true]").inner_text().endswith("chunked")
 
 
-def test_pause_single_step_replay_and_resume(page):
+def test_pause_single_step_replay_and_resume(page, slow_motion):
     page.click("#bs-short-3")
     wait_js(page, "[...BS.store.reqs.values()].some(r => r.label === 'Dan' && r.end == null && r.tokens.length >= 2)")
     page.click("[data-testid=pause]")
@@ -241,7 +254,7 @@ def test_a_dropped_socket_reconnects_and_backfills(page, server):
     assert page.evaluate("[...BS.store.reqs.values()].some(r => r.label === 'Offline' && r.tokens.length === 6)")
 
 
-def test_long_prompt_stalls_everyone_until_chunked_prefill_is_on(page, tmp_path):
+def test_long_prompt_stalls_everyone_until_chunked_prefill_is_on(page, tmp_path, slow_motion):
     shots = Path(os.environ.get("BATCHSCOPE_SCREENSHOT_DIR") or tmp_path)
     shots.mkdir(parents=True, exist_ok=True)
     runs = {}
