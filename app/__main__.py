@@ -22,19 +22,28 @@ from app.service import EngineService
 from engine import EngineConfig
 from engine.config import POLICIES
 
-# flag -> (config class, field). Defaults come from the dataclasses, so they are written down once.
+# flag -> (config class, field, help). Defaults come from the dataclasses, so they are written down once.
 FLAGS = {
-    "host": (ServerConfig, "host"), "port": (ServerConfig, "port"),
-    "model": (EngineConfig, "model"), "device": (EngineConfig, "device"), "dtype": (EngineConfig, "dtype"),
-    "policy": (EngineConfig, "policy"),
-    "max-num-batched-tokens": (EngineConfig, "max_num_batched_tokens"),
-    "max-num-seqs": (EngineConfig, "max_num_seqs"), "max-prefill-chunk": (EngineConfig, "max_prefill_chunk"),
-    "kv-cache-gb": (EngineConfig, "kv_cache_gb"), "max-model-len": (EngineConfig, "max_model_len"),
-    "step-delay": (ServerConfig, "step_delay"), "served-model-name": (ServerConfig, "served_model_name"),
-    "max-waiting": (ServerConfig, "max_waiting"), "max-tokens-cap": (ServerConfig, "max_tokens_cap"),
-    "default-max-tokens": (ServerConfig, "default_max_tokens"),
-    "max-body-bytes": (ServerConfig, "max_body_bytes"), "max-viewers": (ServerConfig, "max_ws_subscribers"),
-    "viewer-buffer": (ServerConfig, "ws_buffer"), "history": (ServerConfig, "history"),
+    "host": (ServerConfig, "host", "address to listen on"),
+    "port": (ServerConfig, "port", "port to listen on (0: any free port)"),
+    "model": (EngineConfig, "model", "local folder or Hub id; default: the embedded SmolLM2-135M-Instruct"),
+    "device": (EngineConfig, "device", "auto, cpu or cuda"),
+    "dtype": (EngineConfig, "dtype", "auto, float32, bfloat16 or float16"),
+    "policy": (EngineConfig, "policy", "static, continuous or chunked, at start"),
+    "max-num-batched-tokens": (EngineConfig, "max_num_batched_tokens", "token budget of one step"),
+    "max-num-seqs": (EngineConfig, "max_num_seqs", "most sequences in one step"),
+    "max-prefill-chunk": (EngineConfig, "max_prefill_chunk", "cap on one prompt's chunk (chunked policy)"),
+    "kv-cache-gb": (EngineConfig, "kv_cache_gb", "KV cache size on CPU"),
+    "max-model-len": (EngineConfig, "max_model_len", "context length; default: the model's"),
+    "step-delay": (ServerConfig, "step_delay", "seconds of pause after each step (slow motion)"),
+    "served-model-name": (ServerConfig, "served_model_name", "model name shown by /v1/models"),
+    "max-waiting": (ServerConfig, "max_waiting", "queued requests beyond which chat answers 429"),
+    "max-tokens-cap": (ServerConfig, "max_tokens_cap", "largest max_tokens a request may ask for"),
+    "default-max-tokens": (ServerConfig, "default_max_tokens", "max_tokens when a request gives none"),
+    "max-body-bytes": (ServerConfig, "max_body_bytes", "largest JSON request body"),
+    "max-viewers": (ServerConfig, "max_ws_subscribers", "step-stream viewers at once"),
+    "viewer-buffer": (ServerConfig, "ws_buffer", "records a viewer may fall behind before a gap"),
+    "history": (ServerConfig, "history", "records kept for snapshots and traces"),
 }
 TYPES = {"int": int, "float": float, "int | None": int, "float | None": float}
 
@@ -42,7 +51,7 @@ TYPES = {"int": int, "float": float, "int | None": int, "float | None": float}
 def parse_args(argv: list[str] | None = None, env: dict | None = None) -> argparse.Namespace:
     env = os.environ if env is None else env
     p = argparse.ArgumentParser(prog="python -m app", description="batchscope: a live LLM engine you can watch.")
-    for flag, (cls, name) in FLAGS.items():
+    for flag, (cls, name, text) in FLAGS.items():
         field = next(f for f in dataclasses.fields(cls) if f.name == name)
         kind = TYPES.get(str(field.type), str)
         var = "BATCHSCOPE_" + flag.upper().replace("-", "_")
@@ -53,9 +62,9 @@ def parse_args(argv: list[str] | None = None, env: dict | None = None) -> argpar
                 default = kind(raw)
             except ValueError:
                 p.error(f"environment variable {var}={raw!r} is not a valid {kind.__name__}")
-        p.add_argument(f"--{flag}", dest=name, type=kind, default=default,
+        p.add_argument(f"--{flag}", dest=name, type=kind, default=default, metavar=flag.split("-")[-1].upper(),
                        choices=POLICIES if flag == "policy" else None,
-                       help=f"(env {var}; default {field.default!r})")
+                       help=f"{text} (env {var}; default {field.default!r})")
     p.add_argument("--log-level", default=env.get("BATCHSCOPE_LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
@@ -65,8 +74,8 @@ def build(args: argparse.Namespace, env: dict | None = None) -> tuple[EngineServ
     """The service and the app. The Gradio UI mounts here, on the same app, in one line."""
     env = os.environ if env is None else env
     values = vars(args)
-    engine_config = EngineConfig(**{n: values[n] for c, n in FLAGS.values() if c is EngineConfig})
-    server_config = ServerConfig(**{n: values[n] for c, n in FLAGS.values() if c is ServerConfig},
+    engine_config = EngineConfig(**{n: values[n] for c, n, _ in FLAGS.values() if c is EngineConfig})
+    server_config = ServerConfig(**{n: values[n] for c, n, _ in FLAGS.values() if c is ServerConfig},
                                  presenter_key=env.get("PRESENTER_KEY") or None)
     service = EngineService(engine_config, server_config)
     app = create_app(service)
