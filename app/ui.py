@@ -248,6 +248,8 @@ def build_ui(service, **options) -> gr.Blocks:
         def remove(request: gr.Request):
             return ui.resize(-1, request)
 
+        for i in range(MAX_PANELS):          # the Chatbot's own trash button empties that panel for good
+            chats[i].clear(_typed_clear(ui, i), None, [notices[i], mine])
         add_btn.click(add, None, cols)
         remove_btn.click(remove, None, cols)
         clear_btn.click(ui.clear, None, chats + notices + cols + [mine], cancels=streaming)
@@ -305,6 +307,14 @@ def _typed_send(ui: UI, i: int, preset: str | None):
         async def handler(text: str | None, request: gr.Request):
             async for out in ui.send(i, text, request):
                 yield out
+    return handler
+
+
+def _typed_clear(ui: UI, i: int):
+    def handler(request: gr.Request):
+        s = ui.session(request)
+        s.panels[i].turns, s.panels[i].notice = [], ""
+        return "", mine_html(s)
     return handler
 
 
