@@ -170,8 +170,8 @@ def select_backend(name: str, device: torch.device, block_size: int, head_dim: i
     if name == "flash_attn" and not flash_ok:
         raise ValueError("attention_backend='flash_attn' needs CUDA, the flash-attn package and block_size % 256 == 0")
     if name == "triton" and not triton_ok:
-        raise ValueError("attention_backend='triton' needs CUDA, the triton package, and block_size and head_dim "
-                         "powers of two >= 16")
+        raise ValueError("attention_backend='triton' needs CUDA, the triton package, a power-of-two block_size "
+                         "and a power-of-two head_dim >= 16")
     if name == "flash_attn" or (name == "auto" and flash_ok):
         return FlashAttention()
     if name == "triton" or (name == "auto" and cuda and triton_ok):
@@ -180,8 +180,8 @@ def select_backend(name: str, device: torch.device, block_size: int, head_dim: i
 
 
 def kernel_supports(block_size: int, head_dim: int) -> bool:
-    """The Triton kernel's tiles (tl.dot) need powers of two of at least 16."""
-    return all(x >= 16 and x & (x - 1) == 0 for x in (block_size, head_dim))
+    """The Triton kernel's tiles need a power-of-two head_dim of at least 16 (tl.dot) and a power-of-two block."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and block_size & (block_size - 1) == 0
 
 
 def _installed(module: str) -> bool:

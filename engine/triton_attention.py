@@ -1,13 +1,15 @@
 """Paged decode attention in Triton: one query token per sequence, K/V read straight from the paged cache.
 
-Each program takes one sequence, one KV head and one split of that sequence's blocks. It loads the
-GROUP query heads that share the KV head (grouped-query attention) as one tile, walks the block
-table, and keeps a running softmax (flash-attention style), so no K/V is ever gathered or padded.
+Each program takes one sequence, one KV head and one split of that sequence's tokens. It loads the
+GROUP query heads that share the KV head (grouped-query attention) as one tile, walks the context
+TILE tokens at a time (each token's block looked up in the block table, so one tile can span several
+blocks and many loads are in flight), and keeps a running softmax (flash-attention style): no K/V
+is ever gathered into a copy or padded.
 The launch shape depends only on the number of sequences, never on their lengths: a decode step
 can be captured once in a CUDA graph and replayed for any context lengths.
 
 Split-K (flash-decoding): with few sequences and long contexts, one program per (sequence, KV head)
-leaves most of the GPU idle, so each sequence's blocks are cut into num_splits ranges computed in
+leaves most of the GPU idle, so each sequence's tiles are cut into num_splits ranges computed in
 parallel; a small combine step weighs each range's result by its softmax mass (log-sum-exp).
 """
 from __future__ import annotations
@@ -22,15 +24,15 @@ def _paged_decode_kernel(out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, bloc
                          scale, num_splits, stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
                          stride_os, stride_oh, stride_osp,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
+                         BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
-    num_blocks = tl.cdiv(ctx, BLOCK_SIZE)
-    per_split = tl.cdiv(num_blocks, num_splits)
+    num_tiles = tl.cdiv(ctx, TILE)
+    per_split = tl.cdiv(num_tiles, num_splits)
     lo = split * per_split
-    hi = tl.minimum(lo + per_split, num_blocks)
+    hi = tl.minimum(lo + per_split, num_tiles)
 
-    g, d, t = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_SIZE)
+    g, d, t = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM), tl.arange(0, TILE)
     head = kv_head * GROUP + g
     real = g < GROUP                                    # GROUP_PAD >= 16 rows for tl.dot; the rest are zeros
     q = tl.load(q_ptr + seq * stride_qs + head[:, None] * stride_qh + d[None, :], mask=real[:, None], other=0.0)
@@ -38,13 +40,15 @@ def _paged_decode_kernel(out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, bloc
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)   # running max of the scores
     l = tl.zeros([GROUP_PAD], tl.float32)                # running sum of exp(score - m)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)    # running sum of exp(score - m) * v
-    for b in range(lo, hi):
-        block = tl.load(block_tables_ptr + seq * stride_bt + b)     # int64: large caches overflow int32 offsets
-        kv = block * stride_kb + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
-        k = tl.load(k_cache_ptr + kv).to(tl.float32)                 # (BLOCK_SIZE, HEAD_DIM)
-        v = tl.load(v_cache_ptr + kv).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale   # (GROUP_PAD, BLOCK_SIZE)
-        s = tl.where((b * BLOCK_SIZE + t)[None, :] < ctx, s, float("-inf"))
+    for i in range(lo, hi):
+        pos = i * TILE + t                                # TILE tokens, spanning one or several blocks
+        valid = pos < ctx
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0)  # int64
+        kv = block[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+        k = tl.load(k_cache_ptr + kv, mask=valid[:, None], other=0.0).to(tl.float32)   # (TILE, HEAD_DIM)
+        v = tl.load(v_cache_ptr + kv, mask=valid[:, None], other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale       # (GROUP_PAD, TILE)
+        s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -79,7 +83,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         parts.stride(0), parts.stride(1), split_stride,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        SPLIT=num_splits > 1, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        TILE=max(16, min(64, 2048 // head_dim)), SPLIT=num_splits > 1, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     if num_splits > 1:   # each split's result, weighed by its share of the softmax mass
         out.copy_((parts * torch.softmax(lse, dim=-1).unsqueeze(-1)).sum(2))
     return out

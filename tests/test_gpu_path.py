@@ -68,8 +68,8 @@ def test_backend_selection_on_cpu(monkeypatch):
         select_backend("flash_attn", cpu, 256, 64)
     with pytest.raises(ValueError, match="triton"):
         select_backend("triton", cpu, 16, 64)
-    assert kernel_supports(16, 64) and kernel_supports(32, 128)
-    assert not kernel_supports(8, 64) and not kernel_supports(16, 80) and not kernel_supports(24, 64)
+    assert kernel_supports(16, 64) and kernel_supports(32, 128) and kernel_supports(8, 64) and kernel_supports(256, 64)
+    assert not kernel_supports(16, 80) and not kernel_supports(24, 64) and not kernel_supports(16, 8)
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(attention_backend="xformers")
     assert EngineConfig(device="cpu").torch_dtype in (torch.float32, torch.bfloat16)
@@ -100,14 +100,16 @@ def reference_decode(q, k_cache, v_cache, tables, ctx):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [(14, 2, 64, 16), (4, 4, 32, 16), (12, 2, 128, 32)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size",
+                         [(14, 2, 64, 16), (4, 4, 32, 16), (12, 2, 128, 32), (8, 2, 64, 8), (8, 2, 32, 256)])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_paged_decode_kernel(interpreted, dtype, heads, kv_heads, head_dim, block_size, splits):
     g = torch.Generator().manual_seed(heads * 7 + splits)
     k_cache = torch.randn(40, block_size, kv_heads, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(40, block_size, kv_heads, head_dim, generator=g).to(dtype)
     ctx = torch.tensor([1, 5, block_size, block_size + 1, 100, 3 * block_size + 2])
-    tables = torch.stack([torch.randperm(40, generator=g)[:12] for _ in ctx])
+    width = -(-int(ctx.max()) // block_size)
+    tables = torch.stack([torch.randperm(40, generator=g)[:width] for _ in ctx])
     q = torch.randn(len(ctx), heads, head_dim, generator=g).to(dtype)
     out = interpreted.paged_decode(*(x.to(DEVICE) for x in (q, k_cache, v_cache, tables, ctx)), splits).cpu()
     ref = reference_decode(q, k_cache, v_cache, tables, ctx)
@@ -126,7 +128,7 @@ for dtype, split, group, head_dim in [("bf16", False, 7, 64), ("bf16", True, 6, 
     sig = {"out_ptr": "*fp32" if split else "*" + dtype, "lse_ptr": "*fp32", "q_ptr": "*" + dtype,
            "k_cache_ptr": "*" + dtype, "v_cache_ptr": "*" + dtype, "block_tables_ptr": "*i64",
            "context_lens_ptr": "*i64", "scale": "fp32", **{k: "i32" for k in ints}}
-    consts = dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=head_dim, BLOCK_SIZE=16, SPLIT=split,
+    consts = dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=head_dim, BLOCK_SIZE=16, TILE=2048 // head_dim, SPLIT=split,
                   PRECISION="ieee" if dtype == "fp32" else "tf32")
     sig.update({k: "constexpr" for k in consts})
     src = triton.compiler.ASTSource(fn=_paged_decode_kernel, signature=sig, constexprs=consts)
