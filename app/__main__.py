@@ -118,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batchscope: could not load the model: {e}", file=sys.stderr)
         return 1
     cfg = service.config
+    # no per-message deflate: compressing every record for every viewer costs more CPU (taken from the
+    # engine) than the bandwidth it saves; records are small and viewers only send control messages
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level,
-                            ws_max_size=1 << 16, timeout_graceful_shutdown=int(cfg.shutdown_timeout_s))
+                            ws_max_size=1 << 16, ws_per_message_deflate=False,
+                            timeout_graceful_shutdown=int(cfg.shutdown_timeout_s))
     Server(config, service).run()
     service.stop()
     return 0

@@ -1,7 +1,7 @@
 """Fan-out of StepRecords and request events to many viewers.
 
 The engine thread appends every record to one numbered ring (O(1), whatever
-the number of viewers) and, at most once per burst, wakes the event loop.
+the number of viewers) and, once per step, wakes the event loop.
 Each viewer keeps only a cursor into the ring: it reads what it has not seen
 yet, serialised once and shared by all. A viewer that falls more than
 `buffer` records behind skips ahead and gets an explicit gap marker, so a
@@ -31,7 +31,8 @@ class Entry:
     @property
     def text(self) -> str:
         if self._text is None:
-            self._text = json.dumps(self.obj, separators=(",", ":"))
+            # default=str: a field the engine adds later must not cut every viewer off
+            self._text = json.dumps(self.obj, separators=(",", ":"), default=str)
         return self._text
 
 
@@ -141,6 +142,7 @@ class Broadcaster:
         self._subs: set[Subscription] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake_pending = False
+        self._flushed = 0                   # ring head at the last wake-up
         self.dropped = 0                    # records skipped over, all viewers together
         self.describe: Callable[[], dict] = dict   # what a snapshot says about the engine; the service sets it
 
@@ -149,9 +151,14 @@ class Broadcaster:
         return len(self._subs)
 
     def publish(self, obj: dict):
-        """Engine thread: O(1). One loop wake-up covers every record appended before it runs."""
+        """Engine thread: O(1), whatever the number of viewers. Viewers learn of it at the next flush()."""
         self.ring.append(obj)
-        if self._subs and not self._wake_pending and self._loop is not None:
+
+    def flush(self):
+        """Engine thread, once per step (and after commands): one loop wake-up for all new records,
+        so viewers send a step's events and its record together instead of waking per record."""
+        if self._subs and not self._wake_pending and self._loop is not None and self.ring.head > self._flushed:
+            self._flushed = self.ring.head
             self._wake_pending = True
             try:
                 self._loop.call_soon_threadsafe(self._wake_all)

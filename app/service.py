@@ -278,7 +278,9 @@ class EngineService:
         self.broadcaster.publish(obj)
 
     def _push_deltas(self):
+        """After a step or commands: new text to its readers, new records to the viewers."""
         deliver(collect_deltas(self.engine, self._streams))
+        self.broadcaster.flush()
 
     def _abort(self, rid: str, reason: str):
         try:
@@ -310,6 +312,7 @@ class EngineService:
             del self._streams[rid]
             by_loop.setdefault(stream.loop, []).append((stream, Delta("", tokens, "error", message)))
         deliver(by_loop)
+        self.broadcaster.flush()
 
     def _num_waiting(self) -> int:
         return self.engine.stats()["waiting"]

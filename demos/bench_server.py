@@ -36,20 +36,30 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system) of this process or of `pid`: unlike wall time, barely moved by other load."""
+    if pid is None:
+        return time.process_time()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def prompts(n: int) -> list[str]:
     return [f"Request {i}: tell me about the number {i * 7 + 3}." for i in range(n)]
 
 
 # ---------------- in-process ----------------
-def run_in_process(engine, n: int, max_tokens: int) -> float:
+def run_in_process(engine, n: int, max_tokens: int) -> tuple[float, float]:
+    """(output tokens/s, CPU ms per output token)."""
     from engine import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     rids = [engine.add_request(messages=[{"role": "user", "content": p}], params=params) for p in prompts(n)]
     while engine.has_unfinished():
         engine.step()
-    elapsed = time.perf_counter() - t0
-    return sum(engine.get_request(r).num_output_tokens for r in rids) / elapsed
+    elapsed, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    tokens = sum(engine.get_request(r).num_output_tokens for r in rids)
+    return tokens / elapsed, 1000 * cpu / tokens
 
 
 # ---------------- through the server ----------------
@@ -71,7 +81,7 @@ async def viewer(url: str, stop: asyncio.Event, counts: list[int]):
     async with websockets.connect(url, max_size=None, proxy=None) as ws:
         while not stop.is_set():
             try:
-                await asyncio.wait_for(ws.recv(), timeout=0.2)
+                await asyncio.wait_for(ws.recv(decode=False), timeout=0.2)   # a browser is elsewhere: read cheaply
                 counts.append(1)
             except asyncio.TimeoutError:
                 pass
@@ -84,8 +94,8 @@ def engine_rate(records: list[dict], first_step: int) -> float:
     return tokens / (steps[-1]["t_end"] - steps[0]["t_start"])
 
 
-async def run_http(base: str, n: int, max_tokens: int, viewers: int) -> tuple[float, float, int]:
-    """(client-side tokens/s, engine tokens/s from the records, messages the viewers got)."""
+async def run_http(base: str, pid: int, n: int, max_tokens: int, viewers: int) -> tuple[float, float, float, int]:
+    """(client-side tokens/s, engine tokens/s from the records, server CPU ms per token, viewer messages)."""
     async with httpx.AsyncClient(base_url=base, timeout=600, trust_env=False,
                                  limits=httpx.Limits(max_connections=n + 4)) as http:
         stop, counts = asyncio.Event(), []
@@ -93,14 +103,14 @@ async def run_http(base: str, n: int, max_tokens: int, viewers: int) -> tuple[fl
                     for _ in range(viewers)]
         await asyncio.sleep(0.5 if viewers else 0)          # let them connect and take their snapshot
         first_step = (await http.get("/api/engine")).json()["step"]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_seconds(pid)
         tokens = await asyncio.gather(*(one_stream(http, p, max_tokens) for p in prompts(n)))
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, cpu_seconds(pid) - c0
         stop.set()
         await asyncio.gather(*watchers)
         last = (await http.get("/api/engine")).json()["step"]
         records = (await http.get("/api/trace", params={"last": last - first_step + 1})).json()["records"]
-    return sum(tokens) / elapsed, engine_rate(records, first_step), len(counts)
+    return sum(tokens) / elapsed, engine_rate(records, first_step), 1000 * cpu / sum(tokens), len(counts)
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
@@ -136,16 +146,21 @@ def main():
               f"device {engine.device}, dtype {engine.config.dtype}", flush=True)
         # warm-up on both sides: first passes are slow, and both should find the same prefixes cached
         run_in_process(engine, args.clients, 4)
-        asyncio.run(run_http(base, args.clients, 4, 0))
+        asyncio.run(run_http(base, proc.pid, args.clients, 4, 0))
         inproc, http_plain, http_viewers, eng_plain, eng_viewers = [], [], [], [], []
+        cpu = {"in-process": [], "http": [], "http+viewers": []}    # CPU ms per output token
         runs = ["in-process", "http", "http+viewers"]
         for i in range(args.repeats):
             for kind in runs[i % 3:] + runs[:i % 3]:     # rotate the order: drifting load hits all alike
                 if kind == "in-process":
-                    inproc.append(run_in_process(engine, args.clients, args.max_tokens))
+                    rate, per_token = run_in_process(engine, args.clients, args.max_tokens)
+                    inproc.append(rate)
+                    cpu[kind].append(per_token)
                     continue
                 v = args.viewers if kind == "http+viewers" else 0
-                client_rate, engine_tokens, got = asyncio.run(run_http(base, args.clients, args.max_tokens, v))
+                client_rate, engine_tokens, per_token, got = asyncio.run(
+                    run_http(base, proc.pid, args.clients, args.max_tokens, v))
+                cpu[kind].append(per_token)
                 (http_viewers if v else http_plain).append(client_rate)
                 (eng_viewers if v else eng_plain).append(engine_tokens)
                 if v:
@@ -168,6 +183,10 @@ def main():
     print(f"  engine behind the server         {med(eng_plain):8.1f}")
     print(f"  same, {args.viewers} step-stream viewers   {med(eng_viewers):8.1f}   "
           f"{ratios(eng_viewers, eng_plain)}  (target >= 0.97)")
+    c = {k: med(v) for k, v in cpu.items()}
+    print("CPU ms per output token (steadier than wall time on a busy machine; ratio = tokens/s per CPU second)")
+    print(f"  in-process {c['in-process']:.2f} | server {c['http']:.2f} (ratio {c['in-process'] / c['http']:.3f}) | "
+          f"server with {args.viewers} viewers {c['http+viewers']:.2f} (ratio {c['http'] / c['http+viewers']:.3f})")
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
