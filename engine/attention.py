@@ -164,14 +164,14 @@ def select_backend(name: str, device: torch.device, block_size: int, head_dim: i
     where the tile sizes suit it, else torch; on CPU always torch."""
     cuda = device.type == "cuda"
     flash_ok = cuda and block_size % 256 == 0 and _installed("flash_attn")
-    # the Triton interpreter (TRITON_INTERPRET=1) runs the kernel on CPU tensors: tests use it
-    triton_ok = ((cuda or os.environ.get("TRITON_INTERPRET") == "1") and kernel_supports(block_size, head_dim)
-                 and _installed("triton"))
+    ampere = cuda and torch.cuda.get_device_capability(device) >= (8, 0)   # A10G, A100, L4, L40S, H100...
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"   # Triton runs the kernel on CPU tensors: tests
+    triton_ok = (ampere or interpreted) and kernel_supports(block_size, head_dim) and _installed("triton")
     if name == "flash_attn" and not flash_ok:
         raise ValueError("attention_backend='flash_attn' needs CUDA, the flash-attn package and block_size % 256 == 0")
     if name == "triton" and not triton_ok:
-        raise ValueError("attention_backend='triton' needs CUDA, the triton package, a power-of-two block_size "
-                         "and a power-of-two head_dim >= 16")
+        raise ValueError("attention_backend='triton' needs a CUDA GPU of compute capability 8.0 or newer, the "
+                         "triton package, a power-of-two block_size and a power-of-two head_dim >= 16")
     if name == "flash_attn" or (name == "auto" and flash_ok):
         return FlashAttention()
     if name == "triton" or (name == "auto" and cuda and triton_ok):

@@ -75,6 +75,29 @@ def test_backend_selection_on_cpu(monkeypatch):
     assert EngineConfig(device="cpu").torch_dtype in (torch.float32, torch.bfloat16)
 
 
+def test_backend_selection_on_cuda(interpreted, monkeypatch):
+    """The CUDA branch of the choice, with the device's answers faked (the kernel module is loaded
+    first, by the fixture, so that dropping TRITON_INTERPRET here does not change how it runs later)."""
+    import engine.attention as attention
+    from types import SimpleNamespace
+    cap = [(8, 9)]
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=58))
+    monkeypatch.setattr(attention, "_installed", lambda module: module == "triton")   # no flash-attn
+    gpu = torch.device("cuda")
+    backend = select_backend("auto", gpu, 256, 128)
+    assert backend.name == "triton-paged" and backend.graphable and backend.num_sms == 58
+    assert select_backend("auto", gpu, 16, 80).name == "torch-sdpa"          # head_dim the kernel cannot tile
+    assert select_backend("torch", gpu, 16, 64).name == "torch-sdpa"
+    with pytest.raises(ValueError, match="flash_attn"):
+        select_backend("flash_attn", gpu, 16, 64)                             # block size 16: flash-attn 2 cannot
+    cap[0] = (7, 5)                                                           # a T4: no Triton backend
+    assert select_backend("auto", gpu, 16, 64).name == "torch-sdpa"
+    with pytest.raises(ValueError, match="capability"):
+        select_backend("triton", gpu, 16, 64)
+
+
 # ---- the Triton kernel, run by Triton's interpreter on CPU tensors ----
 @pytest.fixture(scope="module")
 def interpreted():
