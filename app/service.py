@@ -167,9 +167,14 @@ class EngineService:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         def apply():
-            self.engine.set_policy(policy, max_num_batched_tokens, max_num_seqs, **chunk)
+            old_delay = self.step_delay
             if step_delay is not None:
-                self.step_delay = float(step_delay)
+                self.step_delay = float(step_delay)     # first, so the policy event carries it
+            try:
+                self.engine.set_policy(policy, max_num_batched_tokens, max_num_seqs, **chunk)
+            except Exception:
+                self.step_delay = old_delay             # a rejected change changes nothing
+                raise
             return {**self.engine.settings(), "step_delay": self.step_delay}
         return await self.call(apply)
 
@@ -275,6 +280,7 @@ class EngineService:
         """Engine listener, on the engine thread: O(1)."""
         if obj.get("type") == "policy":
             self.settings = {k: obj[k] for k in self.settings}
+            obj["step_delay"] = self.step_delay     # the slow-motion setting travels with the others
         self.broadcaster.publish(obj)
 
     def _push_deltas(self):

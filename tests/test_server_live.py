@@ -255,6 +255,8 @@ def test_slow_motion(live_server):
     steps = [m for m in live_server.records() if m["type"] == "step" and any(i["req"] == rid for i in m["items"])]
     assert len(steps) == 3
     assert all(b["t_start"] - a["t_end"] >= 0.39 for a, b in zip(steps, steps[1:]))
+    changes = [m["step_delay"] for m in live_server.records() if m["type"] == "policy"]
+    assert changes[-2:] == [0.4, 0.0]                    # viewers see the slow-motion switch too
 
 
 def test_trace_export(live_server):
