@@ -147,7 +147,7 @@ def check_equality(folder: Path, p: dict, device: str) -> dict:
         refs.append(out[0, len(ids):].tolist())
     del hf
     free_memory()
-    eng = engine_for(folder, p, dtype="float32", max_num_batched_tokens=64, max_model_len=1024,
+    eng = engine_for(folder, p, device=device, dtype="float32", max_num_batched_tokens=64, max_model_len=1024,
                      gpu_memory_utilization=0.5)
     _, rids, _ = run_engine(eng, [(ids, p["equality_tokens"]) for ids in prompts], arrive_every=2)
     outs = [eng.get_request(r).output_token_ids for r in rids]
@@ -169,17 +169,17 @@ def hf_baselines(folder: Path, p: dict, device: str, dtype: torch.dtype) -> dict
     b = p["max_num_seqs"]
     batches = [work[i:i + b] for i in range(0, len(work), b)]
 
-    def static(batches):
+    def static(hf, batches):
         for batch in batches:
             width = max(len(ids) for ids, _ in batch)
             x = torch.tensor([[0] * (width - len(ids)) + ids for ids, _ in batch], device=device)
             mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch], device=device)
             n = max(m for _, m in batch)
             hf.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-    static([[(ids[:8], 4) for ids, _ in batches[0]]])   # warm-up
+    static(hf, [[(ids[:8], 4) for ids, _ in batches[0]]])   # warm-up
     sync()
     t = time.perf_counter()
-    static(batches)
+    static(hf, batches)
     sync()
     secs = time.perf_counter() - t
     res["static_generate"] = {"seconds": secs, "output_tokens_per_s": useful / secs, "batch_size": b}
@@ -214,7 +214,7 @@ def hf_baselines(folder: Path, p: dict, device: str, dtype: torch.dtype) -> dict
 def engine_sections(folder: Path, p: dict, device: str) -> dict:
     bw = copy_bandwidth(device)          # before the KV cache takes the memory
     free_memory()
-    eng = engine_for(folder, p)
+    eng = engine_for(folder, p, device=device)
     r = eng.runner
     res = {"backend": r.backend.name, "dtype": eng.config.dtype, "kv_blocks": r.num_blocks,
            "graph_batch_sizes": r.graphs.sizes if r.graphs else [], "weight_bytes": r.weight_bytes}

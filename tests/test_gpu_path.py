@@ -262,3 +262,20 @@ def test_fused_elementwise_chains_trace_with_dynamic_shapes():
             for a, b in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, want))):
                 assert torch.equal(a, b), (f.fn.__name__, n)
     assert all(f.compiled is None for f in traced)       # CPU engines in this process never compiled them
+
+
+def test_fuse_on_cuda_dispatch_and_fallback(monkeypatch):
+    """CPU tensors take the plain function; on CUDA a first compile that fails leaves it unfused."""
+    from types import SimpleNamespace
+    from engine.models.llama import FuseOnCuda
+
+    def failing_compile(fn, **kw):
+        def compiled(*args):
+            raise RuntimeError("no compiler here")
+        return compiled
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    f = FuseOnCuda(lambda x, y: y + 1)
+    assert f(torch.zeros(1), 1) == 2 and f.compiled is None          # CPU: never compiled
+    on_gpu = SimpleNamespace(is_cuda=True)
+    assert f(on_gpu, 1) == 2 and f.compiled is f.fn                  # the compile failed: plain from now on
+    assert f(on_gpu, 2) == 3

@@ -37,16 +37,14 @@ class FuseOnCuda:
     def __call__(self, x, *args):
         if not (x.is_cuda and FuseOnCuda.enabled):
             return self.fn(x, *args)
-        if self.compiled is None:
-            self.compiled = torch.compile(self.fn, dynamic=True)
-        try:
-            return self.compiled(x, *args)
-        except Exception:
-            if self.compiled is self.fn:
-                raise
-            log.exception("torch.compile failed on %s: it runs unfused from now on", self.fn.__name__)
-            self.compiled = self.fn
-            return self.fn(x, *args)
+        if self.compiled is None:           # first call: compile, or stay unfused where that fails
+            try:
+                self.compiled = torch.compile(self.fn, dynamic=True)
+                return self.compiled(x, *args)
+            except Exception:
+                log.exception("torch.compile failed on %s: it runs unfused", self.fn.__name__)
+                self.compiled = self.fn
+        return self.compiled(x, *args)
 
 
 @FuseOnCuda
