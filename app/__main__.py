@@ -34,6 +34,7 @@ FLAGS = {
     "max-num-seqs": (EngineConfig, "max_num_seqs", "most sequences in one step"),
     "max-prefill-chunk": (EngineConfig, "max_prefill_chunk", "cap on one prompt's chunk (chunked policy)"),
     "kv-cache-gb": (EngineConfig, "kv_cache_gb", "KV cache size on CPU"),
+    "cpu-threads": (EngineConfig, "cpu_threads", "torch threads on CPU; default: one per core (1 helps on a busy 2-core box)"),
     "max-model-len": (EngineConfig, "max_model_len", "context length; default: the model's"),
     "step-delay": (ServerConfig, "step_delay", "seconds of pause after each step (slow motion)"),
     "served-model-name": (ServerConfig, "served_model_name", "model name shown by /v1/models"),

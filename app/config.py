@@ -23,6 +23,8 @@ class ServerConfig:
     default_max_tokens: int = 512     # used when a request gives none
     max_body_bytes: int = 1 << 20     # request bodies of the JSON API
     max_ws_subscribers: int = 64      # step-stream viewers at once
+    rate_limit_per_minute: int = 120  # chat requests one client address may send (API and UI); 0 = off
+    rate_limit_burst: int = 30        # of which this many at once
     ws_buffer: int = 512              # messages a viewer may fall behind before older ones are dropped
     history: int = 4096               # records (steps + events) kept for snapshots and traces
     snapshot_steps: int = 200         # steps a new viewer receives on connect
@@ -31,9 +33,10 @@ class ServerConfig:
 
     def __post_init__(self):
         _positive_int("port", self.port, low=0)
-        for name in ("max_waiting", "max_tokens_cap", "default_max_tokens", "max_body_bytes",
+        for name in ("rate_limit_burst", "max_waiting", "max_tokens_cap", "default_max_tokens", "max_body_bytes",
                      "max_ws_subscribers", "ws_buffer", "history", "snapshot_steps", "retry_after_s"):
             _positive_int(name, getattr(self, name))
+        _positive_int("rate_limit_per_minute", self.rate_limit_per_minute, low=0)
         check_step_delay(self.step_delay)
         self.default_max_tokens = min(self.default_max_tokens, self.max_tokens_cap)   # a lower cap wins
         if self.ws_buffer > self.history:

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from app.errors import APIError, from_validation, read_json
+from app.rate_limit import client_of
 from app.service import EngineService, QueueFull, ServiceUnavailable
 from engine import SamplingParams
 
@@ -85,7 +86,8 @@ def router(service: EngineService) -> APIRouter:
         messages, params = _convert(body, service)
         label = (body.user or "").strip()[:32] or None
         try:
-            stream = await service.submit(messages=messages, params=params, label=label)
+            client = client_of(request.headers, request.client.host if request.client else None)
+            stream = await service.submit(messages=messages, params=params, label=label, client=client)
         except ValueError as e:
             code = "context_length_exceeded" if "limit is" in str(e) else None
             raise APIError(400, str(e), param="messages", code=code) from None

@@ -28,6 +28,7 @@ from pathlib import Path
 from app.broadcast import Broadcaster, RecordRing
 from app.config import ServerConfig, check_step_delay
 from app.request_stream import Delta, QueueFull, RequestStream, ServiceUnavailable, collect_deltas, deliver
+from app.rate_limit import RateLimiter
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 log = logging.getLogger("batchscope.server")
@@ -42,6 +43,7 @@ class EngineService:
         self.ring = RecordRing(self.config.history)
         self.broadcaster = Broadcaster(self.ring, self.config.ws_buffer, self.config.max_ws_subscribers)
         self.broadcaster.describe = self.describe
+        self.limiter = RateLimiter(self.config.rate_limit_per_minute, self.config.rate_limit_burst)
         # ---- filled in by the engine thread when the model is loaded; read-only afterwards ----
         self.model_name = self.device = self.dtype = None
         self.max_model_len = 0
@@ -114,10 +116,15 @@ class EngineService:
     # ================= in-process API (event loop) =================
     async def submit(self, *, messages: list[dict] | None = None, prompt: str | None = None,
                      prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
-                     label: str | None = None) -> RequestStream:
-        """Queue a request; raises ValueError (bad prompt), QueueFull or ServiceUnavailable."""
+                     label: str | None = None, client: str | None = None) -> RequestStream:
+        """Queue a request; raises ValueError (bad prompt), QueueFull (queue full or client over its
+        rate limit) or ServiceUnavailable. client: the sender's address, for the rate limit."""
         if not self.accepting:
             raise ServiceUnavailable("the server is shutting down" if self.loaded else "the model is loading")
+        wait = self.limiter.retry_after(client)
+        if wait:
+            raise QueueFull(f"too many requests from this client ({self.config.rate_limit_per_minute} a minute); "
+                            f"try again in {wait} s", wait)
         stream = RequestStream(self, asyncio.get_running_loop())
 
         def add():

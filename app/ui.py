@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from app import ui_scenarios
+from app.rate_limit import client_of
 from app.ui_sessions import Session, Sessions, Turn, check_message, drive, fresh, stream_all
 from app.ui_text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, t
 from demos.scenarios import SCENARIOS, get_scenario, load_text
@@ -121,7 +122,7 @@ class UI:
         panel.turns.append(turn)
         changed = asyncio.Event()
         max_tokens = self.doc_max_tokens if preset == "long" else None
-        job = drive(self.service, panel, turn, messages, self.params(max_tokens), changed, s.lang)
+        job = drive(self.service, panel, turn, messages, self.params(max_tokens), changed, s.lang, _client(request))
         clear = preset is None
         async for _ in stream_all([job], changed, lambda: None):
             yield self.render_one(s, i, clear_box=clear)
@@ -140,7 +141,7 @@ class UI:
             turn = Turn(shown=text, full=text)
             messages = p.messages(text)
             p.turns.append(turn)
-            jobs.append(drive(self.service, p, turn, messages, self.params(), changed, s.lang))
+            jobs.append(drive(self.service, p, turn, messages, self.params(), changed, s.lang, _client(request)))
         clear = True
         async for _ in stream_all(jobs, changed, lambda: None):
             yield self.render_all(s, columns=False) + ["" if clear else gr.skip()]
@@ -338,3 +339,9 @@ def mount_ui(app: FastAPI, service, path: str = "/", **options) -> FastAPI:
     blocks = build_ui(service, **options)
     return gr.mount_gradio_app(app, blocks, path=path, head=head_html(), theme=gr.themes.Default(),
                                footer_links=[], ssr_mode=False)
+
+
+def _client(request: gr.Request) -> str | None:
+    """The browser's address for the rate limit; None when Gradio gives no connection (in-process calls)."""
+    peer = getattr(request, "client", None)
+    return client_of(getattr(request, "headers", None) or {}, getattr(peer, "host", None))

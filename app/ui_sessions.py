@@ -116,10 +116,11 @@ def check_message(text: str | None, lang: str) -> str | None:
 
 
 async def drive(service, panel: Panel, turn: Turn, messages: list[dict], params: SamplingParams,
-                changed: asyncio.Event, lang: str):
-    """Submit one turn and stream its reply into it. Errors end up in the turn, as text."""
+                changed: asyncio.Event, lang: str, client: str | None = None):
+    """Submit one turn and stream its reply into it. Errors end up in the turn, as text.
+    client: the browser's address, for the per-client rate limit (scripted scenarios pass None)."""
     try:
-        stream = await service.submit(messages=messages, params=params, label=panel.name)
+        stream = await service.submit(messages=messages, params=params, label=panel.name, client=client)
     except ValueError as e:
         turn.error = t(lang, "err_long", msg=str(e))
     except QueueFull as e:

@@ -29,6 +29,7 @@ class EngineConfig:
     attention_backend: str = "auto"     # auto | torch | triton | flash_attn (auto: see attention.select_backend)
     enforce_eager: bool = False         # CUDA: no CUDA graphs for decode steps
     seed: int = 0
+    cpu_threads: int | None = None      # torch intra-op threads on CPU; None = torch's choice (one per core)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -42,6 +43,8 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         check_budgets(self.max_num_batched_tokens, self.max_num_seqs, self.max_prefill_chunk)
+        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be a positive integer or None, got {self.cpu_threads!r}")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -67,7 +70,8 @@ def _cpu_has_amx() -> bool:
     """With AMX, bf16 matmuls beat fp32 at every batch size. With only AVX512-BF16 they win at
     batch >= 32 but a batch-1 decode (a matrix-vector product) runs far slower, so fp32 stays."""
     try:
-        flags = open("/proc/cpuinfo").read()
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
     except OSError:
         return False
     return "amx_bf16" in flags

@@ -35,6 +35,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides):
         config = replace(config, **overrides) if config else EngineConfig(**overrides)
         self.config = config
+        if config.cpu_threads and config.device == "cpu":
+            # process-wide: on a busy small machine fewer threads wait less for each other
+            torch.set_num_threads(config.cpu_threads)
         # ---- model, tokenizer, weights ----
         from transformers import AutoConfig, AutoTokenizer
         folder = resolve_model(config.model)
@@ -143,9 +146,12 @@ class LLMEngine:
     # ---- settings ----
     def set_policy(self, policy: str | None = None, max_num_batched_tokens: int | None = None,
                    max_num_seqs: int | None = None, max_prefill_chunk=_UNSET):
-        """Change the policy and budgets; takes effect at the next step. Nothing in flight is lost."""
+        """Change the policy and budgets; takes effect at the next step. Nothing in flight is lost.
+        None (or leaving an argument out) keeps the current value; max_prefill_chunk=None removes the cap."""
         s = self.scheduler
-        s.set_policy(policy or s.policy, max_num_batched_tokens or s.token_budget, max_num_seqs or s.max_num_seqs,
+        keep = lambda new, old: old if new is None else new
+        s.set_policy(keep(policy, s.policy), keep(max_num_batched_tokens, s.token_budget),
+                     keep(max_num_seqs, s.max_num_seqs),
                      s.max_prefill_chunk if max_prefill_chunk is _UNSET else max_prefill_chunk)
         self._emit({"type": "policy", "step": self.step_index, "t": self.clock(), **self.settings()})
 
@@ -153,6 +159,10 @@ class LLMEngine:
         s = self.scheduler
         return {"policy": s.policy, "max_num_batched_tokens": s.token_budget, "max_num_seqs": s.max_num_seqs,
                 "max_prefill_chunk": s.max_prefill_chunk}
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
     def stats(self) -> dict:
         return {**self.settings(), "model": self.model_name, "device": self.device,

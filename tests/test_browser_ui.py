@@ -238,7 +238,7 @@ def test_bad_input_gets_a_friendly_error_and_the_other_panels_carry_on(page, ser
     assert bot_text(page, 0)
     # the chat's own clear button empties the panel for good: the next reply comes alone
     page.click("#bs-chat-0 button[aria-label=Clear]")
-    page.wait_for_function("document.querySelectorAll('#bs-chat-0 [data-testid=user]').length === 0")
+    wait_js(page, "document.querySelectorAll('#bs-chat-0 [data-testid=user]').length === 0")
     page.fill("#bs-box-0 textarea", "One more.")
     page.click("#bs-send-0")
     wait_js(page, replies_done(page, ["Alice"]))
