@@ -34,6 +34,8 @@ FLAGS = {
     "max-num-seqs": (EngineConfig, "max_num_seqs", "most sequences in one step"),
     "max-prefill-chunk": (EngineConfig, "max_prefill_chunk", "cap on one prompt's chunk (chunked policy)"),
     "kv-cache-gb": (EngineConfig, "kv_cache_gb", "KV cache size on CPU"),
+    "attention-backend": (EngineConfig, "attention_backend", "auto, torch, triton or flash_attn"),
+    "enforce-eager": (EngineConfig, "enforce_eager", "CUDA: no CUDA graphs, no torch.compile (1/true to set)"),
     "cpu-threads": (EngineConfig, "cpu_threads", "torch threads on CPU; default: one per core (1 helps on a busy 2-core box)"),
     "max-model-len": (EngineConfig, "max_model_len", "context length; default: the model's"),
     "step-delay": (ServerConfig, "step_delay", "seconds of pause after each step (slow motion)"),
@@ -46,7 +48,15 @@ FLAGS = {
     "viewer-buffer": (ServerConfig, "ws_buffer", "records a viewer may fall behind before a gap"),
     "history": (ServerConfig, "history", "records kept for snapshots and traces"),
 }
-TYPES = {"int": int, "float": float, "int | None": int, "float | None": float}
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+TYPES = {"int": int, "float": float, "int | None": int, "float | None": float, "bool": _bool}
 
 
 def parse_args(argv: list[str] | None = None, env: dict | None = None) -> argparse.Namespace:
