@@ -34,6 +34,7 @@ FLAGS = {
     "max-num-seqs": (EngineConfig, "max_num_seqs", "most sequences in one step"),
     "max-prefill-chunk": (EngineConfig, "max_prefill_chunk", "cap on one prompt's chunk (chunked policy)"),
     "kv-cache-gb": (EngineConfig, "kv_cache_gb", "KV cache size on CPU"),
+    "block-size": (EngineConfig, "block_size", "tokens per KV block"),
     "attention-backend": (EngineConfig, "attention_backend", "auto, torch, triton or flash_attn"),
     "enforce-eager": (EngineConfig, "enforce_eager", "CUDA: no CUDA graphs, no torch.compile (1/true to set)"),
     "cpu-threads": (EngineConfig, "cpu_threads", "torch threads on CPU; default: one per core (1 helps on a busy 2-core box)"),
