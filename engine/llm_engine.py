@@ -55,7 +55,7 @@ class LLMEngine:
         # ---- scheduling ----
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.policy, config.max_num_batched_tokens,
-                                   config.max_num_seqs, config.max_prefill_chunk, self.max_model_len)
+                                   config.max_num_seqs, config.max_prefill_chunk)
         # ---- requests, records, counters ----
         self.requests: dict[str, Sequence] = {}              # live
         self.done: OrderedDict[str, Sequence] = OrderedDict()  # finished or aborted, newest last

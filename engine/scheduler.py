@@ -38,11 +38,10 @@ class Batch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, policy: str, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_prefill_chunk: int | None = None, max_model_len: int = 1 << 30):
+                 max_num_seqs: int, max_prefill_chunk: int | None = None):
         self.bm = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # admission order: the newest is preempted first
-        self.max_model_len = max_model_len
         self.set_policy(policy, max_num_batched_tokens, max_num_seqs, max_prefill_chunk)
 
     def set_policy(self, policy: str, max_num_batched_tokens: int, max_num_seqs: int,
@@ -105,15 +104,7 @@ class Scheduler:
 
     def _schedule_continuous(self, batch: Batch):
         # prefill first: any prompt that fits runs now, whole; decodes wait for it
-        budget = self.token_budget
-        for seq in list(self.running):
-            if not seq.is_prefill_done and seq in self.running and len(batch.items) < self.max_num_seqs:
-                n = seq.num_uncomputed_tokens
-                if batch.items and n > budget:
-                    break
-                if self._reserve(seq, n, batch):
-                    batch.items.append((seq, n))
-                    budget -= n
+        budget = self._add_whole_prefills(batch)
         while self._can_admit(batch):
             n = self._admit(self.waiting[0], lambda s: s.num_uncomputed_tokens,
                             fits=lambda n: not batch.items or n <= budget)
@@ -130,19 +121,25 @@ class Scheduler:
                 if self._admit(self.waiting[0], lambda s: s.num_uncomputed_tokens) == 0:
                     break
         # prefill every member before anyone decodes; then decode until all have finished
-        budget = self.token_budget
-        for seq in list(self.running):
-            if not seq.is_prefill_done and seq in self.running:
-                n = seq.num_uncomputed_tokens
-                if batch.items and n > budget:
-                    break
-                if self._reserve(seq, n, batch):
-                    batch.items.append((seq, n))
-                    budget -= n
+        self._add_whole_prefills(batch)
         if not batch.items:
             self._add_decodes(batch, self.token_budget)
 
     # ---- helpers ----
+    def _add_whole_prefills(self, batch: Batch) -> int:
+        """Running prompts not yet prefilled, each whole, packed under the budget (the first always goes)."""
+        budget = self.token_budget
+        for seq in list(self.running):
+            if seq.is_prefill_done or seq not in self.running or len(batch.items) >= self.max_num_seqs:
+                continue
+            n = seq.num_uncomputed_tokens
+            if batch.items and n > budget:
+                break
+            if self._reserve(seq, n, batch):
+                batch.items.append((seq, n))
+                budget -= n
+        return budget
+
     def _add_decodes(self, batch: Batch, budget: int) -> int:
         for seq in list(self.running):
             if budget <= 0 or len(batch.items) >= self.max_num_seqs:
@@ -168,13 +165,11 @@ class Scheduler:
         """
         if self.bm.blocks_needed(seq, seq.num_tokens) > self.bm.num_free:
             return 0
-        if seq.num_computed_tokens == 0 and not seq.block_table:
-            self.bm.match_prefix(seq)
+        self.bm.match_prefix(seq)               # a waiting sequence holds no blocks and has computed nothing
         n = size(seq)
         if n <= 0 or not fits(n) or not self.bm.allocate(seq, seq.num_computed_tokens + n):
-            if not seq.num_computed_tokens - seq.num_cached_tokens:   # nothing computed yet: undo the match
-                self.bm.free(seq)
-                seq.num_computed_tokens = seq.num_cached_tokens = 0
+            self.bm.free(seq)                   # undo the match: waiting sequences hold no blocks
+            seq.num_computed_tokens = seq.num_cached_tokens = 0
             return 0
         self.waiting.popleft()
         seq.status = Status.RUNNING

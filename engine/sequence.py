@@ -75,13 +75,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status in (Status.FINISHED, Status.ABORTED)
-
-    def num_blocks_for(self, num_tokens: int, block_size: int) -> int:
-        return (num_tokens + block_size - 1) // block_size
-
-    def token_id(self, i: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
-
-    def tokens(self, start: int, end: int) -> list[int]:
-        return self.all_token_ids[start:end]
