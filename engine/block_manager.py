@@ -10,6 +10,12 @@ the hash of the block before it, so equal hashes mean equal prefixes. A new
 sequence whose prompt starts with cached blocks reuses them (ref_count > 1)
 instead of computing them again. A freed block keeps its hash until the block
 is handed out for something else, so a later request can still hit it.
+
+A hit is checked, not trusted: the block must hold the same tokens and have been
+computed after the very block matched just before it (its parent, by id and
+generation), so a 64-bit hash collision can never serve one user another
+user's KV. Hit statistics count only admissions that held (undo_match takes an
+undone one back).
 """
 from __future__ import annotations
 
@@ -19,13 +25,15 @@ from engine.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("id", "ref_count", "hash", "token_ids")
+    __slots__ = ("id", "ref_count", "hash", "token_ids", "parent", "gen")
 
     def __init__(self, block_id: int):
         self.id = block_id
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None
+        self.parent: tuple[int, int] | None = None   # (id, gen) of the block before it when it was computed
+        self.gen = 0                                 # bumped each time the block is handed out again
 
 
 class BlockManager:
@@ -35,8 +43,7 @@ class BlockManager:
         self.free_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
         self.hash_to_block: dict[int, int] = {}
         self.enable_prefix_caching = enable_prefix_caching
-        self.num_hit_tokens = 0      # prefix-cache statistics
-        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0      # prefix-cache statistics: tokens served to admitted sequences
 
     # ---- sizes ----
     @property
@@ -66,7 +73,8 @@ class BlockManager:
         if block.hash is not None:                        # evict its cached content
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = None, None
+            block.hash, block.token_ids, block.parent = None, None, None
+        block.gen += 1
         block.ref_count = 1
         return block_id
 
@@ -98,25 +106,36 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         tokens, bs = seq.all_token_ids, self.block_size
-        self.num_queried_tokens += len(tokens)
-        prev = None
+        prev, parent = None, None
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            h = hash((prev, chunk))
+            h = self._hash(prev, chunk)
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            if block_id is None:
                 break
             block = self.blocks[block_id]
+            if block.token_ids != chunk or block.parent != parent:
+                break                                     # a hash collision, not our prefix
             if block.ref_count == 0:
                 del self.free_ids[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
             seq.block_hashes.append(h)
-            prev = h
+            prev, parent = h, (block_id, block.gen)
         hit = len(seq.block_table) * bs
         seq.num_computed_tokens = seq.num_cached_tokens = hit
         self.num_hit_tokens += hit
         return hit
+
+    def undo_match(self, seq: Sequence):
+        """An admission that did not go ahead: give the matched blocks back, uncount the hit."""
+        self.num_hit_tokens -= seq.num_cached_tokens
+        self.free(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+
+    @staticmethod
+    def _hash(prev: int | None, chunk: tuple[int, ...]) -> int:
+        return hash((prev, chunk))
 
     def commit_full_blocks(self, seq: Sequence):
         """After a step: publish the hashes of blocks that became full."""
@@ -130,8 +149,10 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             prev = seq.block_hashes[-1] if seq.block_hashes else None
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            h = hash((prev, chunk))
+            h = self._hash(prev, chunk)
             seq.block_hashes.append(h)
             if block.hash is None:
+                parent = self.blocks[seq.block_table[i - 1]] if i else None
                 block.hash, block.token_ids = h, chunk
+                block.parent = (parent.id, parent.gen) if parent else None
                 self.hash_to_block.setdefault(h, block.id)

@@ -15,6 +15,18 @@ prefill. Three policies retell three generations of LLM serving:
 
 Under static and continuous a prompt is always prefilled whole, so a prompt
 longer than the token budget runs alone in a step of its own length.
+
+Rules every policy keeps (tests/test_scheduler_properties.py checks them):
+  - a batch is decodes first, then prefill chunks, whatever path admitted them
+    (a request re-admitted after preemption whose prefix cache covers all but
+    its newest token is a decode);
+  - fairness: when fewer slots (budget, max_num_seqs) than ready decodes, the
+    request left out longest goes first, so each gets a token at least every
+    ceil(decodes / slots) steps;
+  - preemption (vLLM's rule): when the cache is full, the newest admitted
+    request gives up its KV, even one already placed in this step, until the
+    request asking for memory fits or is itself the newest; a step that
+    preempted admits nobody new.
 """
 from __future__ import annotations
 
@@ -35,6 +47,12 @@ class Batch:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
 
+    def __contains__(self, seq: Sequence) -> bool:
+        return any(s is seq for s, _ in self.items)
+
+    def remove(self, seq: Sequence):
+        self.items = [(s, n) for s, n in self.items if s is not seq]
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, policy: str, max_num_batched_tokens: int,
@@ -42,6 +60,7 @@ class Scheduler:
         self.bm = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # admission order: the newest is preempted first
+        self.num_steps = 0
         self.set_policy(policy, max_num_batched_tokens, max_num_seqs, max_prefill_chunk)
 
     def set_policy(self, policy: str, max_num_batched_tokens: int, max_num_seqs: int,
@@ -78,42 +97,67 @@ class Scheduler:
             self._schedule_continuous(batch)
         else:
             self._schedule_static(batch)
+        # decodes first: the runner lays out one token per decode, then the chunks (stable: order kept)
+        batch.items.sort(key=lambda item: not item[0].is_prefill_done)
+        for seq, _ in batch.items:
+            seq.last_scheduled = self.num_steps
+        self.num_steps += 1
         return batch
 
+    def update(self, batch: Batch, tokens: list[int | None], now: float) -> list[tuple[Sequence, int | None]]:
+        """After the forward pass: count the computed tokens, publish full blocks, append the sampled tokens.
+
+        tokens: one per sequence whose step completed its known tokens, in batch order; None where the
+        logits were non-finite (that sequence publishes nothing to the prefix cache: its KV is suspect).
+        Returns (sequence, token) for each of those; ending a request is the engine's call.
+        """
+        sampled, out = iter(tokens), []
+        for seq, n in batch.items:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens < seq.num_tokens:      # a chunk that did not finish the prompt
+                self.bm.commit_full_blocks(seq)
+                continue
+            token = next(sampled)
+            if token is not None:
+                self.bm.commit_full_blocks(seq)
+                seq.append_token(token, now)
+            out.append((seq, token))
+        return out
+
     def _schedule_chunked(self, batch: Batch):
-        budget = self.token_budget
         # decode first: running requests must never wait for a prompt
-        budget = self._add_decodes(batch, budget)
-        # then prompts already under way, then new ones, in chunks that fill the leftover budget
+        self._add_decodes(batch)
+        # then prompts already under way, oldest first, then new ones, in chunks that fill the leftover budget
         for seq in list(self.running):
-            if budget <= 0 or len(batch.items) >= self.max_num_seqs:
+            if self._full(batch):
                 return
             if seq.is_prefill_done or seq not in self.running:
                 continue
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, batch)
             if self._reserve(seq, n, batch):
                 batch.items.append((seq, n))
-                budget -= n
-        while budget > 0 and self._can_admit(batch):
+        while not self._full(batch) and self._can_admit(batch):
             seq = self.waiting[0]
-            n = self._admit(seq, lambda s: self._chunk(s, budget))
+            n = self._admit(seq, lambda s: self._chunk(s, batch))
             if n == 0:
                 return
             batch.items.append((seq, n))
-            budget -= n
 
     def _schedule_continuous(self, batch: Batch):
         # prefill first: any prompt that fits runs now, whole; decodes wait for it
-        budget = self._add_whole_prefills(batch)
+        self._add_whole_prefills(batch)
         while self._can_admit(batch):
-            n = self._admit(self.waiting[0], lambda s: s.num_uncomputed_tokens,
-                            fits=lambda n: not batch.items or n <= budget)
+            seq = self.waiting[0]
+            n = self._admit(seq, lambda s: s.num_uncomputed_tokens,
+                            fits=lambda n: not batch.items or n <= self._budget_left(batch))
             if n == 0:
                 break
-            batch.items.append((self.running[-1], n))
-            budget -= n
-        if not batch.items:
-            self._add_decodes(batch, self.token_budget)
+            batch.items.append((seq, n))
+        if any(not s.is_prefill_done for s, _ in batch.items):
+            # a re-admitted request that is really a decode waits with the other decodes
+            batch.items = [(s, n) for s, n in batch.items if not s.is_prefill_done]
+        else:
+            self._add_decodes(batch)
 
     def _schedule_static(self, batch: Batch):
         if not self.running:                     # the last batch is done: form the next one
@@ -123,38 +167,43 @@ class Scheduler:
         # prefill every member before anyone decodes; then decode until all have finished
         self._add_whole_prefills(batch)
         if not batch.items:
-            self._add_decodes(batch, self.token_budget)
+            self._add_decodes(batch)
 
     # ---- helpers ----
-    def _add_whole_prefills(self, batch: Batch) -> int:
+    def _budget_left(self, batch: Batch) -> int:
+        return self.token_budget - batch.num_tokens
+
+    def _full(self, batch: Batch) -> bool:
+        return self._budget_left(batch) <= 0 or len(batch.items) >= self.max_num_seqs
+
+    def _add_whole_prefills(self, batch: Batch):
         """Running prompts not yet prefilled, each whole, packed under the budget (the first always goes)."""
-        budget = self.token_budget
         for seq in list(self.running):
             if seq.is_prefill_done or seq not in self.running or len(batch.items) >= self.max_num_seqs:
                 continue
             n = seq.num_uncomputed_tokens
-            if batch.items and n > budget:
+            if batch.items and n > self._budget_left(batch):
                 break
             if self._reserve(seq, n, batch):
                 batch.items.append((seq, n))
-                budget -= n
-        return budget
 
-    def _add_decodes(self, batch: Batch, budget: int) -> int:
-        for seq in list(self.running):
-            if budget <= 0 or len(batch.items) >= self.max_num_seqs:
+    def _add_decodes(self, batch: Batch):
+        # left out longest first (ties: admission order): with fewer slots than decodes, they take turns
+        ready = sorted((s for s in self.running if s.is_prefill_done and s not in batch),
+                       key=lambda s: s.last_scheduled)
+        for seq in ready:
+            if self._full(batch):
                 break
-            if seq.is_prefill_done and seq in self.running and self._reserve(seq, 1, batch):
+            if seq in self.running and self._reserve(seq, 1, batch):
                 batch.items.append((seq, 1))
-                budget -= 1
-        return budget
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        n = min(seq.num_uncomputed_tokens, budget)
+    def _chunk(self, seq: Sequence, batch: Batch) -> int:
+        n = min(seq.num_uncomputed_tokens, self._budget_left(batch))
         return min(n, self.max_prefill_chunk) if self.max_prefill_chunk else n
 
     def _can_admit(self, batch: Batch) -> bool:
-        return (bool(self.waiting) and len(self.running) < self.max_num_seqs
+        # a step that preempted admits nobody: the memory it freed was needed by those already running
+        return (bool(self.waiting) and not batch.preempted and len(self.running) < self.max_num_seqs
                 and len(batch.items) < self.max_num_seqs)
 
     def _admit(self, seq: Sequence, size, fits=lambda n: True) -> int:
@@ -168,8 +217,7 @@ class Scheduler:
         self.bm.match_prefix(seq)               # a waiting sequence holds no blocks and has computed nothing
         n = size(seq)
         if n <= 0 or not fits(n) or not self.bm.allocate(seq, seq.num_computed_tokens + n):
-            self.bm.free(seq)                   # undo the match: waiting sequences hold no blocks
-            seq.num_computed_tokens = seq.num_cached_tokens = 0
+            self.bm.undo_match(seq)             # waiting sequences hold no blocks
             return 0
         self.waiting.popleft()
         seq.status = Status.RUNNING
@@ -177,19 +225,19 @@ class Scheduler:
         return n
 
     def _reserve(self, seq: Sequence, n: int, batch: Batch) -> bool:
-        """Blocks for n more tokens of a running seq, preempting the newest others if the cache is full."""
-        scheduled = {id(s) for s, _ in batch.items}
+        """Blocks for n more tokens of a running seq; while the cache is full, the newest admitted request
+        is preempted (even if already in this step), until seq fits or is the newest itself."""
         while not self.bm.allocate(seq, seq.num_computed_tokens + n):
-            victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
-            victim = victims[-1] if victims else seq
+            victim = self.running[-1]
             self._preempt(victim, batch)
             if victim is seq:
                 return False
         return True
 
     def _preempt(self, seq: Sequence, batch: Batch):
-        """Recompute preemption: drop its KV; it goes back to the head of the queue."""
+        """Recompute preemption: drop its KV and its place in this step; it goes back to the head of the queue."""
         self.running.remove(seq)
+        batch.remove(seq)
         self.bm.free(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.status = Status.WAITING

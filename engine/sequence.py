@@ -39,6 +39,7 @@ class Sequence:
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     num_preemptions: int = 0
+    last_scheduled: int = -1          # scheduler step that last ran it: decodes rotate by it
     # incremental detokenisation (see Detokenizer)
     output_text: str = ""
     prefix_offset: int = 0
@@ -75,3 +76,9 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status in (Status.FINISHED, Status.ABORTED)
+
+    def append_token(self, token: int, now: float):
+        self.output_token_ids.append(token)
+        self.token_times.append(now)
+        if self.first_token_time is None:
+            self.first_token_time = now

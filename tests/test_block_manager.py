@@ -77,3 +77,34 @@ def test_no_prefix_caching_switch():
     compute(bm, a, 9)
     assert bm.num_cached == 0
     assert bm.match_prefix(seq(range(9), "b")) == 0
+
+
+class CollidingBlockManager(BlockManager):
+    """Every block's hash ignores its parent: the worst case of a 64-bit collision, on demand."""
+
+    @staticmethod
+    def _hash(prev, chunk):
+        return hash(chunk)
+
+
+def test_a_hash_collision_never_serves_another_prefix():
+    bm = CollidingBlockManager(num_blocks=16, block_size=4)
+    other = seq([0, 0, 0, 0, 5, 6, 7, 8, 9], "other")      # its second block: 5 6 7 8 after 0 0 0 0
+    compute(bm, other, 9)
+    mine = seq([1, 2, 3, 4, 9, 9, 9, 9, 1], "mine")        # a cached first block 1 2 3 4
+    compute(bm, mine, 9)
+    bm.free(other)
+    bm.free(mine)
+    asker = seq([1, 2, 3, 4, 5, 6, 7, 8, 0], "asker")      # block 2's hash collides with other's block 2
+    assert bm.match_prefix(asker) == 4                     # its first block only: the parent check refuses
+
+
+def test_undone_match_is_not_counted_as_a_hit():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = seq(range(9), "a")
+    compute(bm, a, 9)
+    b = seq(range(9), "b")
+    assert bm.match_prefix(b) == 8 and bm.num_hit_tokens == 8
+    bm.undo_match(b)
+    assert bm.num_hit_tokens == 0 and b.block_table == [] and b.num_computed_tokens == 0
+    assert all(bm.blocks[i].ref_count == 1 for i in a.block_table)

@@ -57,8 +57,8 @@ class Case:
                 s = Sequence(rid, rid, list(prompt), SamplingParams(max_tokens=m), 0.0)
                 self.seqs[rid] = s
                 sched.add(s)
-            live = [s for s in self.seqs.values() if not s.is_finished]
-            if live and rng.random() < 0.03:
+            live = rng.random() < 0.03 and [s for s in self.seqs.values() if not s.is_finished]
+            if live:
                 victim = rng.choice(live)
                 sched.remove(victim)
                 victim.status = Status.ABORTED
@@ -73,15 +73,12 @@ class Case:
         raise AssertionError(f"not finished after {MAX_STEPS} steps: {self.state()}")
 
     def apply(self, batch: Batch):
-        """The engine's bookkeeping after a forward pass; a token is a function of the sequence so far."""
-        for s, n in batch.items:
-            s.num_computed_tokens += n
-            self.sched.bm.commit_full_blocks(s)
-            if s.num_computed_tokens == s.num_tokens:
-                s.output_token_ids.append(sum(s.all_token_ids) % 6)
-                if s.num_output_tokens >= s.params.max_tokens:
-                    self.sched.remove(s)
-                    s.status = Status.FINISHED
+        """The forward pass's outcome (a token is a function of the sequence so far), then the bookkeeping."""
+        tokens = [sum(s.all_token_ids) % 6 for s, n in batch.items if s.num_computed_tokens + n == s.num_tokens]
+        for s, _ in self.sched.update(batch, tokens, 0.0):
+            if s.num_output_tokens >= s.params.max_tokens:
+                self.sched.remove(s)
+                s.status = Status.FINISHED
 
     # ---- the invariants ----
     def check(self, batch: Batch, before: dict, step: int):
