@@ -2,10 +2,21 @@
 
 Read it along a request's path: sequence -> scheduler / block_manager ->
 model_runner (attention, models/llama) -> sampler / detokenizer -> llm_engine.
-"""
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence, Status
+The records it publishes are defined in records.
 
-__all__ = ["EngineConfig", "LLMEngine", "SamplingParams", "Sequence", "Status"]
+The names below load on first use, so `import engine.scheduler` (pure Python)
+does not pull in torch.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"EngineConfig": "engine.config", "LLMEngine": "engine.llm_engine",
+            "SamplingParams": "engine.sampling_params", "Sequence": "engine.sequence", "Status": "engine.sequence"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,14 +1,16 @@
-"""Engine configuration: one small dataclass, checked when it is built."""
+"""Engine configuration: one small dataclass, checked when it is built.
+
+torch is imported only where a config is built, so the scheduler (which reads
+POLICIES and check_budgets from here) stays free of it.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 POLICIES = ("static", "continuous", "chunked")
 BACKENDS = ("auto", "torch", "triton", "flash_attn")
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",   # accepted name -> torch dtype name
+          "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
 
 
 @dataclass
@@ -32,6 +34,7 @@ class EngineConfig:
     cpu_threads: int | None = None      # torch intra-op threads on CPU; None = torch's choice (one per core)
 
     def __post_init__(self):
+        import torch
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.device == "auto":
@@ -53,8 +56,9 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, DTYPES[self.dtype])
 
 
 def check_budgets(max_num_batched_tokens: int, max_num_seqs: int, max_prefill_chunk: int | None):

@@ -6,7 +6,9 @@
         record = engine.step()          # the StepRecord of docs/step_record.md
     engine.get_request(rid).output_text
 
-Single-threaded by design: a server calls it from one engine thread.
+Single-threaded by design: a server calls it from one engine thread. The engine
+orchestrates: the scheduler picks the batch and does the bookkeeping after it,
+the runner computes it, the records (engine/records.py) tell the world.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.loader import resolve_model
 from engine.model_runner import ModelRunner, check_architecture, load_safetensors
+from engine.prompts import eos_ids, tokenize
+from engine.records import KVState, PolicyEvent, Record, RequestEvent, StepItem, StepRecord, StepTiming
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import Sequence, Status
@@ -50,7 +54,7 @@ class LLMEngine:
         # a sequence must fit in the cache on its own, or it could never be scheduled
         self.max_model_len = min(max_len, self.runner.num_blocks * config.block_size)
         self.vocab_size = hf_config.vocab_size
-        self.eos_token_ids = _eos_ids(hf_config, self.tokenizer, folder)
+        self.eos_token_ids = eos_ids(hf_config, self.tokenizer, folder)
         self.detokenizer = Detokenizer(self.tokenizer)
         # ---- scheduling ----
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -97,31 +101,8 @@ class LLMEngine:
         return rid
 
     def tokenize(self, prompt=None, messages=None, prompt_token_ids=None) -> list[int]:
-        given = [x is not None for x in (prompt, messages, prompt_token_ids)]
-        if sum(given) != 1:
-            raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
-        if prompt is not None:
-            if not isinstance(prompt, str) or not prompt:
-                raise ValueError("prompt must be a non-empty string")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif messages is not None:
-            _check_messages(messages)
-            if not self.tokenizer.chat_template:
-                raise ValueError(f"model {self.model_name!r} has no chat template; send a plain prompt")
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)["input_ids"]
-        else:
-            ids = prompt_token_ids
-            if not isinstance(ids, list) or not ids or not all(
-                    isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-                raise ValueError(f"prompt_token_ids must be a non-empty list of ids in [0, {self.vocab_size})")
-            ids = list(ids)
-        if not ids:
-            raise ValueError("prompt is empty after tokenisation")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the limit is {self.max_model_len - 1} "
-                             f"(model context {self.max_model_len})")
-        return ids
+        return tokenize(self.tokenizer, self.vocab_size, self.max_model_len, self.model_name,
+                        prompt, messages, prompt_token_ids)
 
     def get_request(self, request_id: str) -> Sequence:
         seq = self.requests.get(request_id) or self.done.get(request_id)
@@ -153,26 +134,22 @@ class LLMEngine:
         s.set_policy(keep(policy, s.policy), keep(max_num_batched_tokens, s.token_budget),
                      keep(max_num_seqs, s.max_num_seqs),
                      s.max_prefill_chunk if max_prefill_chunk is _UNSET else max_prefill_chunk)
-        self._emit({"type": "policy", "step": self.step_index, "t": self.clock(), **self.settings()})
+        self._emit(PolicyEvent(self.step_index, self.clock(), **self.settings()))
 
     def settings(self) -> dict:
         s = self.scheduler
         return {"policy": s.policy, "max_num_batched_tokens": s.token_budget, "max_num_seqs": s.max_num_seqs,
                 "max_prefill_chunk": s.max_prefill_chunk}
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
     def stats(self) -> dict:
         return {**self.settings(), "model": self.model_name, "device": self.device,
                 "dtype": self.config.dtype, "attention_backend": self.runner.backend.name,
-                "max_model_len": self.max_model_len, "kv": self._kv(),
+                "max_model_len": self.max_model_len, "kv": KVState.of(self.block_manager).to_dict(),
                 "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "live_requests": len(self.requests), "step": self.step_index,
                 "prefix_cache_hit_tokens": self.block_manager.num_hit_tokens, **self.counters}
 
-    # ---- listeners: every StepRecord and request event goes to each ----
+    # ---- listeners: every StepRecord and event goes to each, as a dict of its own ----
     def subscribe(self, fn):
         self.listeners.append(fn)
 
@@ -180,89 +157,73 @@ class LLMEngine:
         if fn in self.listeners:
             self.listeners.remove(fn)
 
-    def _emit(self, obj: dict):
+    def _emit(self, record: Record):
         for fn in list(self.listeners):
             try:
-                fn(obj)
+                fn(record.to_dict())        # a new dict each: a listener may add its own fields to it
             except Exception:
                 log.exception("a step listener failed; it is removed")
                 self.unsubscribe(fn)
 
-    def _emit_request(self, seq: Sequence, event: str, **extra):
+    def _emit_request(self, seq: Sequence, event: str, t: float | None = None, **extra):
         if self.listeners:
-            self._emit({"type": "request", "event": event, "req": seq.id, "label": seq.label,
-                        "t": self.clock(), **extra})
+            self._emit(RequestEvent(event, seq.id, seq.label, self.clock() if t is None else t, **extra))
 
     # ---- the step ----
     def step(self) -> dict | None:
         """Schedule, run one forward pass, update every request in it. None when idle."""
         if not self.scheduler.has_work():
             return None
+        sched = self.scheduler
         t_start = self.clock()
-        batch = self.scheduler.schedule()
-        in_batch = {id(s) for s, _ in batch.items}
-        stalled = [s.id for s in self.scheduler.running if s.is_prefill_done and id(s) not in in_batch]
-        items = [self._item(seq, n) for seq, n in batch.items]
+        batch = sched.schedule()
+        t_sched = self.clock()
+        items = tuple(StepItem.of(seq, n) for seq, n in batch.items)   # before the step moves them on
+        stalled = tuple(s.id for s in sched.running if s.is_prefill_done and s not in batch)
         for seq in batch.preempted:
             self.counters["preemptions"] += 1
-            self._emit_request(seq, "preempted", step=self.step_index)
-        t_sched = self.clock()
-        finished = self._run(batch) if batch.items else []
-        t_fwd = self.clock()
-        record = {"type": "step", "step": self.step_index, "t_start": t_start, "t_end": t_fwd,
-                  "policy": self.scheduler.policy, "token_budget": self.scheduler.token_budget,
-                  "max_num_seqs": self.scheduler.max_num_seqs, "items": items,
-                  "num_tokens": batch.num_tokens, "finished": finished,
-                  "preempted": [s.id for s in batch.preempted], "stalled": stalled, "kv": self._kv(),
-                  "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running)}
-        record["timing"] = {"schedule": t_sched - t_start, "forward": t_fwd - t_sched,
-                            "record": self.clock() - t_fwd}
+            self._emit_request(seq, "preempted", t=t_sched, step=self.step_index)
+        t_items = self.clock()
+        finished, error = self._run(batch) if batch.items else ([], None)
+        t_end = self.clock()
+        fields = dict(step=self.step_index, t_start=t_start, t_end=t_end, policy=sched.policy,
+                      token_budget=sched.token_budget, max_num_seqs=sched.max_num_seqs, items=items,
+                      num_tokens=batch.num_tokens, finished=tuple(finished),
+                      preempted=tuple(s.id for s in batch.preempted), stalled=stalled,
+                      kv=KVState.of(self.block_manager), waiting=len(sched.waiting), running=len(sched.running),
+                      failed=error is not None, error=error)
+        timing = StepTiming(schedule=t_sched - t_start, items=t_items - t_sched, forward=t_end - t_items,
+                            record=self.clock() - t_end)
+        record = StepRecord(**fields, timing=timing)
         self.step_index += 1
         self.counters["steps"] += 1
         self._emit(record)
-        return record
+        return record.to_dict()
 
-    def _item(self, seq: Sequence, n: int) -> dict:
-        start = seq.num_computed_tokens
-        if seq.is_prefill_done:
-            return {"req": seq.id, "label": seq.label, "kind": "decode", "tokens": n, "start": start}
-        item = {"req": seq.id, "label": seq.label, "kind": "prefill", "tokens": n, "start": start,
-                "prompt_len": seq.num_tokens, "completes_prompt": start + n == seq.num_tokens}
-        if seq.num_cached_tokens and start == seq.num_cached_tokens:
-            item["cached"] = seq.num_cached_tokens
-        return item
-
-    def _run(self, batch: Batch) -> list[str]:
+    def _run(self, batch: Batch) -> tuple[list[str], str | None]:
+        """The forward pass and what follows it. Returns the finished request ids and, if the pass
+        raised, the error's class name (the step's requests then fail; the engine goes on)."""
         try:
-            tokens = iter(self.runner.run(batch))
-        except Exception as e:      # one bad step fails the requests in it, not the engine
+            tokens = self.runner.run(batch)
+        except Exception as e:
             log.exception("forward pass failed")
             for seq, _ in batch.items:
                 self._fail(seq, f"forward pass failed: {type(e).__name__}: {e}")
-            return []
-        now, finished = self.clock(), []
-        for seq, n in batch.items:
-            seq.num_computed_tokens += n
-            self.block_manager.commit_full_blocks(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue                                    # a prefill chunk that did not finish the prompt
-            token = next(tokens)
+            return [], type(e).__name__
+        finished = []
+        for seq, token in self.scheduler.update(batch, tokens, self.clock()):
             if token is None:
                 self._fail(seq, "the model produced non-finite logits")
-            elif self._append_token(seq, token, now):
+            elif self._after_token(seq, token):
                 finished.append(seq.id)
-        return finished
+        return finished, None
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> bool:
-        """Add a sampled token; True when it ends the request."""
-        seq.output_token_ids.append(token)
-        seq.token_times.append(now)
+    def _after_token(self, seq: Sequence, token: int) -> bool:
+        """Events and stop conditions for a token just appended; True when it ends the request."""
         self.counters["output_tokens"] += 1
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            self._emit_request(seq, "first_token", ttft=now - seq.arrival_time)
-        p = seq.params
-        reason = None
+        if seq.num_output_tokens == 1:
+            self._emit_request(seq, "first_token", ttft=seq.first_token_time - seq.arrival_time)
+        p, reason = seq.params, None
         if self.detokenizer.update(seq):
             reason = "stop"
         elif (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
@@ -291,10 +252,6 @@ class LLMEngine:
         while len(self.done) > self.max_done:
             self.done.popitem(last=False)
 
-    def _kv(self) -> dict:
-        bm = self.block_manager
-        return {"used": bm.num_used, "total": bm.num_blocks, "cached": bm.num_cached, "block_size": bm.block_size}
-
     # ---- offline batches ----
     def generate(self, prompts: list | None = None, params: SamplingParams | list | None = None,
                  messages: list[list[dict]] | None = None) -> list[dict]:
@@ -317,25 +274,3 @@ class LLMEngine:
                         "finish_reason": seq.finish_reason, "error": seq.error})
         return out
 
-
-def _check_messages(messages):
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {role, content} objects")
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError("each message needs a string 'role' and a string 'content'")
-        if m["role"] not in ("system", "user", "assistant"):
-            raise ValueError(f"message role must be system, user or assistant, got {m['role']!r}")
-
-
-def _eos_ids(hf_config, tokenizer, folder) -> set[int]:
-    ids = set()
-    for src in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
-        ids.update(src if isinstance(src, list) else [src] if src is not None else [])
-    try:
-        from transformers import GenerationConfig
-        g = GenerationConfig.from_pretrained(folder).eos_token_id
-        ids.update(g if isinstance(g, list) else [g] if g is not None else [])
-    except Exception:
-        pass
-    return ids

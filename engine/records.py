@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from engine.block_manager import BlockManager
+    from engine.sequence import Sequence
 
 
 def doc(meaning: str, default: Any = dataclasses.MISSING, optional: bool = False):
@@ -61,6 +65,17 @@ class StepItem(Record):
     cached: int | None = doc("prefill only, first chunk: prompt tokens served from the prefix cache "
                              "instead of computed", optional=True)
 
+    @classmethod
+    def of(cls, seq: Sequence, n: int) -> StepItem:
+        """seq's part in a step about to run n of its tokens (read before the step changes it)."""
+        start = seq.num_computed_tokens
+        if seq.is_prefill_done:
+            return cls(seq.id, seq.label, "decode", n, start)
+        first_chunk = seq.num_cached_tokens and start == seq.num_cached_tokens
+        return cls(seq.id, seq.label, "prefill", n, start, prompt_len=seq.num_tokens,
+                   completes_prompt=start + n == seq.num_tokens,
+                   cached=seq.num_cached_tokens if first_chunk else None)
+
 
 @dataclass(frozen=True)
 class KVState(Record):
@@ -68,6 +83,10 @@ class KVState(Record):
     total: int = doc("KV blocks in the cache")
     cached: int = doc("blocks holding prefix-cached content (in use or free but not yet reused)")
     block_size: int = doc("tokens per block")
+
+    @classmethod
+    def of(cls, bm: BlockManager) -> KVState:
+        return cls(bm.num_used, bm.num_blocks, bm.num_cached, bm.block_size)
 
 
 @dataclass(frozen=True)
