@@ -15,13 +15,10 @@ def seq(n, sid):
     return Sequence(sid, sid, list(range(1000 * len(sid), 1000 * len(sid) + n)), SamplingParams(), 0.0)
 
 
-def advance(sched, batch):
-    """Apply a step as the engine would: count computed tokens, append a token when the prompt is done."""
-    for s, n in batch.items:
-        s.num_computed_tokens += n
-        sched.bm.commit_full_blocks(s)
-        if s.num_computed_tokens == s.num_tokens:
-            s.output_token_ids.append(7)
+def advance(sched, batch, token=7):
+    """Apply a step's outcome: the token each sequence that completed its known tokens samples."""
+    done = [s for s, n in batch.items if s.num_computed_tokens + n == s.num_tokens]
+    return sched.update(batch, [token] * len(done), 0.0)
 
 
 def plan(batch):
@@ -138,3 +135,57 @@ def test_bad_policy_and_budgets_are_rejected():
         sch.set_policy("chunked", 0, 8, None)
     with pytest.raises(ValueError, match="max_num_seqs"):
         sch.set_policy("chunked", 8, -1, None)
+
+
+def test_readmitted_request_that_is_really_a_decode_goes_first():
+    """A preempted request comes back with all but its newest token in the prefix cache: a decode at
+    admission. It must still precede the prefill chunks (the runner needs decodes first)."""
+    sch = make("chunked", budget=16, blocks=32, block_size=2, chunk=8)
+    w = Sequence("w", "w", [1, 2, 3, 4, 9], SamplingParams(), 0.0)
+    sch.add(w)
+    advance(sch, sch.schedule())
+    sch.remove(w)                                  # its blocks [1 2] [3 4] stay in the prefix cache
+    p = seq(40, "p")
+    sch.add(p)
+    advance(sch, sch.schedule())                   # p is a prompt under way
+    x = Sequence("x", "x", [1, 2, 3, 4], SamplingParams(), 0.0, output_token_ids=[5])
+    sch.add(x)                                     # as after a preemption: 4 of its 5 tokens are cached
+    batch = sch.schedule()
+    assert plan(batch) == [("x", 1), ("p", 8)]
+    assert x.is_prefill_done and x.num_cached_tokens == 4
+
+
+def test_decodes_take_turns_when_the_budget_is_one_token():
+    sch = make("chunked", budget=8, max_seqs=8)
+    for sid in ("a", "bb", "ccc"):
+        sch.add(seq(2, sid))
+    advance(sch, sch.schedule())                   # three replies under way
+    sch.set_policy("chunked", 1, 8, None)          # the lecture's smallest budget
+    served = []
+    for _ in range(6):
+        batch = sch.schedule()
+        served.append(plan(batch)[0][0])
+        advance(sch, batch)
+    assert served == ["a", "bb", "ccc", "a", "bb", "ccc"]
+
+
+def test_non_finite_logits_publish_nothing_to_the_prefix_cache():
+    sch = make("chunked", budget=16, block_size=4)
+    a = seq(9, "a")
+    sch.add(a)
+    out = advance(sch, sch.schedule(), token=None)
+    assert out == [(a, None)] and a.num_output_tokens == 0
+    assert sch.bm.num_cached == 0                  # its two full blocks were not published
+
+
+def test_a_step_that_preempts_admits_nobody():
+    sch = make("chunked", budget=64, blocks=4, block_size=4, max_seqs=4)
+    a, b = seq(7, "a"), seq(7, "bb")
+    sch.add(a)
+    sch.add(b)
+    advance(sch, sch.schedule())
+    advance(sch, sch.schedule())
+    sch.add(seq(1, "c"))                           # would fit once b's blocks are freed
+    batch = sch.schedule()
+    assert [s.id for s in batch.preempted] == ["bb"]
+    assert plan(batch) == [("a", 1)] and [s.id for s in sch.waiting] == ["bb", "c"]
