@@ -23,6 +23,9 @@ def tiny(tmp_path_factory):
 
 
 def check_step(rec):
+    assert not rec["failed"], f"step {rec['step']} failed: {rec.get('error')}"
+    kinds = [it["kind"] for it in rec["items"]]
+    assert kinds == sorted(kinds), f"step {rec['step']}: decodes must come first, got {kinds}"
     if rec["policy"] == "chunked":
         assert rec["num_tokens"] <= rec["token_budget"]
         decodes = sum(1 for it in rec["items"] if it["kind"] == "decode")
@@ -34,13 +37,16 @@ def check_step(rec):
     assert rec["num_tokens"] == sum(it["tokens"] for it in rec["items"])
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_random_workload_loses_nothing(tiny, seed):
+@pytest.mark.parametrize("seed, block_size", [(1, 4), (2, 2)])
+def test_random_workload_loses_nothing(tiny, seed, block_size):
+    """Small blocks (a cache of 320 tokens either way), so that a preempted request comes back through
+    the prefix cache, often with all but its newest token cached: a decode at admission."""
     folder, prompts, refs = tiny
-    eng = LLMEngine(EngineConfig(model=str(folder), dtype="float32", block_size=8, num_kv_blocks=40,
-                                 max_num_batched_tokens=32, max_num_seqs=6))
+    eng = LLMEngine(EngineConfig(model=str(folder), dtype="float32", block_size=block_size,
+                                 num_kv_blocks=320 // block_size, max_num_batched_tokens=32, max_num_seqs=6))
     rng = random.Random(seed)
     expected, aborted, preempted = {}, set(), 0
+    back_from_cache, was_preempted = 0, set()   # re-admissions served by the prefix cache
     submitted, steps = 0, 0
     while submitted < 150 or eng.has_unfinished():
         for _ in range(rng.choice([0, 0, 1, 2])):
@@ -62,9 +68,15 @@ def test_random_workload_loses_nothing(tiny, seed):
         if rec:
             check_step(rec)
             preempted += len(rec["preempted"])
+            for it in rec["items"]:
+                if it["req"] in was_preempted and it["req"] not in rec["preempted"]:
+                    back_from_cache += it["kind"] == "decode" or bool(it.get("cached"))
+                    was_preempted.discard(it["req"])
+            was_preempted.update(rec["preempted"])
         steps += 1
         assert steps < 20000
     assert preempted > 0, "the cache was meant to be small enough to force preemption"
+    assert back_from_cache > 0, "no preempted request came back through the prefix cache"
     for rid, ref in expected.items():
         seq = eng.get_request(rid)
         if rid in aborted:
