@@ -127,6 +127,35 @@ async def flip_policies(http, stop: asyncio.Event, rng: random.Random, stats: di
             pass
 
 
+async def preemption_burst(http, client, model: str, refs: dict, max_tokens: int, size: int = 8) -> dict:
+    """A fixed workload that must preempt: `size` copies of one short prompt admitted in one step.
+
+    The presenter slows the engine down (step_delay) so that every copy is queued before the next
+    step, then lets it run at full speed. Admission asks for room for a whole prompt, but identical
+    prompts share their full blocks, so more copies are admitted than the cache can grow: each
+    reply needs a new block within its first block_size tokens, and the cache has too few for all.
+    (With 0.006 GB: 8 blocks of 16 tokens; 37-token prompts; 4 copies admitted, 2 blocks left.)
+    """
+    short = [p for p in PROMPTS if len(p) < 60]
+    prompt = max(short, key=lambda p: len(refs[p]))     # the longest reply: it surely needs a new block
+    headers = {"X-Presenter-Key": KEY}
+    before = (await http.get("/api/engine")).json()["preemptions"]
+    await http.post("/api/engine", json={"policy": "chunked", "max_num_batched_tokens": 256, "max_num_seqs": 16,
+                                         "step_delay": 2.0}, headers=headers)
+    calls = [asyncio.create_task(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0.0))
+        for _ in range(size)]
+    for _ in range(200):                          # all queued (or already running) before the next step
+        if (await http.get("/api/engine")).json()["live_requests"] >= size:
+            break
+        await asyncio.sleep(0.05)
+    await http.post("/api/engine", json={"step_delay": 0.0}, headers=headers)
+    replies = await asyncio.gather(*calls)
+    after = (await http.get("/api/engine")).json()["preemptions"]
+    wrong = sum(r.choices[0].message.content != refs[prompt] for r in replies)
+    return {"burst_requests": size, "burst_preemptions": after - before, "burst_mismatches": wrong}
+
+
 async def soak(args) -> dict:
     import httpx
     import openai
@@ -150,6 +179,7 @@ async def soak(args) -> dict:
             client = client_for(args.clients)
             rng = random.Random(args.seed)
             await one_request(client, rng, dict(stats, mismatches=[], errors=[], status={}), refs, 4, 0)  # warm-up
+            stats.update(await preemption_burst(http, client, stats["model"], refs, args.max_tokens))
             stats["rss_start_mb"] = rss_mb(proc.pid)
             stop, t0 = asyncio.Event(), time.monotonic()
             flipper = asyncio.create_task(flip_policies(http, stop, random.Random(args.seed + 1), stats, args.flip_every))
@@ -202,6 +232,10 @@ def verdict(stats: dict) -> list[str]:
         problems.append(f"{len(stats['mismatches'])} greedy replies differ from the reference")
     if stats["blocks_leaked"] or stats["live_requests_left"]:
         problems.append(f"{stats['blocks_leaked']} KV blocks / {stats['live_requests_left']} requests left")
+    if not stats["burst_preemptions"]:
+        problems.append("the burst did not preempt: the KV cache was meant to be small enough to force it")
+    if stats["burst_mismatches"]:
+        problems.append(f"{stats['burst_mismatches']} greedy replies of the burst differ from the reference")
     if not stats["preemptions"] and stats["require_preemption"]:
         problems.append("no preemption happened: the KV cache was meant to be small enough to force it")
     if not stats["healthy_after"]:
