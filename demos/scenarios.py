@@ -20,7 +20,7 @@ Arrival offsets are read in the scenario's `clock`:
           point is load over time (requests per second); its arrival times
           repeat exactly, but which step they land in depends on the machine.
 
-demos/runner.py replays a scenario against an engine; demos/metrics.py turns
+demos/runner.py replays a scenario against an engine; engine/metrics.py turns
 the resulting records into numbers.
 """
 from __future__ import annotations

@@ -19,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from demos import metrics
+from engine import metrics
 
 KNOWN_TYPES = ("trace", "step", "request", "policy")
 

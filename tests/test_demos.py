@@ -5,7 +5,8 @@ import shutil
 import pytest
 import torch
 
-from demos import metrics, trace
+from demos import trace
+from engine import metrics
 from demos.runner import Feeder, run_scenario
 from demos.scenarios import SCENARIOS, Arrival, Scenario, get_scenario, load_text
 from engine import EngineConfig, LLMEngine
