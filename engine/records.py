@@ -1,0 +1,180 @@
+"""What the engine publishes: one StepRecord per forward pass, request events and policy events.
+
+Each record is a frozen dataclass; `to_dict()` gives the JSON object on the wire
+(docs/step_record.md), a new dict on every call, so a reader may add its own
+fields to its copy without touching the engine's record or another reader's.
+Field names are a contract read by app/, demos/ and static/: add, never rename.
+Every field carries its one-line meaning; `record_fields()` lists the names per
+record type and `schema_markdown()` writes the tables of docs/step_record.md.
+
+Pure Python: importing this module does not import torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+def doc(meaning: str, default: Any = dataclasses.MISSING, optional: bool = False):
+    """A field with its meaning. optional: left out of the wire dict when None."""
+    meta = {"doc": meaning, "optional": optional}
+    if optional and default is dataclasses.MISSING:
+        default = None
+    return field(default=default, metadata=meta)
+
+
+class Record:
+    """Shared serialisation: nested records become dicts, optional None fields are left out."""
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.metadata.get("optional"):
+                continue
+            out[f.name] = _plain(value)
+        return out
+
+
+def _plain(value):
+    if isinstance(value, Record):
+        return value.to_dict()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# ---- a step and its parts ----
+@dataclass(frozen=True)
+class StepItem(Record):
+    req: str = doc("request id")
+    label: str = doc("the request's display label")
+    kind: str = doc("`decode` (one new token of a running reply) or `prefill` (a chunk of prompt, "
+                    "or a recompute after preemption)")
+    tokens: int = doc("tokens this sequence contributed to the pass")
+    start: int = doc("position of the first of those tokens in the sequence")
+    prompt_len: int | None = doc("prefill only: tokens to prefill in all (prompt, or prompt + output "
+                                 "when recomputing)", optional=True)
+    completes_prompt: bool | None = doc("prefill only: this chunk finishes the prompt, so the step also "
+                                        "samples this request's first token", optional=True)
+    cached: int | None = doc("prefill only, first chunk: prompt tokens served from the prefix cache "
+                             "instead of computed", optional=True)
+
+
+@dataclass(frozen=True)
+class KVState(Record):
+    used: int = doc("KV blocks in use by live requests")
+    total: int = doc("KV blocks in the cache")
+    cached: int = doc("blocks holding prefix-cached content (in use or free but not yet reused)")
+    block_size: int = doc("tokens per block")
+
+
+@dataclass(frozen=True)
+class StepTiming(Record):
+    schedule: float = doc("seconds in the scheduler: choosing the batch (and any preemption)")
+    items: float = doc("seconds building the record's items from the batch (between `t_start` and `t_end`)")
+    forward: float = doc("seconds in the forward pass, sampling and the requests' bookkeeping after it")
+    record: float = doc("seconds assembling the record after `t_end`")
+
+
+@dataclass(frozen=True)
+class StepRecord(Record):
+    type: ClassVar[str] = "step"
+    step: int = doc("step index, from 0, never reused")
+    t_start: float = doc("when the step began (before scheduling)")
+    t_end: float = doc("when its forward pass, sampling and bookkeeping ended: "
+                       "`t_end - t_start` = `timing.schedule + timing.items + timing.forward`")
+    policy: str = doc("`static`, `continuous` or `chunked`: the policy that built this step")
+    token_budget: int = doc("`max_num_batched_tokens` in force for this step")
+    max_num_seqs: int = doc("most sequences allowed in one step")
+    items: tuple[StepItem, ...] = doc("one entry per sequence in the forward pass, decodes first")
+    num_tokens: int = doc("sum of `items[].tokens`")
+    finished: tuple[str, ...] = doc("requests that finished in this step (EOS, stop, length)")
+    preempted: tuple[str, ...] = doc("requests preempted (KV freed, to be recomputed) while building this step")
+    stalled: tuple[str, ...] = doc("running requests that had a reply under way but were left out of this step")
+    kv: KVState = doc("paged KV cache after the step")
+    waiting: int = doc("requests waiting for admission after the step")
+    running: int = doc("requests admitted (holding KV) after the step")
+    failed: bool = doc("the forward pass raised: every request in `items` failed and nothing was computed")
+    error: str | None = doc("failed steps only: the exception's class name", optional=True)
+    timing: StepTiming | None = doc("where the step's time went", optional=True)
+
+    def to_dict(self) -> dict:
+        return {"type": self.type, **super().to_dict()}
+
+
+# ---- events ----
+REQUEST_EVENTS = ("arrived", "first_token", "finished", "aborted", "preempted")
+
+
+@dataclass(frozen=True)
+class RequestEvent(Record):
+    type: ClassVar[str] = "request"
+    event: str = doc("`arrived`, `first_token`, `finished`, `aborted` or `preempted`")
+    req: str = doc("request id")
+    label: str = doc("the request's display label")
+    t: float = doc("when it happened")
+    prompt_len: int | None = doc("arrived: prompt tokens", optional=True)
+    max_tokens: int | None = doc("arrived: most reply tokens asked for", optional=True)
+    ttft: float | None = doc("first_token: seconds from arrival to the first token", optional=True)
+    finish_reason: str | None = doc("finished: `stop` or `length`", optional=True)
+    output_tokens: int | None = doc("finished: reply tokens", optional=True)
+    reason: str | None = doc("aborted: why (the client's reason, or the error that failed it)", optional=True)
+    step: int | None = doc("preempted: the step being built when it was preempted", optional=True)
+
+    def __post_init__(self):
+        if self.event not in REQUEST_EVENTS:
+            raise ValueError(f"request event must be one of {REQUEST_EVENTS}, got {self.event!r}")
+
+    def to_dict(self) -> dict:
+        return {"type": self.type, **super().to_dict()}
+
+
+@dataclass(frozen=True)
+class PolicyEvent(Record):
+    type: ClassVar[str] = "policy"
+    step: int = doc("the first step built with these settings")
+    t: float = doc("when the settings changed")
+    policy: str = doc("`static`, `continuous` or `chunked`")
+    max_num_batched_tokens: int = doc("token budget of one step")
+    max_num_seqs: int = doc("most sequences in one step")
+    max_prefill_chunk: int | None = doc("cap on one request's prefill chunk; null: no cap")
+
+    def to_dict(self) -> dict:
+        return {"type": self.type, **super().to_dict()}
+
+
+# ---- the schema, for tests and docs ----
+RECORD_TYPES: dict[str, type[Record]] = {
+    "step": StepRecord, "item": StepItem, "kv": KVState, "timing": StepTiming,
+    "request": RequestEvent, "policy": PolicyEvent,
+}
+
+
+def record_fields() -> dict[str, tuple[str, ...]]:
+    """Field names per record type ("step", "item", "kv", "timing", "request", "policy"),
+    as they appear on the wire (the top-level types include `type`)."""
+    out = {}
+    for name, cls in RECORD_TYPES.items():
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        out[name] = (("type",) if hasattr(cls, "type") else ()) + names
+    return out
+
+
+def schema_markdown() -> str:
+    """The field tables of docs/step_record.md, one per record type."""
+    parts = []
+    for name, cls in RECORD_TYPES.items():
+        parts.append(f"### `{name}` ({cls.__name__})\n\n| field | meaning |\n|---|---|")
+        if hasattr(cls, "type"):
+            parts.append(f"| `type` | always `\"{cls.type}\"` |")
+        for f in dataclasses.fields(cls):
+            note = " (left out when absent)" if f.metadata.get("optional") else ""
+            parts.append(f"| `{f.name}` | {f.metadata['doc']}{note} |")
+        parts.append("")
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    print(schema_markdown())
