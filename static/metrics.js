@@ -62,7 +62,7 @@
       policy: R.policy(seg.first), budget: R.budget(seg.first), maxSeqs: R.maxSeqs(seg.first),
       steps: seg.end - seg.start + 1, from: s0, to: s1,
       ttft50: pct(ttft, 50), ttft99: pct(ttft, 99), tbt50: pct(tbt, 50), tbt99: pct(tbt, 99),
-      stall, tps: span > 0 ? tokens / span : null, tokens, kv, waiting, busy,
+      stall, tps: span > 0 ? tokens / span : null, tokens, kvFill: kv, waiting, busy,
     };
   };
 
@@ -75,7 +75,7 @@
       case "tbt": return sec(m.tbt50) + " / " + sec(m.tbt99);
       case "stall": return m.stall > 0 ? sec(m.stall) : "0";
       case "tps": return m.tps == null ? "–" : m.tps.toFixed(1);
-      case "kv": return (m.kv * 100).toFixed(1) + " %";
+      case "kv": return (m.kvFill * 100).toFixed(1) + " %";
       case "waiting": return String(m.waiting);
     }
     return "";
@@ -91,7 +91,7 @@
       case "tbt": return [m.tbt50, m.tbt99];
       case "stall": return [m.stall];
       case "tps": return [m.tps];
-      case "kv": return [m.kv];
+      case "kv": return [m.kvFill];
       case "waiting": return [m.waiting];
     }
     return [];

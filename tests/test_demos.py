@@ -215,3 +215,15 @@ def test_bench_smoke(tiny_model, tmp_path):
     assert all(f"| {name} |" in md for name in doc["systems"]) and "| 3 |" in md
     for b in d["batches"].values():
         assert b["ours_step_ms"] > 0 and b["hf_forward_ms"] > 0 and b["weight_plus_kv_floor_ms"] > b["weight_floor_ms"]
+
+
+def test_one_chrome_converter_every_event_on_a_track():
+    """demos.trace and the server's /api/trace?format=chrome use app/trace.py; every event names its track."""
+    from app.trace import chrome_trace
+    from tests.test_metrics import stall_stream
+    s = stall_stream()
+    doc = chrome_trace(s, {"type": "trace", "model": "m"})
+    assert trace.to_chrome([{"type": "trace", "model": "m"}, *s]) == doc
+    assert all("tid" in e and "pid" in e for e in doc["traceEvents"])
+    steps = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["tid"] == 0]
+    assert [e["name"] for e in steps] == [f"step {r['step']}" for r in metrics.steps(s)]
