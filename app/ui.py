@@ -25,7 +25,7 @@ from app import ui_scenarios
 from app.rate_limit import client_of
 from app.ui_sessions import Session, Sessions, Turn, check_message, drive, fresh, stream_all
 from app.ui_text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, t
-from demos.scenarios import SCENARIOS, get_scenario, load_text
+from app.scenarios import SCENARIOS, get_scenario, load_text
 from engine import SamplingParams
 
 STATIC = Path(__file__).resolve().parent.parent / "static"

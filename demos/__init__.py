@@ -1,6 +1,5 @@
-"""Classroom scenarios, comparison reports, benchmarks and trace files.
+"""Comparison reports, benchmarks and trace files.
 
-    scenarios.py  fixed workloads (arrival times, prompts, reply lengths)
     runner.py     replays a scenario against an engine, keeps its record stream
     report.py     the self-contained HTML comparison report
     compare.py    python -m demos.compare: one scenario under several policies
@@ -9,5 +8,6 @@
     figure.py     python -m demos.figure: a small SVG of TBT around a long prompt, for docs
     trace.py      save / load traces, convert them for Perfetto
 
-The metrics themselves (TTFT, TBT, stalls, ...) are engine/metrics.py, shared with the app.
+The scenarios (app/scenarios.py, with their replay) and the metrics (engine/metrics.py)
+are shared with the app, which does not import demos/.
 """

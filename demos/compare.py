@@ -27,7 +27,7 @@ from demos import trace
 from engine import metrics
 from demos.report import fmt, write_report
 from demos.runner import Run, longest_prompt, run_scenario, warm_up
-from demos.scenarios import SCENARIOS, Scenario, get_scenario
+from app.scenarios import SCENARIOS, Scenario, get_scenario
 from engine import EngineConfig, LLMEngine
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from demos import trace
 from demos.runner import engine_meta, run_scenario
-from demos.scenarios import get_scenario
+from app.scenarios import get_scenario
 from engine import EngineConfig, LLMEngine, metrics
 
 OUT = Path(__file__).parent / "data" / "page_trace.json"

@@ -8,7 +8,7 @@ import torch
 from demos import trace
 from engine import metrics
 from demos.runner import Feeder, run_scenario
-from demos.scenarios import SCENARIOS, Arrival, Scenario, get_scenario, load_text
+from app.scenarios import SCENARIOS, Arrival, Scenario, get_scenario, load_text
 from engine import EngineConfig, LLMEngine
 from engine.loader import resolve_model
 
@@ -129,6 +129,30 @@ def test_feeder_for_a_loop_it_does_not_own(tiny_model):
     assert f.poll(1, 0.0) == [] and len(f.poll(2, 0.0)) == 1 and not f.done
     assert len(f.poll(3, 0.0)) == 1 and f.done
     assert [engine.get_request(r).label for r in f.request_ids] == ["a", "b", "c"]
+
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=8), st.lists(st.integers(1, 4), min_size=1, max_size=60),
+       st.sampled_from(["step", "wall"]))
+def test_one_replay_hands_out_every_arrival_once_in_order_when_due(ats, ticks, clock):
+    """app/scenarios.py's Replay, used by demos/runner.py and the page's lessons: whatever the clock
+    does, each arrival comes exactly once, in scenario order, never before its time; idle skips ahead."""
+    from app.scenarios import Replay
+    sc = Scenario("r", "", tuple(Arrival(a, f"u{i}", 1, prompt="x") for i, a in enumerate(sorted(ats))), clock=clock)
+    r, now, got = Replay(sc), 0, []
+    for dt in ticks:
+        for i, a in r.due(now, float(now)):
+            assert a.at <= now
+            got.append(i)
+        if r.done:
+            break
+        now = r.skip_idle(now) if dt == 4 and clock == "step" else now + dt   # 4: the engine went idle
+        assert r.skip_idle(now) >= now
+    else:
+        got += [i for i, _ in r.due(10 ** 6, 1e6)]
+    assert got == list(range(len(ats))) and r.done
 
 
 # ---- traces ----
