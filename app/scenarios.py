@@ -96,7 +96,7 @@ class Scenario:
 
 @lru_cache
 def load_text(name: str) -> str:
-    """A text shipped in demos/data/ (e.g. 'lighthouse_report': ~1,500 tokens)."""
+    """A text shipped in app/data/ (e.g. 'lighthouse_report': ~1,500 tokens)."""
     return (DATA / f"{name}.txt").read_text().strip()
 
 
