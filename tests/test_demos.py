@@ -1,14 +1,15 @@
 """Scenarios, the runner, traces, and smoke runs of compare and bench on a tiny random model."""
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from demos import trace
-from engine import metrics
-from demos.runner import Feeder, run_scenario
 from app.scenarios import SCENARIOS, Arrival, Scenario, get_scenario, load_text
+from demos import trace
+from demos.runner import Feeder, run_scenario
+from engine import metrics
 from engine import EngineConfig, LLMEngine
 from engine.loader import resolve_model
 
@@ -251,3 +252,17 @@ def test_one_chrome_converter_every_event_on_a_track():
     assert all("tid" in e and "pid" in e for e in doc["traceEvents"])
     steps = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["tid"] == 0]
     assert [e["name"] for e in steps] == [f"step {r['step']}" for r in metrics.steps(s)]
+
+
+def test_app_does_not_import_demos_and_metrics_need_no_torch():
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys; import app, app.ui, app.scenarios, app.trace, app.ui_scenarios; "
+            "bad = sorted(m for m in sys.modules if m == 'demos' or m.startswith('demos.')); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=300)
+    # engine/metrics.py on its own (the package's __init__ loads the engine, and torch with it)
+    code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('m', 'engine/metrics.py'); "
+            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); assert 'torch' not in sys.modules; "
+            "assert m.percentile([1, 2], 50) == 1.5")
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=60)
