@@ -88,7 +88,7 @@ def tokens(stream: Iterable[dict]) -> dict[str, list[Token]]:
                 req = item["req"]
                 mine = out.setdefault(req, [])
                 gap = rec["t_end"] - mine[-1].t if mine else None
-                mine.append(Token(rec["step"], rec["t_end"], gap, req in left_out))
+                mine.append(Token(rec["step"], rec["t_end"], gap, gap is not None and req in left_out))
                 left_out.discard(req)
         left_out.update(rec.get("stalled", ()))
     return out

@@ -48,7 +48,7 @@
       r.lastStep = step;
       if (R.producesToken(it)) {
         const prev = r.tokens[r.tokens.length - 1];
-        r.tokens.push({ t: tEnd, step, gap: prev ? tEnd - prev.t : null, stalled: r.stalledSince });
+        r.tokens.push({ t: tEnd, step, gap: prev ? tEnd - prev.t : null, stalled: !!prev && r.stalledSince });
         r.stalledSince = false;
         if (r.first == null) r.first = tEnd;
       }

@@ -261,3 +261,11 @@ def test_tokens_stalls_and_stretches_agree_with_a_direct_count(s):
     assert all((a["policy"], a["token_budget"], a["max_num_seqs"]) != (b["policy"], b["token_budget"],
                                                                        b["max_num_seqs"])
                for a, b in zip(parts, parts[1:]))
+
+
+def test_a_first_token_is_never_a_stall():
+    """Only a gap can be a stall: a (malformed) `stalled` entry before the first token is ignored."""
+    s = [arrived("a", 0.0), step(0, 0.0, 0.1, [], stalled=["a"]), step(1, 0.1, 0.2, [pre("a", 4, 0, 4)]),
+         step(2, 0.2, 0.3, [dec("a")])]
+    assert [tk.stalled for tk in metrics.tokens(s)["a"]] == [False, False]
+    assert metrics.summarize(s)["stall_count"] == 0 and metrics.stretches(s)[0]["stall_max_s"] == 0.0
