@@ -1,50 +1,71 @@
-"""Records -> Chrome trace events (open the file in ui.perfetto.dev or chrome://tracing).
+"""Records -> Chrome trace events: the one converter (open the file in ui.perfetto.dev or chrome://tracing).
 
-One track for the engine's steps, one track per request showing the prefill
-chunks and decodes it took part in, counters for the queues and the KV cache,
-and instants for request events and policy changes. Times become microseconds.
+Used by the server's `/api/trace?format=chrome` and by `python -m demos.trace`.
+A `steps` track with one slice per step; one track per request (named by its
+label) with a `decode` or `prefill N` slice for each step it was in and instant
+markers for its lifecycle events; instants for policy changes; counters for the
+queues, KV blocks and budget fill. Our times are seconds; Chrome's are microseconds.
 """
 from __future__ import annotations
 
+from engine import metrics
+
+US = 1e6
 PID = 1
 
 
-def chrome_trace(records: list[dict], meta: dict | None = None) -> dict:
-    tids: dict[str, int] = {}
-    events: list[dict] = [{"name": "process_name", "ph": "M", "pid": PID, "tid": 0,
-                           "args": {"name": "batchscope engine"}},
-                          {"name": "thread_name", "ph": "M", "pid": PID, "tid": 0, "args": {"name": "steps"}}]
+def chrome_trace(objs: list[dict], meta: dict | None = None) -> dict:
+    """Chrome trace-event JSON of a stream (records in any order; a trace header is used as meta if none is given)."""
+    tid = {req: i + 1 for i, req in enumerate(request_order(objs))}
+    names = metrics.labels(objs)
+    ev: list[dict] = [{"ph": "M", "pid": PID, "tid": 0, "name": "process_name", "args": {"name": "batchscope engine"}},
+                      {"ph": "M", "pid": PID, "tid": 0, "name": "thread_name", "args": {"name": "steps"}}]
+    for req, i in tid.items():
+        ev.append({"ph": "M", "pid": PID, "tid": i, "name": "thread_name",
+                   "args": {"name": f"{names.get(req, req)} ({req})"}})
+        ev.append({"ph": "M", "pid": PID, "tid": i, "name": "thread_sort_index", "args": {"sort_index": i}})
+    for rec in metrics.steps(objs):
+        ev += step_events(rec, tid)
+    for e in objs:
+        if e.get("type") == "request":
+            args = {k: v for k, v in e.items() if k not in ("type", "t")}
+            ev.append({"ph": "i", "s": "t", "pid": PID, "tid": tid.get(e["req"], 0), "ts": e["t"] * US,
+                       "name": e["event"], "cat": "request", "args": args})
+        elif e.get("type") == "policy":
+            ev.append({"ph": "i", "s": "p", "pid": PID, "tid": 0, "ts": e["t"] * US, "name": "policy",
+                       "cat": "policy", "args": {k: v for k, v in e.items() if k not in ("type", "t")}})
+    if meta is None:
+        meta = next((o for o in objs if o.get("type") == "trace"), None)
+    return {"traceEvents": ev, "displayTimeUnit": "ms", "otherData": meta or {}}
 
-    def tid(req: str, label: str) -> int:
-        if req not in tids:
-            tids[req] = len(tids) + 1
-            events.append({"name": "thread_name", "ph": "M", "pid": PID, "tid": tids[req],
-                           "args": {"name": f"{label} ({req})"}})
-        return tids[req]
 
-    for r in records:
-        kind = r.get("type")
-        if kind == "step":
-            ts, dur = r["t_start"] * 1e6, max(r["t_end"] - r["t_start"], 0.0) * 1e6
-            events.append({"name": f"step {r['step']}", "ph": "X", "pid": PID, "tid": 0, "ts": ts, "dur": dur,
-                           "args": {k: r.get(k) for k in ("policy", "num_tokens", "token_budget", "finished",
-                                                          "preempted", "stalled")}})
-            for item in r["items"]:
-                name = "decode" if item["kind"] == "decode" else f"prefill {item['tokens']}"
-                events.append({"name": name, "ph": "X", "pid": PID, "tid": tid(item["req"], item["label"]),
-                               "ts": ts, "dur": dur, "args": item})
-            end = r["t_end"] * 1e6
-            events.append({"name": "queue", "ph": "C", "pid": PID, "ts": end,
-                           "args": {"waiting": r["waiting"], "running": r["running"]}})
-            events.append({"name": "KV blocks used", "ph": "C", "pid": PID, "ts": end,
-                           "args": {"used": r["kv"]["used"]}})
-            events.append({"name": "tokens per step", "ph": "C", "pid": PID, "ts": ts,
-                           "args": {"tokens": r["num_tokens"]}})
-        elif kind == "request":
-            args = {k: v for k, v in r.items() if k not in ("type", "t")}
-            events.append({"name": r["event"], "ph": "i", "s": "t", "pid": PID, "tid": tid(r["req"], r["label"]),
-                           "ts": r["t"] * 1e6, "args": args})
-        elif kind == "policy":
-            events.append({"name": f"policy {r['policy']}", "ph": "i", "s": "g", "pid": PID, "tid": 0,
-                           "ts": r["t"] * 1e6, "args": {k: v for k, v in r.items() if k != "type"}})
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta or {}}
+def step_events(rec: dict, tid: dict[str, int]) -> list[dict]:
+    """One step: its slice on the steps track, a slice per item on its request's track, three counters."""
+    ts, dur, t_end = rec["t_start"] * US, max(rec["t_end"] - rec["t_start"], 0) * US, rec["t_end"] * US
+    ev = [{"ph": "X", "pid": PID, "tid": 0, "ts": ts, "dur": dur, "cat": "step", "name": f"step {rec['step']}",
+           "args": {k: rec.get(k) for k in ("policy", "num_tokens", "token_budget", "finished", "preempted",
+                                            "stalled", "timing")} | {"items": len(rec["items"])}}]
+    for item in rec["items"]:
+        name = "decode" if item["kind"] == "decode" else f"prefill {item['tokens']}"
+        ev.append({"ph": "X", "pid": PID, "tid": tid[item["req"]], "ts": ts, "dur": dur, "cat": item["kind"],
+                   "name": name, "args": {**item, "step": rec["step"]}})
+    kv = rec.get("kv") or {}
+    ev += [{"ph": "C", "pid": PID, "tid": 0, "ts": t_end, "name": "queues",
+            "args": {"waiting": rec.get("waiting", 0), "running": rec.get("running", 0)}},
+           {"ph": "C", "pid": PID, "tid": 0, "ts": t_end, "name": "kv blocks",
+            "args": {"used": kv.get("used", 0), "cached": kv.get("cached", 0)}},
+           {"ph": "C", "pid": PID, "tid": 0, "ts": t_end, "name": "budget fill",
+            "args": {"fill": rec["num_tokens"] / rec["token_budget"]}}]
+    return ev
+
+
+def request_order(objs: list[dict]) -> list[str]:
+    """Request ids in order of first appearance."""
+    seen: dict[str, None] = {}
+    for o in objs:
+        if o.get("type") == "request":
+            seen.setdefault(o["req"])
+        elif o.get("type") == "step":
+            for item in o["items"]:
+                seen.setdefault(item["req"])
+    return list(seen)

@@ -25,11 +25,11 @@ from app import ui_scenarios
 from app.rate_limit import client_of
 from app.ui_sessions import Session, Sessions, Turn, check_message, drive, fresh, stream_all
 from app.ui_text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, t
-from demos.scenarios import SCENARIOS, get_scenario, load_text
+from app.scenarios import SCENARIOS, get_scenario, load_text
 from engine import SamplingParams
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
-SCRIPTS = ["i18n.js", "palette.js", "socket.js", "gantt.js", "controls.js", "metrics.js", "main.js"]
+SCRIPTS = ["record.js", "i18n.js", "palette.js", "socket.js", "gantt.js", "controls.js", "metrics.js", "main.js"]
 STATIC_URL = "/static/batchscope"     # Gradio serves its own assets under /static/js, /static/fonts, ...
 MAX_PANELS = len(USERS)
 LESSONS = [("static", "static-vs-continuous"), ("continuous", "long-prompt-interrupts"),

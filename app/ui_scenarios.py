@@ -1,18 +1,18 @@
-"""Scripted users: play a demos/scenarios.py Scenario through the chat panels.
+"""Scripted users: play an app/scenarios.py Scenario through the chat panels.
 
 Each distinct label of the scenario takes a panel (a panel of the same name
 if there is one, else the next free one), so the lecturer sees the scripted
 users type and the chart shows them in their panel's colour. Arrivals on the
 "step" clock are timed by counting the step records the engine publishes;
 when a record says the engine has run out of work, the next arrival comes at once.
+The arrivals fall due through app/scenarios.py's Replay, as in demos/runner.py.
 """
 from __future__ import annotations
 
 import asyncio
 
+from app.scenarios import Arrival, Replay, Scenario
 from app.ui_sessions import Panel, Session, Turn, drive, fresh
-from demos.scenarios import Scenario
-from engine import SamplingParams
 
 SHOWN_CHARS = 220           # a long scripted prompt is shown shortened in its panel
 
@@ -42,24 +42,28 @@ async def play(service, session: Session, scenario: Scenario, changed: asyncio.E
     loop = asyncio.get_running_loop()
     children: list[asyncio.Future] = []
     clock = StepClock(service.broadcaster.subscribe(0), children) if scenario.clock == "step" else None
+
+    def send(a: Arrival):
+        messages = [dict(m) for m in a.messages] if a.messages else [{"role": "user", "content": a.prompt}]
+        text = messages[-1]["content"] = fresh(messages[-1]["content"])
+        panel = panels[a.label]
+        turn = Turn(shown=shorten(text), full=text)
+        panel.turns.append(turn)
+        children.append(asyncio.ensure_future(drive(service, panel, turn, messages, a.params(), changed, lang)))
+
     try:
-        start = loop.time()
-        for a in scenario.arrivals:
+        replay, start = Replay(scenario), loop.time()
+        while not replay.done:
             if clock is None:
-                await asyncio.sleep(max(0.0, start + a.at - loop.time()))
-            else:
-                await clock.wait_until(a.at)
-            messages = [dict(m) for m in a.messages] if a.messages else [{"role": "user", "content": a.prompt}]
-            text = messages[-1]["content"] = fresh(messages[-1]["content"])
-            panel = panels[a.label]
-            turn = Turn(shown=shorten(text), full=text)
-            panel.turns.append(turn)
-            params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed,
-                                    ignore_eos=True)
-            children.append(asyncio.ensure_future(drive(service, panel, turn, messages, params, changed, lang)))
-            if clock is not None:
-                clock.idle = False          # the engine has work now, whatever the last record said
-            changed.set()
+                await asyncio.sleep(max(0.0, start + replay.next_at - loop.time()))
+            else:       # back from waiting: the step has come, or the engine went idle (skip ahead, as demos does)
+                await clock.wait_until(replay.next_at)
+                clock.steps = replay.skip_idle(clock.steps)
+            for _, a in replay.due(clock.steps if clock else 0, loop.time() - start):
+                send(a)
+                if clock is not None:
+                    clock.idle = False      # the engine has work now, whatever the last record said
+                changed.set()
         await asyncio.gather(*children)
     finally:
         if clock is not None:

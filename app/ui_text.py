@@ -86,7 +86,7 @@ TEXT = {
     },
 }
 
-# scenario buttons: demos/scenarios.py name -> button text
+# scenario buttons: app/scenarios.py name -> button text
 SCENARIO_BUTTONS = {
     "en": {"long-prompt-interrupts": "3 chats + a long document", "static-vs-continuous": "8 requests, 4 slots",
            "bursty": "a burst of 24 requests", "shared-system-prompt": "shared system prompt (prefix cache)"},

@@ -1,12 +1,13 @@
-"""Classroom scenarios, comparison reports, benchmarks and trace files.
+"""Comparison reports, benchmarks and trace files.
 
-    scenarios.py  fixed workloads (arrival times, prompts, reply lengths)
     runner.py     replays a scenario against an engine, keeps its record stream
-    metrics.py    TTFT, TBT, stalls, throughput, budget fill: pure functions over records
     report.py     the self-contained HTML comparison report
     compare.py    python -m demos.compare: one scenario under several policies
     bench.py      python -m demos.bench: our engine against transformers
     baselines.py  the transformers baselines bench.py times
     figure.py     python -m demos.figure: a small SVG of TBT around a long prompt, for docs
     trace.py      save / load traces, convert them for Perfetto
+
+The scenarios (app/scenarios.py, with their replay) and the metrics (engine/metrics.py)
+are shared with the app, which does not import demos/.
 """

@@ -1,4 +1,4 @@
-"""transformers baselines for demos.bench, timed per token and measured with demos.metrics.
+"""transformers baselines for demos.bench, timed per token and measured with engine.metrics.
 
     load_hf(folder, dtype, device)                   the reference model, SDPA attention
     run_hf_static(model, workload, batch, pad_id)    generate() in static batches
@@ -16,7 +16,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from demos import metrics
+from engine import metrics
 
 
 class _TimeStreamer:

@@ -13,7 +13,7 @@ Parts (each can be skipped with --skip):
                                      until its longest reply is done)
                hf-cb                 transformers' own continuous batching
                                      (init_continuous_batching), where installed
-             Metrics: demos.metrics definitions over per-token times.
+             Metrics: engine.metrics definitions over per-token times.
   decode     one decode step at batch 1 and 32 with ~512 tokens of context:
              our engine's step (and its forward part) against transformers'
              forward with a KV cache of the same size, beside the memory-
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from demos import metrics
+from engine import metrics
 from demos.baselines import hf_decode_step, hf_has_cb, load_hf, run_hf_cb, run_hf_static
 from demos.compare import machine
 from demos.runner import warm_up

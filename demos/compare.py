@@ -4,7 +4,7 @@
         --policies static,continuous,chunked --out out/report.html --json out/metrics.json
 
 Writes a self-contained HTML report (demos/report.py) and a JSON file with, per
-policy, the numbers of demos.metrics.summarize (ttft_p50_s, ttft_p99_s,
+policy, the numbers of engine.metrics.summarize (ttft_p50_s, ttft_p99_s,
 tbt_p50_s, tbt_p99_s, tbt_max_s, output_tokens_per_s, num_steps,
 num_preemptions, ...). A scenario with a focus request (long-prompt-interrupts:
 "Doc") also gets, per policy, the latencies of the requests that were decoding
@@ -23,10 +23,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from demos import metrics, trace
+from demos import trace
+from engine import metrics
 from demos.report import fmt, write_report
 from demos.runner import Run, longest_prompt, run_scenario, warm_up
-from demos.scenarios import SCENARIOS, Scenario, get_scenario
+from app.scenarios import SCENARIOS, Scenario, get_scenario
 from engine import EngineConfig, LLMEngine
 
 

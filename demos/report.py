@@ -16,7 +16,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from demos import metrics
+from engine import metrics
 
 COLORS = {"static": "#7f7f7f", "continuous": "#d62728", "chunked": "#1f77b4"}
 KIND_COLORS = {"prefill": "#ff7f0e", "decode": "#2ca02c", "stall": "rgba(214,39,40,0.35)"}
@@ -50,10 +50,9 @@ def segments(stream: list[dict]) -> list[dict]:
     out.extend(open_seg.values())
     by_step = {r["step"]: r for r in recs}
     for req, st in metrics.stalls(stream).items():
-        log = dict(metrics.token_log(stream).get(req, []))
-        for step, length in st:
-            end = by_step[step]["t_start"]
-            out.append({"req": req, "kind": "stall", "start": log[step] - length, "end": end, "tokens": 0})
+        for tk in st:       # from the previous token to the start of the step that ended the stall
+            out.append({"req": req, "kind": "stall", "start": tk.t - tk.gap, "end": by_step[tk.step]["t_start"],
+                        "tokens": 0})
     return out
 
 

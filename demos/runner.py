@@ -10,47 +10,42 @@ run_scenario owns the step loop. A server whose engine thread owns the loop
 uses a Feeder instead and calls `feeder.poll(steps_done, seconds_elapsed)`
 before each step; it adds the arrivals that have fallen due.
 
-Arrival offsets follow the scenario's clock (see demos/scenarios.py): "step"
+Arrival offsets follow the scenario's clock (see app/scenarios.py): "step"
 arrivals join just before the run's step of that index, and an engine that
 runs out of work skips ahead to the next arrival; "wall" arrivals join at the
 first step boundary after their time, and an idle engine sleeps until then.
 """
 from __future__ import annotations
 
-import math
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from demos.scenarios import Arrival, Scenario
+from app.scenarios import Replay, Scenario
 from engine import SamplingParams
 
 
 class Feeder:
-    """Adds a scenario's arrivals to an engine as they fall due."""
+    """Adds a scenario's arrivals to an engine as they fall due (app/scenarios.py's Replay)."""
 
     def __init__(self, scenario: Scenario, engine):
         self.scenario, self.engine = scenario, engine
-        self.pending: deque[tuple[int, Arrival]] = deque(enumerate(scenario.arrivals))
+        self.replay = Replay(scenario)
         self.request_ids: list[str | None] = [None] * len(scenario.arrivals)
 
     @property
     def done(self) -> bool:
-        return not self.pending
+        return self.replay.done
 
     @property
     def next_at(self) -> float | None:
-        return self.pending[0][1].at if self.pending else None
+        return self.replay.next_at
 
     def poll(self, steps_done: int, elapsed: float) -> list[str]:
         """Add every arrival due by now (steps or seconds, per the scenario's clock); their request ids."""
-        now = steps_done if self.scenario.clock == "step" else elapsed
         added = []
-        while self.pending and self.pending[0][1].at <= now:
-            i, a = self.pending.popleft()
-            params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, temperature=a.temperature, seed=a.seed)
-            self.request_ids[i] = self.engine.add_request(**a.request_kwargs(), params=params, label=a.label)
+        for i, a in self.replay.due(steps_done, elapsed):
+            self.request_ids[i] = self.engine.add_request(**a.request_kwargs(), params=a.params(), label=a.label)
             added.append(self.request_ids[i])
         return added
 
@@ -93,7 +88,7 @@ def run_scenario(engine, scenario: Scenario, on_record: Callable[[dict], None] |
                 if all(r is None or engine.get_request(r).is_finished for r in feeder.request_ids):
                     break
             elif scenario.clock == "step":                # idle: skip ahead to the next arrival
-                steps_done = max(steps_done, math.ceil(feeder.next_at))
+                steps_done = feeder.replay.skip_idle(steps_done)
             else:
                 time.sleep(max(0.0, feeder.next_at - (time.perf_counter() - t0)))
         else:

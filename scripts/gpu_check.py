@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine import EngineConfig, LLMEngine, SamplingParams, metrics  # noqa: E402
 
 SHAPES = {  # Qwen2.5 configs (architecture only; weights are random)
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -85,8 +85,9 @@ def sync():
 
 
 def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else float("nan")
+    """engine/metrics.py's percentile (the page's and the reports'); nan for no data, for the JSON."""
+    v = metrics.percentile(xs, q)
+    return float("nan") if v is None else v
 
 
 def mixed_workload(p: dict, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -282,7 +283,7 @@ def engine_sections(folder: Path, p: dict, device: str) -> dict:
             step += 1
         sync()
         secs = time.perf_counter() - t
-        gaps = [b - a for x in chat_ids for a, b in zip(eng.get_request(x).token_times, eng.get_request(x).token_times[1:])]
+        gaps = [g for x in chat_ids for g in metrics.gaps(eng.get_request(x).token_times)]
         out = sum(eng.get_request(x).num_output_tokens for x in chat_ids) + 8 * len(longs)
         res["long_prompt"][policy] = {"seconds": secs, "output_tokens_per_s": out / secs, "tbt_p50_ms": pct(gaps, 50) * 1e3,
                                       "tbt_p99_ms": pct(gaps, 99) * 1e3, "tbt_max_ms": max(gaps) * 1e3}

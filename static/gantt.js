@@ -5,6 +5,7 @@
 // the store keeps every record, the view only moves a cursor over them.
 (function () {
   const BS = (window.BS = window.BS || {});
+  const R = BS.rec;           // record fields are read through record.js
   const LABEL_W = 132;        // px for row labels, left of both plots
   const TOP = 24;             // px above the rows, for setting-change flags
   const AXIS = 20;            // px below the rows, for the x axis
@@ -37,7 +38,7 @@
     let lo = 0, hi = steps.length - 1, ans = 0;
     while (lo <= hi) {
       const mid = (lo + hi) >> 1;
-      if (steps[mid].step <= stepNum) { ans = mid; lo = mid + 1; } else hi = mid - 1;
+      if (R.step(steps[mid]) <= stepNum) { ans = mid; lo = mid + 1; } else hi = mid - 1;
     }
     return ans;
   }
@@ -48,21 +49,21 @@
     const last = steps[ci];
     const n = Math.max(8, Math.min(view.span, Math.floor(plotW / MIN_CELL)));
     if (view.axis === "step") {
-      const cw = plotW / n, first = Math.max(steps[0].step, last.step - n + 1);   // fill from the left first
+      const cw = plotW / n, first = Math.max(R.step(steps[0]), R.step(last) - n + 1);   // fill from the left first
       let i = ci;
-      while (i > 0 && steps[i - 1].step >= first) i--;
-      return { steps: steps.slice(i, ci + 1), x: (s) => (s.step - first) * cw, w: () => cw, cw, first, last,
-               xAtT: null, from: first, to: last.step };
+      while (i > 0 && R.step(steps[i - 1]) >= first) i--;
+      return { steps: steps.slice(i, ci + 1), x: (s) => (R.step(s) - first) * cw, w: () => cw, cw, first, last,
+               xAtT: null, from: first, to: R.step(last) };
     }
     // wall time shows about the steps step mode would, each as wide as it took; the span grows at
     // once (a long stall stays in view) and shrinks slowly (no jitter)
-    const span = last.t_end - steps[Math.max(0, ci - n + 1)].t_start;
+    const span = R.tEnd(last) - R.tStart(steps[Math.max(0, ci - n + 1)]);
     const target = Math.max(MIN_SPAN, Math.min(MAX_SPAN, span));
     view.windowSec = target > view.windowSec ? target : view.windowSec * 0.97 + target * 0.03;
-    const t1 = last.t_end, t0 = t1 - view.windowSec, k = plotW / view.windowSec;
+    const t1 = R.tEnd(last), t0 = t1 - view.windowSec, k = plotW / view.windowSec;
     let i = ci;
-    while (i > 0 && steps[i - 1].t_end > t0) i--;
-    return { steps: steps.slice(i, ci + 1), x: (s) => (s.t_start - t0) * k, w: (s) => Math.max(2, (s.t_end - s.t_start) * k),
+    while (i > 0 && R.tEnd(steps[i - 1]) > t0) i--;
+    return { steps: steps.slice(i, ci + 1), x: (s) => (R.tStart(s) - t0) * k, w: (s) => Math.max(2, R.dur(s) * k),
              cw: null, t0, t1, k, last, xAtT: (t) => (t - t0) * k };
   }
 
@@ -71,12 +72,12 @@
     const seen = new Map();
     const add = (rid) => { if (!seen.has(rid)) seen.set(rid, BS.store.reqs.get(rid)); };
     for (const s of win.steps) {
-      for (const it of s.items) add(it.req);
-      for (const rid of s.stalled || []) add(rid);
+      for (const it of R.items(s)) add(R.req(it));
+      for (const rid of R.stalled(s)) add(rid);
     }
-    const tEnd = win.last.t_end, tStart = win.steps.length ? win.steps[0].t_start : tEnd;
+    const tEnd = R.tEnd(win.last), tStart = win.steps.length ? R.tStart(win.steps[0]) : tEnd;
     for (const r of BS.store.reqs.values()) {
-      if (r.arrived != null && r.arrived <= tEnd && (r.firstStep == null || r.firstStep > win.last.step) &&
+      if (r.arrived != null && r.arrived <= tEnd && (r.firstStep == null || r.firstStep > R.step(win.last)) &&
           (r.end == null || r.end >= tStart)) add(r.rid);
     }
     const rows = [...seen.values()].filter(Boolean);
@@ -102,17 +103,15 @@
     return text + "…";
   }
 
-  function settingKey(s) { return s.policy + "/" + s.token_budget + "/" + s.max_num_seqs; }
-
   function markerText(prev, s) {
-    if (prev.policy !== s.policy) {
-      if (s.policy === "chunked") return BS.t("marker.on");
-      if (prev.policy === "chunked") return BS.t("marker.off") + " → " + BS.t("policy." + s.policy);
-      return BS.t("policy." + s.policy);
+    if (R.policy(prev) !== R.policy(s)) {
+      if (R.policy(s) === "chunked") return BS.t("marker.on");
+      if (R.policy(prev) === "chunked") return BS.t("marker.off") + " → " + BS.t("policy." + R.policy(s));
+      return BS.t("policy." + R.policy(s));
     }
     const parts = [];
-    if (prev.token_budget !== s.token_budget) parts.push(BS.t("bar.budget") + " " + s.token_budget);
-    if (prev.max_num_seqs !== s.max_num_seqs) parts.push("max seqs " + s.max_num_seqs);
+    if (R.budget(prev) !== R.budget(s)) parts.push(BS.t("bar.budget") + " " + R.budget(s));
+    if (R.maxSeqs(prev) !== R.maxSeqs(s)) parts.push("max seqs " + R.maxSeqs(s));
     return parts.join(", ");
   }
 
@@ -168,13 +167,13 @@
       let xa, xb;
       if (win.xAtT) {
         xa = win.xAtT(r.arrived);
-        const fs = r.firstStep != null && r.firstStep <= win.last.step ? stepRec(r.firstStep) : null;
+        const fs = r.firstStep != null && r.firstStep <= R.step(win.last) ? stepRec(r.firstStep) : null;
         xb = fs ? win.x(fs) : win.xAtT(win.t1);
       } else {
-        const sa = win.steps.find((s) => s.t_end >= r.arrived);
+        const sa = win.steps.find((s) => R.tEnd(s) >= r.arrived);
         if (!sa) continue;
         xa = win.x(sa);
-        xb = r.firstStep != null && r.firstStep <= win.last.step ? (r.firstStep - win.first) * win.cw : plotW;
+        xb = r.firstStep != null && r.firstStep <= R.step(win.last) ? (r.firstStep - win.first) * win.cw : plotW;
       }
       xa = Math.max(0, xa); xb = Math.min(plotW, xb);
       if (xb - xa > 2) { g.beginPath(); g.moveTo(LABEL_W + xa, y); g.lineTo(LABEL_W + xb - 2, y); g.stroke(); }
@@ -187,13 +186,13 @@
       const x = X(s), cw = win.w(s);
       if (x + cw < LABEL_W) continue;
       const x0 = Math.max(LABEL_W, x), wid = Math.max(1, cw - (cw > 5 ? 1 : 0) - (x0 - x));
-      for (const it of s.items) {
-        const i = rowIndex.get(it.req);
+      for (const it of R.items(s)) {
+        const i = rowIndex.get(R.req(it));
         if (i === undefined) continue;
-        const y = TOP + i * rowH + 2, hh = rowH - 4, color = BS.colorOf(it.label);
-        if (it.kind === "decode" && (win.cw || wid < 8)) {
+        const y = TOP + i * rowH + 2, hh = rowH - 4, color = BS.colorOf(R.label(it));
+        if (R.isDecode(it) && (win.cw || wid < 8)) {
           g.fillStyle = color; g.fillRect(x0, y, wid, hh);
-        } else if (it.kind === "decode") {
+        } else if (R.isDecode(it)) {
           // wall time: one token, arriving at the end of the step; the pale body is the wait for it
           const tick = Math.min(6, wid * 0.4);
           g.globalAlpha = 0.35; g.fillStyle = color; g.fillRect(x0, y, wid - tick, hh); g.globalAlpha = 1;
@@ -201,7 +200,7 @@
         } else {
           g.fillStyle = BS.prefillPattern(g, color); g.fillRect(x0, y, wid, hh);
           g.strokeStyle = color; g.lineWidth = 1.5; g.strokeRect(x0 + 0.75, y + 0.75, wid - 1.5, hh - 1.5);
-          const txt = wid >= 44 ? "P " + it.tokens : wid >= 12 && hh >= 12 ? "P" : "";
+          const txt = wid >= 44 ? "P " + R.tokens(it) : wid >= 12 && hh >= 12 ? "P" : "";
           if (txt) {
             g.font = "bold " + (hh >= 18 ? 12 : 10) + "px sans-serif";
             g.fillStyle = "rgba(255,255,255,.85)";
@@ -210,30 +209,30 @@
             g.fillStyle = "#111"; g.fillText(txt, x0 + wid / 2, y + hh / 2 + 1);
           }
         }
-        cells.push({ step: s.step, req: it.req, label: it.label, kind: it.kind, tokens: it.tokens, x: x0, y, w: wid, h: hh });
+        cells.push({ step: R.step(s), req: R.req(it), label: R.label(it), kind: R.kind(it), tokens: R.tokens(it), x: x0, y, w: wid, h: hh });
       }
-      for (const rid of s.stalled || []) {
+      for (const rid of R.stalled(s)) {
         const i = rowIndex.get(rid);
         if (i === undefined) continue;
         const y = TOP + i * rowH + 2, hh = rowH - 4;
         g.fillStyle = BS.stallPattern(g); g.fillRect(x0, y, wid, hh);
         g.strokeStyle = "#222"; g.lineWidth = 1.5; g.strokeRect(x0 + 0.75, y + 0.75, wid - 1.5, hh - 1.5);
         if (wid >= 80 && hh >= 14) {
-          const txt = "stall " + fmtMs(s.t_end - s.t_start);
+          const txt = "stall " + fmtMs(R.dur(s));
           g.font = "bold 11px sans-serif";
           const tw = g.measureText(txt).width + 6;
           g.fillStyle = "#fff"; g.fillRect(x0 + wid / 2 - tw / 2, y + hh / 2 - 7, tw, 14);
           g.fillStyle = "#111"; g.fillText(txt, x0 + wid / 2, y + hh / 2 + 1);
         }
         const req = BS.store.reqs.get(rid);
-        cells.push({ step: s.step, req: rid, label: req ? req.label : rid, kind: "stall", tokens: 0, x: x0, y, w: wid, h: hh });
+        cells.push({ step: R.step(s), req: rid, label: req ? req.label : rid, kind: "stall", tokens: 0, x: x0, y, w: wid, h: hh });
       }
     }
 
     // missed steps (slow connection) in step mode
     if (win.cw) {
       for (const gp of BS.store.gaps) {
-        const a = Math.max(gp.after + 1, win.first), b = Math.min(gp.before - 1, win.last.step);
+        const a = Math.max(gp.after + 1, win.first), b = Math.min(gp.before - 1, R.step(win.last));
         if (b < a) continue;
         const xa = LABEL_W + (a - win.first) * win.cw, xb = LABEL_W + (b + 1 - win.first) * win.cw;
         g.fillStyle = "rgba(0,0,0,.06)"; g.fillRect(xa, TOP, xb - xa, avail);
@@ -244,22 +243,22 @@
     if (win.cw) labelLongSteps(g, win);
     const markers = drawMarkers(g, win, TOP - 20, h - AXIS, true);
     drawAxis(g, win, h - AXIS, plotW);
-    view.drawn = { steps: win.steps.map((s) => s.step), rows: shown.map((r) => ({ rid: r.rid, label: r.label })),
+    view.drawn = { steps: win.steps.map((s) => R.step(s)), rows: shown.map((r) => ({ rid: r.rid, label: r.label })),
                    cells, markers, rowH, win };
     return win;
   }
 
   // step mode hides how long a step took: say it above the steps far slower than the rest
   function labelLongSteps(g, win) {
-    const d = win.steps.map((s) => s.t_end - s.t_start).sort((a, b) => a - b);
+    const d = win.steps.map((s) => R.dur(s)).sort((a, b) => a - b);
     const median = d[d.length >> 1] || 0;
     if (d.length < 5) return;
-    const slow = win.steps.filter((s) => s.t_end - s.t_start >= Math.max(4 * median, 0.2))
-      .sort((a, b) => (b.t_end - b.t_start) - (a.t_end - a.t_start));
+    const slow = win.steps.filter((s) => R.dur(s) >= Math.max(4 * median, 0.2))
+      .sort((a, b) => R.dur(b) - R.dur(a));
     g.font = "bold 12px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
     const taken = [];                     // the longest get their label first; others only where it fits
     for (const s of slow) {
-      const x = LABEL_W + win.x(s) + win.cw / 2, txt = fmtMs(s.t_end - s.t_start), tw = g.measureText(txt).width + 8;
+      const x = LABEL_W + win.x(s) + win.cw / 2, txt = fmtMs(R.dur(s)), tw = g.measureText(txt).width + 8;
       if (taken.some(([a, b]) => x + tw / 2 > a && x - tw / 2 < b)) continue;
       taken.push([x - tw / 2, x + tw / 2]);
       g.fillStyle = "#fff"; g.fillRect(x - tw / 2, TOP - 19, tw, 16);
@@ -270,21 +269,21 @@
 
   function stepRec(stepNum) {
     const steps = BS.store.steps, i = findIndex(stepNum);
-    return steps[i] && steps[i].step === stepNum ? steps[i] : null;
+    return steps[i] && R.step(steps[i]) === stepNum ? steps[i] : null;
   }
 
   function drawMarkers(g, win, yTop, yBottom, flags) {
     const steps = BS.store.steps, out = [];
     for (const s of win.steps) {
-      const i = findIndex(s.step);
+      const i = findIndex(R.step(s));
       if (i === 0) continue;
       const prev = steps[i - 1];
-      if (settingKey(prev) === settingKey(s)) continue;
+      if (R.settingKey(prev) === R.settingKey(s)) continue;
       const x = Math.round(LABEL_W + win.x(s)) - 1;
       if (x < LABEL_W) continue;
       g.fillStyle = "#111"; g.fillRect(x - 1, yTop, 3, yBottom - yTop);
       const txt = markerText(prev, s);
-      out.push({ step: s.step, x, text: txt, policy: s.policy });
+      out.push({ step: R.step(s), x, text: txt, policy: R.policy(s) });
       if (flags) {
         g.font = "bold 12px sans-serif";
         const tw = g.measureText(txt).width + 10;
@@ -304,7 +303,7 @@
     g.fillStyle = "#444"; g.font = "11px sans-serif"; g.textAlign = "center"; g.textBaseline = "top";
     if (win.cw) {
       const every = Math.max(1, Math.ceil(60 / win.cw / 5) * 5);
-      for (let s = Math.ceil(win.first / every) * every; s <= win.last.step; s += every) {
+      for (let s = Math.ceil(win.first / every) * every; s <= R.step(win.last); s += every) {
         const x = LABEL_W + (s - win.first + 0.5) * win.cw;
         g.fillRect(x, y, 1, 4); g.fillText(String(s), x, y + 5);
       }
@@ -325,8 +324,8 @@
     if (!win) return;
     const top = 16, bottom = h - 4, H = bottom - top;
     let ymax = 1;
-    for (const s of win.steps) ymax = Math.max(ymax, s.token_budget, s.num_tokens);
-    const budgetNow = win.last.token_budget;
+    for (const s of win.steps) ymax = Math.max(ymax, R.budget(s), R.numTokens(s));
+    const budgetNow = R.budget(win.last);
     ymax = Math.min(ymax, budgetNow * 2.5) * 1.04;
     const Y = (v) => bottom - Math.min(v, ymax) / ymax * H;
 
@@ -341,22 +340,22 @@
       if (x + cw < LABEL_W) continue;
       const x0 = Math.max(LABEL_W, x), wid = Math.max(1, cw - (cw > 5 ? 1 : 0) - (x0 - x));
       let v = 0;
-      for (const it of s.items) {            // decodes first, as the record lists them
-        const y1 = Y(v), y2 = Math.min(Y(v + it.tokens), y1 - 1.5);
-        const color = BS.colorOf(it.label);
-        g.fillStyle = it.kind === "decode" ? color : BS.prefillPattern(g, color);
+      for (const it of R.items(s)) {            // decodes first, as the record lists them
+        const y1 = Y(v), y2 = Math.min(Y(v + R.tokens(it)), y1 - 1.5);
+        const color = BS.colorOf(R.label(it));
+        g.fillStyle = R.isDecode(it) ? color : BS.prefillPattern(g, color);
         g.fillRect(x0, y2, wid, y1 - y2);
-        v = Math.max(v + it.tokens, ymax * (bottom - y2) / H);
+        v = Math.max(v + R.tokens(it), ymax * (bottom - y2) / H);
       }
-      const used = s.num_tokens;
-      if (s.token_budget > used) {
-        const yb = Y(s.token_budget), yu = Math.min(Y(Math.max(used, v)), bottom);
+      const used = R.numTokens(s);
+      if (R.budget(s) > used) {
+        const yb = Y(R.budget(s)), yu = Math.min(Y(Math.max(used, v)), bottom);
         g.fillStyle = BS.unusedPattern(g); g.fillRect(x0, yb, wid, yu - yb);
       }
       if (used > ymax) {                     // clipped: say how big it really was
         g.fillStyle = "#111"; g.fillRect(x0, top - 2, wid, 2);
       }
-      if (used > s.token_budget && (wid >= 26 || used > ymax)) {
+      if (used > R.budget(s) && (wid >= 26 || used > ymax)) {
         g.fillStyle = "#111"; g.font = "bold 11px sans-serif"; g.textBaseline = "bottom";
         g.fillText(String(used), x0 + wid / 2, Math.max(top, Y(used)) - 1);
       }
@@ -366,7 +365,7 @@
     g.beginPath();
     let started = false;
     for (const s of win.steps) {
-      const x = Math.max(LABEL_W, LABEL_W + win.x(s)), y = Math.round(Y(s.token_budget)) + 0.5;
+      const x = Math.max(LABEL_W, LABEL_W + win.x(s)), y = Math.round(Y(R.budget(s))) + 0.5;
       if (!started) { g.moveTo(x, y); started = true; } else g.lineTo(x, y);
       g.lineTo(LABEL_W + win.x(s) + win.w(s), y);
     }
@@ -382,7 +381,7 @@
     if (x < 0) return null;
     if (win.cw) return stepRec(win.first + Math.floor(x / win.cw));
     const t = win.t0 + x / win.k;
-    return win.steps.find((s) => s.t_start <= t && t <= s.t_end) || null;
+    return win.steps.find((s) => R.tStart(s) <= t && t <= R.tEnd(s)) || null;
   }
 
   function fmtMs(sec) { return sec < 1 ? (sec * 1000).toFixed(0) + " ms" : sec.toFixed(2) + " s"; }
@@ -403,14 +402,14 @@
   }
 
   function stepLines(s) {
-    const decodes = s.items.filter((i) => i.kind === "decode").length;
-    const prefill = s.items.filter((i) => i.kind === "prefill").reduce((a, i) => a + i.tokens, 0);
+    const decodes = R.items(s).filter((i) => R.isDecode(i)).length;
+    const prefill = R.items(s).filter((i) => !R.isDecode(i)).reduce((a, i) => a + R.tokens(i), 0);
     return [
-      BS.t("tip.step") + " " + s.step + " · " + BS.t("policy." + s.policy) + " · " + BS.t("tip.dur") + " " + fmtMs(s.t_end - s.t_start),
-      BS.t("tip.batch") + ": " + s.num_tokens + " / " + s.token_budget + " tokens (" + decodes + " " + BS.t("kind.decode") +
+      BS.t("tip.step") + " " + R.step(s) + " · " + BS.t("policy." + R.policy(s)) + " · " + BS.t("tip.dur") + " " + fmtMs(R.dur(s)),
+      BS.t("tip.batch") + ": " + R.numTokens(s) + " / " + R.budget(s) + " tokens (" + decodes + " " + BS.t("kind.decode") +
         ", " + prefill + " " + BS.t("kind.prefill") + ")",
-      (s.stalled && s.stalled.length ? BS.t("legend.stall").split(":")[0] + ": " + s.stalled.length + " · " : "") +
-        "KV " + s.kv.used + " / " + s.kv.total + " · waiting " + s.waiting,
+      (R.stalled(s).length ? BS.t("legend.stall").split(":")[0] + ": " + R.stalled(s).length + " · " : "") +
+        "KV " + R.kvUsed(s) + " / " + R.kvTotal(s) + " · waiting " + R.waiting(s),
     ];
   }
 
@@ -422,16 +421,16 @@
     const row = d.rows[Math.floor((py - TOP) / d.rowH)];
     const lines = stepLines(s);
     if (row) {
-      const it = s.items.find((i) => i.req === row.rid);
+      const it = R.items(s).find((i) => R.req(i) === row.rid);
       const head = row.label + " (" + row.rid + ")";
-      if (it && it.kind === "decode") lines.unshift(head + ": " + BS.t("kind.decode") + ", 1 token, position " + it.start);
+      if (it && R.isDecode(it)) lines.unshift(head + ": " + BS.t("kind.decode") + ", 1 token, position " + R.start(it));
       else if (it) {
-        let l = head + ": " + BS.t("kind.prefill") + " " + it.tokens + " tokens, " + it.start + "–" + (it.start + it.tokens - 1) +
-          " of " + it.prompt_len;
-        if (it.cached) l += " (" + it.cached + " " + BS.t("tip.cached") + ")";
-        lines.unshift(head + ": " + (it.completes_prompt ? BS.t("tip.first") : "…"));
+        let l = head + ": " + BS.t("kind.prefill") + " " + R.tokens(it) + " tokens, " + R.start(it) + "–" + (R.start(it) + R.tokens(it) - 1) +
+          " of " + R.promptLen(it);
+        if (R.cached(it)) l += " (" + R.cached(it) + " " + BS.t("tip.cached") + ")";
+        lines.unshift(head + ": " + (R.completesPrompt(it) ? BS.t("tip.first") : "…"));
         lines.unshift(l);
-      } else if ((s.stalled || []).includes(row.rid)) lines.unshift(head + ": " + BS.t("tip.stalled") + " (" + fmtMs(s.t_end - s.t_start) + ")");
+      } else if (R.stalled(s).includes(row.rid)) lines.unshift(head + ": " + BS.t("tip.stalled") + " (" + fmtMs(R.dur(s)) + ")");
       else lines.unshift(head);
     }
     showTip(ev, lines);
@@ -445,7 +444,7 @@
   // ---- playback ----
   function setMode(mode) {
     const steps = BS.store.steps;
-    if (mode !== "live" && view.mode === "live") view.cursor = steps.length ? steps[steps.length - 1].step : null;
+    if (mode !== "live" && view.mode === "live") view.cursor = steps.length ? R.step(steps[steps.length - 1]) : null;
     view.mode = mode;
     dirty = true;
     updatePlayUI();
@@ -459,12 +458,12 @@
       if (!steps.length) return;
       setMode("paused");
       const i = Math.max(0, Math.min(steps.length - 1, cursorIndex() + (delta || 1)));
-      view.cursor = steps[i].step;
+      view.cursor = R.step(steps[i]);
     },
     replay() {
       const steps = BS.store.steps;
       if (!steps.length) return;
-      const shown = view.drawn && view.drawn.steps.length ? view.drawn.steps[0] : steps[0].step;
+      const shown = view.drawn && view.drawn.steps.length ? view.drawn.steps[0] : R.step(steps[0]);
       setMode("replay");
       view.cursor = shown;
       replayAcc = 0;
@@ -482,7 +481,7 @@
     replayAcc -= n;
     const steps = BS.store.steps, i = cursorIndex() + n;
     if (i >= steps.length - 1) { view.mode = "live"; view.cursor = null; }
-    else view.cursor = steps[i].step;
+    else view.cursor = R.step(steps[i]);
     dirty = true;
   }
 
@@ -491,14 +490,14 @@
     const el = document.querySelector("[data-testid=play-state]");
     if (el) {
       const ci = cursorIndex();
-      const at = ci >= 0 ? " · " + BS.t("play.at") + " " + steps[ci].step : "";
+      const at = ci >= 0 ? " · " + BS.t("play.at") + " " + R.step(steps[ci]) : "";
       el.textContent = BS.t("play." + (view.mode === "live" ? "live" : view.mode === "replay" ? "replaying" : "paused")) + at;
       el.dataset.mode = view.mode;
     }
     const scrub = document.querySelector("[data-testid=scrub]");
     if (scrub && steps.length) {
-      scrub.min = steps[0].step; scrub.max = steps[steps.length - 1].step;
-      if (document.activeElement !== scrub) scrub.value = cursorIndex() >= 0 ? steps[cursorIndex()].step : 0;
+      scrub.min = R.step(steps[0]); scrub.max = R.step(steps[steps.length - 1]);
+      if (document.activeElement !== scrub) scrub.value = cursorIndex() >= 0 ? R.step(steps[cursorIndex()]) : 0;
     }
   }
 

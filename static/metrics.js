@@ -1,22 +1,25 @@
-// Live metrics per policy segment, and the per-session token-arrival sparklines.
-// Definitions (the same as demos/metrics.py and docs/step_record.md):
-//   TTFT  = first token time - arrival
-//   TBT   = gap between consecutive tokens of one request
-//   stall = a TBT gap during which a step left the running request out
-// A token's time is the end of the step that produced it. A segment is a run of
+// Live metrics per stretch of settings, and the per-session token-arrival sparklines.
+// The same numbers, by the same definitions, as engine/metrics.py (stretches()); a
+// browser test replays a recorded trace here and compares the table with Python's:
+//   TTFT       = first token time - arrival
+//   TBT        = gap between consecutive tokens of one request
+//   stall      = a TBT during which a step listed the request in its `stalled` field
+//   percentile = linear interpolation between order statistics, at (n - 1) * q / 100
+// A token's time is the end of the step that produced it. A stretch is a run of
 // consecutive steps under one setting (policy, token budget, max sequences).
 (function () {
   const BS = (window.BS = window.BS || {});
+  const R = BS.rec;
   const MAX_SEGMENTS = 4;
   let table, lastDraw = 0, lastKey = "";
 
-  function key(s) { return s.policy + "/" + s.token_budget + "/" + s.max_num_seqs; }
-
-  function pct(sorted, p) {
+  // q in [0, 100] of an ascending array; null for no data
+  BS.percentile = function (sorted, q) {
     if (!sorted.length) return null;
-    const i = Math.min(sorted.length - 1, Math.max(0, Math.ceil(p / 100 * sorted.length) - 1));
-    return sorted[i];
-  }
+    const pos = (sorted.length - 1) * q / 100, lo = Math.floor(pos);
+    return lo === pos ? sorted[lo] : sorted[lo] + (sorted[lo + 1] - sorted[lo]) * (pos - lo);
+  };
+  const pct = BS.percentile;
 
   // segments (newest last) of the steps up to index `upto`, at most MAX_SEGMENTS of them
   BS.segments = function (upto) {
@@ -25,8 +28,8 @@
     let end = upto;
     while (end >= 0 && segs.length < MAX_SEGMENTS) {
       let start = end;
-      const k = key(steps[end]);
-      while (start > 0 && key(steps[start - 1]) === k) start--;
+      const k = R.settingKey(steps[end]);
+      while (start > 0 && R.settingKey(steps[start - 1]) === k) start--;
       segs.unshift({ start, end, first: steps[start], last: steps[end] });
       end = start - 1;
     }
@@ -34,7 +37,7 @@
   };
 
   BS.segmentMetrics = function (seg) {
-    const s0 = seg.first.step, s1 = seg.last.step, steps = BS.store.steps;
+    const s0 = R.step(seg.first), s1 = R.step(seg.last), steps = BS.store.steps;
     const ttft = [], tbt = [];
     let stall = 0, tokens = 0, kv = 0, waiting = 0, busy = 0;
     for (const r of BS.store.reqs.values()) {
@@ -49,17 +52,17 @@
     }
     for (let i = seg.start; i <= seg.end; i++) {
       const s = steps[i];
-      kv = Math.max(kv, s.kv.total ? s.kv.used / s.kv.total : 0);
-      waiting = Math.max(waiting, s.waiting);
-      busy += s.t_end - s.t_start;
+      kv = Math.max(kv, R.kvFill(s));
+      waiting = Math.max(waiting, R.waiting(s));
+      busy += R.dur(s);
     }
     ttft.sort((a, b) => a - b); tbt.sort((a, b) => a - b);
-    const span = seg.last.t_end - seg.first.t_start;
+    const span = R.tEnd(seg.last) - R.tStart(seg.first);
     return {
-      policy: seg.first.policy, budget: seg.first.token_budget, maxSeqs: seg.first.max_num_seqs,
+      policy: R.policy(seg.first), budget: R.budget(seg.first), maxSeqs: R.maxSeqs(seg.first),
       steps: seg.end - seg.start + 1, from: s0, to: s1,
       ttft50: pct(ttft, 50), ttft99: pct(ttft, 99), tbt50: pct(tbt, 50), tbt99: pct(tbt, 99),
-      stall, tps: span > 0 ? tokens / span : null, tokens, kv, waiting, busy,
+      stall, tps: span > 0 ? tokens / span : null, tokens, kvFill: kv, waiting, busy,
     };
   };
 
@@ -72,13 +75,27 @@
       case "tbt": return sec(m.tbt50) + " / " + sec(m.tbt99);
       case "stall": return m.stall > 0 ? sec(m.stall) : "0";
       case "tps": return m.tps == null ? "–" : m.tps.toFixed(1);
-      case "kv": return (m.kv * 100).toFixed(1) + " %";
+      case "kv": return (m.kvFill * 100).toFixed(1) + " %";
       case "waiting": return String(m.waiting);
     }
     return "";
   }
 
   const ROWS = ["steps", "ttft", "tbt", "stall", "tps", "kv", "waiting"];
+
+  // the unrounded numbers behind each cell (kept on the cell as data-values)
+  function cellValues(m, row) {
+    switch (row) {
+      case "steps": return [m.from, m.to, m.steps];
+      case "ttft": return [m.ttft50, m.ttft99];
+      case "tbt": return [m.tbt50, m.tbt99];
+      case "stall": return [m.stall];
+      case "tps": return [m.tps];
+      case "kv": return [m.kvFill];
+      case "waiting": return [m.waiting];
+    }
+    return [];
+  }
 
   function el(tag, text, cls) {
     const e = document.createElement(tag);
@@ -94,7 +111,7 @@
       return;
     }
     const upto = BS.view && BS.view.mode !== "live" && BS.view.cursor != null
-      ? steps.findLastIndex((s) => s.step <= BS.view.cursor) : steps.length - 1;
+      ? steps.findLastIndex((s) => R.step(s) <= BS.view.cursor) : steps.length - 1;
     const ms = BS.segments(Math.max(0, upto)).map(BS.segmentMetrics);
     const head = el("tr");
     head.append(el("th", BS.t("metrics.segment")));
@@ -110,6 +127,7 @@
       tr.append(el("th", BS.t("metrics." + row)));
       for (const m of ms) {
         const td = el("td", cellText(m, row));
+        td.dataset.values = JSON.stringify(cellValues(m, row));
         if (row === "stall" && m.stall > 0.25) td.className = "bs-bad";
         tr.append(td);
       }
@@ -133,7 +151,7 @@
     g.clearRect(0, 0, w, h);
     const steps = BS.store.steps;
     if (!steps.length) return;
-    const now = steps[steps.length - 1].t_end, t0 = now - SPARK_SEC;
+    const now = R.tEnd(steps[steps.length - 1]), t0 = now - SPARK_SEC;
     const color = BS.colorOf(user);
     const mineEl = document.querySelector("[data-mine]");
     const only = mineEl ? new Set(mineEl.dataset.mine.split(/\s+/).filter(Boolean)) : null;

@@ -4,6 +4,7 @@
 // itself; the snapshot sent on connect backfills the steps it missed.
 (function () {
   const BS = (window.BS = window.BS || {});
+  const R = BS.rec;               // record fields are read through record.js
   const MAX_STEPS = 20000;        // about 10 minutes at 30 steps/s
   const MAX_BACKFILL = 2000;      // steps asked for at most after a reconnect
   let needRebuild = false;        // an older step was inserted: per-request data is recomputed once per batch
@@ -37,22 +38,25 @@
   }
 
   // ---- derived per-request data from one step ----
+  // a token's gap is a stall when a step since the previous token listed the request in `stalled`
+  // (engine/metrics.py: the one definition; a preemption's wait is a gap, not a stall)
   function account(rec) {
-    for (const it of rec.items || []) {
-      const r = req(it.req, it.label);
-      if (r.firstStep == null) r.firstStep = rec.step;
-      r.lastStep = rec.step;
-      if (it.kind === "decode" || it.completes_prompt) {
+    const step = R.step(rec), tEnd = R.tEnd(rec);
+    for (const it of R.items(rec)) {
+      const r = req(R.req(it), R.label(it));
+      if (r.firstStep == null) r.firstStep = step;
+      r.lastStep = step;
+      if (R.producesToken(it)) {
         const prev = r.tokens[r.tokens.length - 1];
-        r.tokens.push({ t: rec.t_end, step: rec.step, gap: prev ? rec.t_end - prev.t : null, stalled: r.stalledSince });
+        r.tokens.push({ t: tEnd, step, gap: prev ? tEnd - prev.t : null, stalled: !!prev && r.stalledSince });
         r.stalledSince = false;
-        if (r.first == null) r.first = rec.t_end;
+        if (r.first == null) r.first = tEnd;
       }
     }
-    for (const rid of rec.stalled || []) {
+    for (const rid of R.stalled(rec)) {
       const r = req(rid);
       r.stalledSince = true;
-      r.lastStep = rec.step;
+      r.lastStep = step;
     }
   }
 
@@ -64,7 +68,7 @@
     for (const rec of store.steps) account(rec);
     store.gaps = [];
     for (let i = 1; i < store.steps.length; i++) {
-      const a = store.steps[i - 1].step, b = store.steps[i].step;
+      const a = R.step(store.steps[i - 1]), b = R.step(store.steps[i]);
       if (b > a + 1) store.gaps.push({ after: a, before: b });
     }
   }
@@ -72,7 +76,7 @@
   function trim() {
     if (store.steps.length <= MAX_STEPS) return;
     store.steps.splice(0, store.steps.length - MAX_STEPS);
-    const first = store.steps[0].step;
+    const first = R.step(store.steps[0]);
     for (const [rid, r] of store.reqs) {
       if (r.end != null && (r.lastStep == null || r.lastStep < first)) store.reqs.delete(rid);
     }
@@ -81,56 +85,48 @@
 
   function addStep(rec) {
     const steps = store.steps;
-    const last = steps.length ? steps[steps.length - 1].step : -1;
-    if (rec.step > last) {
-      if (last >= 0 && rec.step > last + 1) store.gaps.push({ after: last, before: rec.step });
+    const last = steps.length ? R.step(steps[steps.length - 1]) : -1, step = R.step(rec);
+    if (step > last) {
+      if (last >= 0 && step > last + 1) store.gaps.push({ after: last, before: step });
       steps.push(rec);
       account(rec);
       return;
     }
     // an older step (backfill): insert it if it is new, then recompute what depends on order
     let lo = 0, hi = steps.length;
-    while (lo < hi) { const mid = (lo + hi) >> 1; if (steps[mid].step < rec.step) lo = mid + 1; else hi = mid; }
-    if (lo < steps.length && steps[lo].step === rec.step) return;
+    while (lo < hi) { const mid = (lo + hi) >> 1; if (R.step(steps[mid]) < step) lo = mid + 1; else hi = mid; }
+    if (lo < steps.length && R.step(steps[lo]) === step) return;
     steps.splice(lo, 0, rec);
     needRebuild = true;
   }
 
   function addEvent(ev) {
-    const r = req(ev.req, ev.label);
-    switch (ev.event) {
-      case "arrived": r.arrived = ev.t; r.promptLen = ev.prompt_len; r.maxTokens = ev.max_tokens; break;
-      case "first_token": r.first = ev.t; break;
-      case "finished": r.end = ev.t; r.endEvent = "finished"; r.reason = ev.finish_reason; r.outputTokens = ev.output_tokens; break;
-      case "aborted": r.end = ev.t; r.endEvent = "aborted"; r.reason = ev.reason; break;
+    const r = req(R.evReq(ev), R.evLabel(ev)), t = R.evT(ev);
+    switch (R.event(ev)) {
+      case "arrived": r.arrived = t; r.promptLen = R.evPromptLen(ev); r.maxTokens = R.evMaxTokens(ev); break;
+      case "first_token": r.first = t; break;
+      case "finished": r.end = t; r.endEvent = "finished"; r.reason = R.finishReason(ev); r.outputTokens = R.outputTokens(ev); break;
+      case "aborted": r.end = t; r.endEvent = "aborted"; r.reason = R.abortReason(ev); break;
       case "preempted": break;
     }
-  }
-
-  function settingsOf(obj) {
-    const s = {};
-    for (const k of ["policy", "max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk", "step_delay"]) {
-      if (obj[k] !== undefined) s[k] = obj[k];
-    }
-    return s;
   }
 
   // One message from the socket (or from a trace file): a record, an event, a batch of them.
   BS.ingest = function (msg) {
     if (!msg || typeof msg !== "object") return;
-    switch (msg.type) {
+    switch (R.type(msg)) {
       case "step": addStep(msg); break;
       case "request": addEvent(msg); break;
-      case "policy": store.settings = Object.assign({}, store.settings, settingsOf(msg)); break;
+      case "policy": store.settings = Object.assign({}, store.settings, R.settings(msg)); break;
       case "snapshot": {
-        if (msg.settings) store.settings = Object.assign({}, store.settings, settingsOf(msg.settings));
-        const before = store.steps.length ? store.steps[store.steps.length - 1].step : null;
+        if (msg.settings) store.settings = Object.assign({}, store.settings, R.settings(msg.settings));
+        const before = store.steps.length ? R.step(store.steps[store.steps.length - 1]) : null;
         const recs = msg.records || [];
         for (const m of recs) BS.ingest(m);
         // still a hole between what we had and where the snapshot starts: ask for more, once
-        const first = recs.find((m) => m.type === "step");
-        if (before != null && first && first.step > before + 1) {
-          backfill(Math.min(MAX_BACKFILL, recs.filter((m) => m.type === "step").length + first.step - before));
+        const first = recs.find((m) => R.type(m) === "step");
+        if (before != null && first && R.step(first) > before + 1) {
+          backfill(Math.min(MAX_BACKFILL, recs.filter((m) => R.type(m) === "step").length + R.step(first) - before));
         }
         break;
       }

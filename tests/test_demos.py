@@ -1,13 +1,15 @@
 """Scenarios, the runner, traces, and smoke runs of compare and bench on a tiny random model."""
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from demos import metrics, trace
+from app.scenarios import SCENARIOS, Arrival, Scenario, get_scenario, load_text
+from demos import trace
 from demos.runner import Feeder, run_scenario
-from demos.scenarios import SCENARIOS, Arrival, Scenario, get_scenario, load_text
+from engine import metrics
 from engine import EngineConfig, LLMEngine
 from engine.loader import resolve_model
 
@@ -130,6 +132,30 @@ def test_feeder_for_a_loop_it_does_not_own(tiny_model):
     assert [engine.get_request(r).label for r in f.request_ids] == ["a", "b", "c"]
 
 
+from hypothesis import given, strategies as st  # noqa: E402
+
+
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=8), st.lists(st.integers(1, 4), min_size=1, max_size=60),
+       st.sampled_from(["step", "wall"]))
+def test_one_replay_hands_out_every_arrival_once_in_order_when_due(ats, ticks, clock):
+    """app/scenarios.py's Replay, used by demos/runner.py and the page's lessons: whatever the clock
+    does, each arrival comes exactly once, in scenario order, never before its time; idle skips ahead."""
+    from app.scenarios import Replay
+    sc = Scenario("r", "", tuple(Arrival(a, f"u{i}", 1, prompt="x") for i, a in enumerate(sorted(ats))), clock=clock)
+    r, now, got = Replay(sc), 0, []
+    for dt in ticks:
+        for i, a in r.due(now, float(now)):
+            assert a.at <= now
+            got.append(i)
+        if r.done:
+            break
+        now = r.skip_idle(now) if dt == 4 and clock == "step" else now + dt   # 4: the engine went idle
+        assert r.skip_idle(now) >= now
+    else:
+        got += [i for i, _ in r.due(10 ** 6, 1e6)]
+    assert got == list(range(len(ats))) and r.done
+
+
 # ---- traces ----
 def test_trace_round_trip_and_chrome_events(tiny_model, tmp_path):
     sc = get_scenario("static-vs-continuous", reply_tokens=(2, 5, 3), max_num_seqs=2)
@@ -214,3 +240,29 @@ def test_bench_smoke(tiny_model, tmp_path):
     assert all(f"| {name} |" in md for name in doc["systems"]) and "| 3 |" in md
     for b in d["batches"].values():
         assert b["ours_step_ms"] > 0 and b["hf_forward_ms"] > 0 and b["weight_plus_kv_floor_ms"] > b["weight_floor_ms"]
+
+
+def test_one_chrome_converter_every_event_on_a_track():
+    """demos.trace and the server's /api/trace?format=chrome use app/trace.py; every event names its track."""
+    from app.trace import chrome_trace
+    from tests.test_metrics import stall_stream
+    s = stall_stream()
+    doc = chrome_trace(s, {"type": "trace", "model": "m"})
+    assert trace.to_chrome([{"type": "trace", "model": "m"}, *s]) == doc
+    assert all("tid" in e and "pid" in e for e in doc["traceEvents"])
+    steps = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["tid"] == 0]
+    assert [e["name"] for e in steps] == [f"step {r['step']}" for r in metrics.steps(s)]
+
+
+def test_app_does_not_import_demos_and_metrics_need_no_torch():
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    code = ("import sys; import app, app.ui, app.scenarios, app.trace, app.ui_scenarios; "
+            "bad = sorted(m for m in sys.modules if m == 'demos' or m.startswith('demos.')); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=300)
+    # engine/metrics.py on its own (the package's __init__ loads the engine, and torch with it)
+    code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('m', 'engine/metrics.py'); "
+            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); assert 'torch' not in sys.modules; "
+            "assert m.percentile([1, 2], 50) == 1.5")
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=60)

@@ -1,15 +1,16 @@
-"""demos.metrics on synthetic record streams whose answers are known by construction."""
+"""engine.metrics on synthetic record streams whose answers are known by construction."""
 import math
 
 import pytest
 
-from demos import metrics
+from engine import metrics
 
 
-def step(i, t0, t1, items, budget=256, waiting=0, max_num_seqs=16, **extra):
-    return {"type": "step", "step": i, "t_start": t0, "t_end": t1, "policy": "chunked", "token_budget": budget,
+def step(i, t0, t1, items, budget=256, waiting=0, max_num_seqs=16, stalled=(), policy="chunked", **extra):
+    return {"type": "step", "step": i, "t_start": t0, "t_end": t1, "policy": policy, "token_budget": budget,
             "max_num_seqs": max_num_seqs, "items": items, "num_tokens": sum(x["tokens"] for x in items),
-            "finished": [], "preempted": [], "waiting": waiting, "running": len(items), **extra}
+            "finished": [], "preempted": [], "stalled": list(stalled), "waiting": waiting, "running": len(items),
+            "kv": {"used": 4, "total": 64, "cached": 0, "block_size": 16}, **extra}
 
 
 def dec(req, start=10):
@@ -40,7 +41,7 @@ def stall_stream(stall_s=1.0, tick=0.01):
             items = [pre("b", 500, 0, 500)]
         else:
             items = [dec("a")] + ([dec("b")] if i > 5 else [])
-        s.append(step(i, t, t + dt, items))
+        s.append(step(i, t, t + dt, items, stalled=["a"] if i == 5 else []))
         t += dt
         if i == 4:
             s.append(arrived("b", t))
@@ -52,7 +53,7 @@ def test_a_stall_of_known_length_is_the_tbt_max():
     tbt = metrics.tbts(s)
     # a's tokens end steps 0,1,2,3,4,6,7: the gap across step 5 spans that step and step 6
     assert tbt["a"] == pytest.approx([0.01, 0.01, 0.01, 0.01, 1.0 + 0.01, 0.01])
-    assert metrics.stalls(s)["a"] == [(6, pytest.approx(1.01))]
+    assert [(tk.step, tk.gap) for tk in metrics.stalls(s)["a"]] == [(6, pytest.approx(1.01))]
     summary = metrics.summarize(s, reqs=["a"])
     assert summary["tbt_max_s"] == pytest.approx(1.01)
     assert summary["stall_max_s"] == pytest.approx(1.01)
@@ -63,7 +64,8 @@ def test_a_stall_of_known_length_is_the_tbt_max():
 def test_a_slow_step_that_includes_the_request_is_no_stall():
     """Chunked prefill: the long prompt's chunk rides along with a's decode; a is slowed, never left out."""
     s = stall_stream(stall_s=0.3)
-    s = [dict(r, items=[dec("a")] + r["items"]) if r.get("type") == "step" and r["step"] == 5 else r for r in s]
+    s = [dict(r, items=[dec("a")] + r["items"], stalled=[]) if r.get("type") == "step" and r["step"] == 5 else r
+         for r in s]
     assert metrics.stalls(s)["a"] == []
     m = metrics.summarize(s, reqs=["a"])
     assert m["tbt_max_s"] == pytest.approx(0.3) and m["stall_max_s"] == 0.0 and m["stall_count"] == 0
@@ -147,3 +149,123 @@ def test_gantt_segments_merge_steps_and_mark_stalls():
     # prefill in step 0; decodes in steps 1-4 merged; left out in step 5 (the stall); decodes 6-7 merged
     assert kinds == [("decode", 0.01, 0.05, 4), ("decode", 1.05, 1.07, 2), ("prefill", 0.0, 0.01, 20),
                      ("stall", 0.05, 1.05, 0)]
+
+
+def test_the_wait_after_a_preemption_is_a_gap_not_a_stall():
+    """a is preempted in step 2 (not running, so in no step's `stalled`), recomputed in step 4."""
+    s = [arrived("a", 0.0), arrived("b", 0.0),
+         step(0, 0.0, 0.1, [pre("a", 8, 0, 8), pre("b", 8, 0, 8)]),
+         step(1, 0.1, 0.2, [dec("a"), dec("b")]),
+         step(2, 0.2, 0.3, [dec("b")], preempted=["a"], waiting=1),
+         step(3, 0.3, 0.4, [dec("b")], waiting=1),
+         step(4, 0.4, 0.6, [pre("a", 10, 0, 10)], stalled=["b"]),     # recompute: prompt + 2 outputs; b left out
+         step(5, 0.6, 0.7, [dec("a"), dec("b")])]
+    tk = metrics.tokens(s)
+    assert [x.gap for x in tk["a"]] == [None, pytest.approx(0.1), pytest.approx(0.4), pytest.approx(0.1)]
+    assert [x.stalled for x in tk["a"]] == [False] * 4
+    assert [(x.step, x.gap) for x in metrics.stalls(s)["b"]] == [(5, pytest.approx(0.3))]
+    m = metrics.summarize(s)
+    assert m["stall_count"] == 1 and m["stall_max_s"] == pytest.approx(0.3)
+    assert m["tbt_max_s"] == pytest.approx(0.4) and m["num_preemptions"] == 1
+
+
+def test_missing_records_make_no_stall():
+    """A viewer that fell behind lacks steps 2-3; the step numbers jump but no step said 'left out'."""
+    s = [r for r in stall_stream(stall_s=0.2) if r.get("step") not in (2, 3)]
+    s = [dict(r, stalled=[]) if r.get("type") == "step" else r for r in s]
+    assert metrics.stalls(s)["a"] == []
+    assert metrics.tbts(s)["a"][1] == pytest.approx(0.03)     # steps 1 -> 4: still one gap
+
+
+def test_stretches_split_at_each_setting_change():
+    s = stall_stream(stall_s=1.0, tick=0.01)
+    s = [dict(r, policy="continuous") if r.get("type") == "step" and r["step"] >= 5 else r for r in s]
+    first, second = metrics.stretches(s)
+    assert (first["policy"], first["first_step"], first["last_step"], first["num_steps"]) == ("chunked", 0, 4, 5)
+    assert (second["policy"], second["first_step"], second["last_step"]) == ("continuous", 5, 7)
+    assert first["output_tokens"] == 5 and second["output_tokens"] == 5      # a: 0-4 | a: 6, 7; b: 5, 6, 7
+    assert first["ttft_p50_s"] == pytest.approx(0.01) and second["ttft_p50_s"] == pytest.approx(1.0)
+    assert first["stall_max_s"] == 0.0 and second["stall_max_s"] == pytest.approx(1.01)
+    assert second["longest_gap_s"] == pytest.approx(1.01)
+    assert first["output_tokens_per_s"] == pytest.approx(5 / 0.05)
+    assert first["kv_used_max"] == pytest.approx(4 / 64) and second["busy_s"] == pytest.approx(1.02)
+
+
+# ---- searched: many random cases ----
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@given(st.lists(st.floats(-1e6, 1e6, allow_nan=False), max_size=60), st.floats(0, 100))
+def test_percentile_is_numpy_linear(xs, q):
+    np = pytest.importorskip("numpy")
+    got = metrics.percentile(xs, q)
+    if not xs:
+        assert got is None
+    else:
+        assert got == pytest.approx(float(np.percentile(xs, q)), rel=1e-9, abs=1e-6)
+        assert min(xs) <= got <= max(xs)
+
+
+@st.composite
+def random_streams(draw):
+    """Engine-shaped streams: requests arrive, prefill in chunks, decode or are left out (stalled),
+    sometimes are preempted and recomputed; settings change now and then."""
+    n_req = draw(st.integers(1, 5))
+    state = {f"r{i}": "new" for i in range(n_req)}
+    s, t = [], 0.0
+    for i in range(n_req):
+        s.append(arrived(f"r{i}", 0.0))
+    policy = "chunked"
+    for i in range(draw(st.integers(1, 40))):
+        if draw(st.booleans()) and draw(st.booleans()):
+            policy = draw(st.sampled_from(["static", "continuous", "chunked"]))
+        items, stalled, preempted = [], [], []
+        for req, st_ in state.items():
+            act = draw(st.sampled_from(["run", "run", "skip", "preempt"]))
+            if st_ == "new" and act == "run":
+                done = draw(st.booleans())
+                items.append(pre(req, 4, 0, 4 if done else 8))
+                state[req] = "decoding" if done else "new"
+            elif st_ == "decoding":
+                if act == "run":
+                    items.append(dec(req))
+                elif act == "skip":
+                    stalled.append(req)
+                else:
+                    preempted.append(req)
+                    state[req] = "new"
+        dt = draw(st.floats(0.001, 1.0))
+        s.append(step(i, t, t + dt, items, stalled=stalled, preempted=preempted, policy=policy))
+        t += dt
+    return s
+
+
+@settings(max_examples=150, deadline=None)
+@given(random_streams())
+def test_tokens_stalls_and_stretches_agree_with_a_direct_count(s):
+    recs = metrics.steps(s)
+    tk = metrics.tokens(s)
+    for req, tks in tk.items():
+        for prev, cur in zip(tks, tks[1:]):
+            between = [r for r in recs if prev.step < r["step"] < cur.step]
+            assert cur.gap == pytest.approx(cur.t - prev.t)
+            assert cur.stalled == any(req in r["stalled"] for r in between)
+            if cur.stalled:        # a stall lasts at least the steps that left the request out
+                assert cur.gap >= sum(r["t_end"] - r["t_start"] for r in between if req in r["stalled"]) - 1e-9
+    m, parts = metrics.summarize(s), metrics.stretches(s)
+    assert sum(p["num_steps"] for p in parts) == m["num_steps"]
+    assert sum(p["output_tokens"] for p in parts) == m["output_tokens"]
+    assert max((p["stall_max_s"] for p in parts), default=0.0) == pytest.approx(m["stall_max_s"] or 0.0)
+    assert all(a["last_step"] < b["first_step"]
+               for a, b in zip(parts, parts[1:]))
+    assert all((a["policy"], a["token_budget"], a["max_num_seqs"]) != (b["policy"], b["token_budget"],
+                                                                       b["max_num_seqs"])
+               for a, b in zip(parts, parts[1:]))
+
+
+def test_a_first_token_is_never_a_stall():
+    """Only a gap can be a stall: a (malformed) `stalled` entry before the first token is ignored."""
+    s = [arrived("a", 0.0), step(0, 0.0, 0.1, [], stalled=["a"]), step(1, 0.1, 0.2, [pre("a", 4, 0, 4)]),
+         step(2, 0.2, 0.3, [dec("a")])]
+    assert [tk.stalled for tk in metrics.tokens(s)["a"]] == [False, False]
+    assert metrics.summarize(s)["stall_count"] == 0 and metrics.stretches(s)[0]["stall_max_s"] == 0.0

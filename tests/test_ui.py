@@ -13,7 +13,7 @@ import pytest
 from app.ui_scenarios import assign_panels, shorten
 from app.ui_sessions import MAX_CHARS, Panel, Session, Sessions, Turn, check_message, fresh
 from app.ui_text import LANGS, SCENARIO_BUTTONS, SHORT, TEXT, USERS
-from demos.scenarios import SCENARIOS, get_scenario
+from app.scenarios import SCENARIOS, get_scenario
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 

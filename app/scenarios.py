@@ -1,4 +1,8 @@
-"""Classroom scenarios: fixed workloads that show one batching effect each.
+"""Classroom scenarios: fixed workloads that show one batching effect each, and their replay.
+
+The page's lessons (app/ui_scenarios.py) and the comparison reports
+(demos/runner.py) both play scenarios from here, through one Replay: the
+arrivals fall due by the same clock rules, with the same sampling parameters.
 
 A Scenario is data: a list of Arrivals (when a request joins, who sends it,
 what it says, how many tokens it gets) plus the engine budgets it is meant to
@@ -6,7 +10,7 @@ run under. Everything that could vary is fixed (arrival offsets, prompts,
 output lengths, seeds), and replies use ignore_eos so every run produces the
 same number of tokens.
 
-    from demos.scenarios import get_scenario, SCENARIOS
+    from app.scenarios import get_scenario, SCENARIOS
     sc = get_scenario("long-prompt-interrupts")
     sc.arrivals[3].label, sc.arrivals[3].at      # "Doc", 20
     get_scenario("bursty", rate=4.0, n=16)      # factories take keyword arguments
@@ -20,15 +24,20 @@ Arrival offsets are read in the scenario's `clock`:
           point is load over time (requests per second); its arrival times
           repeat exactly, but which step they land in depends on the machine.
 
-demos/runner.py replays a scenario against an engine; demos/metrics.py turns
-the resulting records into numbers.
+Replay(scenario) hands out the arrivals as they fall due; demos/runner.py feeds
+them to an engine it steps itself, app/ui_scenarios.py to the chat panels of a
+running server. engine/metrics.py turns the resulting records into numbers.
 """
 from __future__ import annotations
 
+import math
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+
+from engine.sampling_params import SamplingParams
 
 DATA = Path(__file__).parent / "data"
 
@@ -54,6 +63,11 @@ class Arrival:
         if self.prompt is not None:
             return {"prompt": self.prompt}
         return {"messages": [dict(m) for m in self.messages]}
+
+    def params(self) -> SamplingParams:
+        """ignore_eos: a scenario's replies always have exactly max_tokens tokens."""
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed,
+                              ignore_eos=True)
 
 
 @dataclass(frozen=True)
@@ -82,7 +96,7 @@ class Scenario:
 
 @lru_cache
 def load_text(name: str) -> str:
-    """A text shipped in demos/data/ (e.g. 'lighthouse_report': ~1,500 tokens)."""
+    """A text shipped in app/data/ (e.g. 'lighthouse_report': ~1,500 tokens)."""
     return (DATA / f"{name}.txt").read_text().strip()
 
 
@@ -194,3 +208,40 @@ def get_scenario(name: str, **params) -> Scenario:
     if name not in SCENARIOS:
         raise KeyError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
     return SCENARIOS[name](**params)
+
+
+class Replay:
+    """A scenario's arrivals, handed out as they fall due on its clock.
+
+    `due(steps_done, elapsed)` returns every arrival whose `at` has been reached
+    (steps done for the "step" clock, seconds elapsed for "wall"). A replayer
+    whose engine runs out of work on the step clock calls `skip_idle(steps_done)`:
+    the next arrival then comes at once, as the scenario promises.
+    """
+
+    def __init__(self, scenario: Scenario):
+        self.scenario = scenario
+        self.pending: deque[tuple[int, Arrival]] = deque(enumerate(scenario.arrivals))
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
+
+    @property
+    def next_at(self) -> float | None:
+        return self.pending[0][1].at if self.pending else None
+
+    def now(self, steps_done: int, elapsed: float) -> float:
+        return steps_done if self.scenario.clock == "step" else elapsed
+
+    def due(self, steps_done: int, elapsed: float) -> list[tuple[int, Arrival]]:
+        """(index in scenario.arrivals, arrival) for each arrival due by now, in order."""
+        now, out = self.now(steps_done, elapsed), []
+        while self.pending and self.pending[0][1].at <= now:
+            out.append(self.pending.popleft())
+        return out
+
+    def skip_idle(self, steps_done: int) -> int:
+        """The step count to use when the engine is idle: the next step arrival's, if later."""
+        return max(steps_done, math.ceil(self.next_at)) if self.pending else steps_done
+

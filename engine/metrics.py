@@ -1,0 +1,265 @@
+"""Serving metrics, computed from the record stream alone. Pure Python: no torch.
+
+The one definition of every number a student sees: the page (static/metrics.js
+computes the same numbers the same way, tested in a browser), the reports and
+benchmarks in demos/, and scripts/gpu_check.py all use these. It lives in
+engine/ beside the records it reads, because app/, demos/ and scripts/ all
+depend on engine/ and app/ must not depend on demos/.
+
+Input is a *stream*: the objects the engine publishes (step records and request
+events, in any order; other types are ignored). A live subscription, a saved
+trace and a GPU run give the same numbers.
+
+  token time   t_end of a step in which one of the request's items produced a
+               token: a decode item, or a prefill item with completes_prompt.
+  TTFT         first token time - arrival time (the request's "arrived" event).
+  TBT          gap between consecutive tokens of one request (vLLM's ITL).
+  longest gap  the largest TBT.
+  stall        a TBT during which at least one step listed the request in its
+               `stalled` field: the request was running with a reply under way
+               and the step left it out. A preempted request is not running
+               (its KV is freed and it waits to be recomputed), so the wait after
+               a preemption is not a stall: it is counted in `num_preemptions`,
+               and its gap is still a TBT (often the longest gap). Records that
+               are missing from a stream (a viewer that fell behind) never make
+               a stall either: only a step that says so does.
+  percentile   linear interpolation between order statistics (numpy's default):
+               the value at position (n - 1) * q / 100 of the sorted sample.
+               Empty samples give None.
+  stretch      a maximal run of consecutive step records (in step order) under
+               one setting (policy, token budget, max sequences); the page's
+               metrics table has one column per stretch.
+  output tokens/s   all output tokens / (last token time - first arrival).
+  budget fill  step num_tokens / token_budget (above 1 when a whole prompt
+               longer than the budget runs in one step).
+
+    from engine import metrics
+    metrics.summarize(stream)                    # the numbers of docs/results.md
+    metrics.summarize(stream, reqs={"r0", "r1"}) # latencies of some requests only
+    metrics.stretches(stream)                    # the page's metrics table, one dict per column
+    metrics.tbts(stream)["r0"]                   # [s, s, ...]
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import NamedTuple
+
+
+class Token(NamedTuple):
+    step: int               # the step that produced it
+    t: float                # that step's t_end
+    gap: float | None       # TBT: seconds since the request's previous token (None for the first)
+    stalled: bool           # a step between the previous token and this one left the request out
+
+
+def percentile(xs: Iterable[float], q: float) -> float | None:
+    """q in [0, 100]; linear interpolation between order statistics; None for no data."""
+    s = sorted(xs)
+    if not s:
+        return None
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    return s[lo] if lo == pos else s[lo] + (s[lo + 1] - s[lo]) * (pos - lo)
+
+
+def steps(stream: Iterable[dict]) -> list[dict]:
+    """The step records, in step order."""
+    return sorted((r for r in stream if r.get("type") == "step"), key=lambda r: r["step"])
+
+
+def events(stream: Iterable[dict], event: str | None = None) -> list[dict]:
+    """Request events (of one kind when `event` is given), in time order."""
+    return sorted((r for r in stream if r.get("type") == "request" and (event is None or r["event"] == event)),
+                  key=lambda r: r["t"])
+
+
+def produces_token(item: dict) -> bool:
+    return item["kind"] == "decode" or bool(item.get("completes_prompt"))
+
+
+def tokens(stream: Iterable[dict]) -> dict[str, list[Token]]:
+    """req -> its output tokens in order, each with its TBT and whether that TBT was a stall."""
+    out: dict[str, list[Token]] = {}
+    left_out: set[str] = set()      # requests some step has left out since their last token
+    for rec in steps(stream):
+        for item in rec["items"]:
+            if produces_token(item):
+                req = item["req"]
+                mine = out.setdefault(req, [])
+                gap = rec["t_end"] - mine[-1].t if mine else None
+                mine.append(Token(rec["step"], rec["t_end"], gap, gap is not None and req in left_out))
+                left_out.discard(req)
+        left_out.update(rec.get("stalled", ()))
+    return out
+
+
+def token_times(stream: Iterable[dict]) -> dict[str, list[float]]:
+    return {req: [tk.t for tk in tks] for req, tks in tokens(stream).items()}
+
+
+def arrivals(stream: Iterable[dict]) -> dict[str, float]:
+    return {e["req"]: e["t"] for e in events(stream, "arrived")}
+
+
+def labels(stream: Iterable[dict]) -> dict[str, str]:
+    """req -> label, from events and step items."""
+    out = {e["req"]: e["label"] for e in events(stream) if "label" in e}
+    for rec in steps(stream):
+        for item in rec["items"]:
+            out.setdefault(item["req"], item.get("label", item["req"]))
+    return out
+
+
+def ttfts(stream: Iterable[dict]) -> dict[str, float]:
+    """req -> TTFT, for requests whose arrival and first token are both in the stream."""
+    arr, times = arrivals(stream), token_times(stream)
+    return {req: times[req][0] - arr[req] for req in times if req in arr}
+
+
+def gaps(times: list[float]) -> list[float]:
+    """TBTs of one request from its token times."""
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def tbts(stream: Iterable[dict]) -> dict[str, list[float]]:
+    """req -> gaps between its consecutive tokens."""
+    return {req: gaps(ts) for req, ts in token_times(stream).items()}
+
+
+def stalls(stream: Iterable[dict]) -> dict[str, list[Token]]:
+    """req -> the tokens that ended a stall (token.gap is the stall's length)."""
+    return {req: [tk for tk in tks if tk.stalled] for req, tks in tokens(stream).items()}
+
+
+def tbt_series(stream: Iterable[dict], reqs: Iterable[str] | None = None) -> list[tuple[float, float, str]]:
+    """(token time, TBT, req) for every token after the first, sorted by time: TBT over time."""
+    keep = set(reqs) if reqs is not None else None
+    rows = [(tk.t, tk.gap, req) for req, tks in tokens(stream).items()
+            if keep is None or req in keep for tk in tks if tk.gap is not None]
+    return sorted(rows)
+
+
+def budget_fill(stream: Iterable[dict]) -> list[tuple[int, float, float]]:
+    """(step, t_end, num_tokens / token_budget) per step."""
+    return [(r["step"], r["t_end"], r["num_tokens"] / r["token_budget"]) for r in steps(stream)]
+
+
+def decoding_at(stream: Iterable[dict], t: float) -> list[str]:
+    """Requests with a reply under way at time t: first token at or before t, another token after it."""
+    return sorted(req for req, ts in token_times(stream).items() if ts[0] <= t < ts[-1])
+
+
+def cdf(xs: Iterable[float]) -> tuple[list[float], list[float]]:
+    """Sorted values and their cumulative fractions, for plotting."""
+    s = sorted(xs)
+    return s, [(i + 1) / len(s) for i in range(len(s))]
+
+
+def latency_summary(arrival: dict[str, float], times: dict[str, list[float]]) -> dict:
+    """TTFT, TBT and throughput from arrival times and per-request token times alone.
+
+    The part of summarize() that needs no step records, so baselines that only
+    give token timestamps (transformers generate) are measured the same way.
+    """
+    ttft = [ts[0] - arrival[r] for r, ts in times.items() if ts and r in arrival]
+    tbt = [g for ts in times.values() for g in gaps(ts)]
+    n_out = sum(len(ts) for ts in times.values())
+    last_t = max((ts[-1] for ts in times.values() if ts), default=None)
+    start = min(arrival.values(), default=None)
+    duration = last_t - start if last_t is not None and start is not None else None
+    return {
+        "requests": sum(1 for ts in times.values() if ts),
+        "output_tokens": n_out,
+        "duration_s": duration,
+        "output_tokens_per_s": n_out / duration if duration else None,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "ttft_max_s": max(ttft, default=None),
+        "tbt_p50_s": percentile(tbt, 50), "tbt_p99_s": percentile(tbt, 99), "tbt_max_s": max(tbt, default=None),
+    }
+
+
+def summarize(stream: Iterable[dict], reqs: Iterable[str] | None = None) -> dict:
+    """The headline numbers of a run. Latencies cover `reqs` (default: all); throughput always covers all."""
+    stream = list(stream)
+    recs = steps(stream)
+    times, arr = token_times(stream), arrivals(stream)
+    if not arr and recs:            # a stream without request events: time runs from its first step
+        arr = {"": recs[0]["t_start"]}
+    out = latency_summary(arr, times)
+    keep = set(reqs) if reqs is not None else None
+    if keep is not None:
+        mine = latency_summary({r: t for r, t in arr.items() if r in keep}, {r: t for r, t in times.items() if r in keep})
+        out.update({k: v for k, v in mine.items() if k.startswith(("ttft", "tbt")) or k == "requests"})
+    stall = [tk.gap for req, st in stalls(stream).items() if keep is None or req in keep for tk in st]
+    fills = [f for _, _, f in budget_fill(stream)]
+    waiting_slots = [r["max_num_seqs"] - len(r["items"]) for r in recs if r.get("waiting", 0) > 0]
+    out.update({
+        "stall_count": len(stall), "stall_max_s": max(stall, default=0.0) if out["tbt_max_s"] is not None else None,
+        "num_steps": len(recs),
+        "num_preemptions": sum(len(r.get("preempted", [])) for r in recs),
+        "budget_fill_mean": sum(fills) / len(fills) if fills else None,
+        "budget_fill_max": max(fills, default=None),
+        # slots left empty in steps where a request was waiting: static batching's waste
+        "idle_slots_while_waiting": sum(waiting_slots),
+        "cached_prompt_tokens": sum(i.get("cached", 0) for r in recs for i in r["items"]),
+    })
+    return out
+
+
+def focus_summary(stream: Iterable[dict], focus_req: str) -> dict:
+    """Latencies of the requests that were decoding when `focus_req` arrived (the ones it could stall)."""
+    stream = list(stream)
+    t = arrivals(stream).get(focus_req)
+    victims = decoding_at(stream, t) if t is not None else []
+    s = summarize(stream, reqs=victims)
+    names = labels(stream)
+    return {"focus": focus_req, "victims": victims, "victim_labels": [names.get(v, v) for v in victims],
+            "tbt_p50_s": s["tbt_p50_s"], "tbt_p99_s": s["tbt_p99_s"],
+            "tbt_max_s": s["tbt_max_s"], "stall_count": s["stall_count"], "stall_max_s": s["stall_max_s"],
+            "focus_ttft_s": ttfts(stream).get(focus_req)}
+
+
+# ---- per-setting stretches: the page's metrics table ----
+def setting(rec: dict) -> tuple:
+    return rec["policy"], rec["token_budget"], rec["max_num_seqs"]
+
+
+def stretches(stream: Iterable[dict]) -> list[dict]:
+    """One dict per stretch of steps under one setting, oldest first: what each column of the page shows.
+
+    Within a stretch: TTFT of the requests whose first token falls in it; TBT and
+    stall of the tokens produced in it (a gap may begin in the stretch before);
+    output tokens/s = its tokens / (its last t_end - its first t_start); the
+    highest KV use and waiting queue after any of its steps; busy = summed step times.
+    """
+    stream = list(stream)
+    recs, arr, toks = steps(stream), arrivals(stream), tokens(stream)
+    runs: list[list[dict]] = []
+    for rec in recs:
+        if runs and setting(runs[-1][-1]) == setting(rec):
+            runs[-1].append(rec)
+        else:
+            runs.append([rec])
+    return [_stretch(run, arr, toks) for run in runs]
+
+
+def _stretch(run: list[dict], arr: dict[str, float], toks: dict[str, list[Token]]) -> dict:
+    s0, s1 = run[0]["step"], run[-1]["step"]
+    ttft = [tks[0].t - arr[req] for req, tks in toks.items() if s0 <= tks[0].step <= s1 and req in arr]
+    mine = [tk for tks in toks.values() for tk in tks if s0 <= tk.step <= s1]
+    tbt = [tk.gap for tk in mine if tk.gap is not None]
+    span = run[-1]["t_end"] - run[0]["t_start"]
+    policy, budget, max_seqs = setting(run[0])
+    return {
+        "policy": policy, "token_budget": budget, "max_num_seqs": max_seqs,
+        "first_step": s0, "last_step": s1, "num_steps": len(run),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "tbt_p50_s": percentile(tbt, 50), "tbt_p99_s": percentile(tbt, 99),
+        "longest_gap_s": max(tbt, default=None),
+        "stall_max_s": max((tk.gap for tk in mine if tk.stalled), default=0.0),
+        "output_tokens": len(mine),
+        "output_tokens_per_s": len(mine) / span if span > 0 else None,
+        "kv_used_max": max(r["kv"]["used"] / r["kv"]["total"] if r["kv"]["total"] else 0.0 for r in run),
+        "waiting_max": max(r["waiting"] for r in run),
+        "busy_s": sum(r["t_end"] - r["t_start"] for r in run),
+    }

@@ -1,0 +1,142 @@
+"""The page's metrics table against engine/metrics.py, number by number, in a real browser.
+
+A recorded trace (tests/data/page_trace.json, made by `python -m tests.record_trace`:
+the default model under chunked, continuous and static batching, with stalls and
+a preemption) and synthetic streams are replayed into the stage offline (no
+server: the stage's HTML and scripts, fed through BS.ingestAll as a trace file
+would be). Every cell must hold the numbers engine.metrics.stretches() gives for
+the same stream, and show them formatted as the page formats them.
+"""
+import math
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+
+import pytest
+
+from demos import trace
+from engine import metrics
+from tests.test_metrics import random_streams
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = Path("/usr/bin/chromium")
+TRACE = Path(__file__).parent / "data" / "page_trace.json"
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium (/usr/bin/chromium) is not "
+                                                                "installed; browser tests need it")]
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+ROWS = ["steps", "ttft", "tbt", "stall", "tps", "kv", "waiting"]
+MAX_COLUMNS = 4         # the page shows the newest four stretches
+
+
+@pytest.fixture(scope="module")
+def stage():
+    """A page with the stage loaded offline; call it with a stream, get the table's cells."""
+    from playwright.sync_api import sync_playwright
+
+    from app.ui import SCRIPTS
+    html = (ROOT / "static" / "stage.html").read_text()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+
+        def show(stream: list[dict]) -> list[dict]:
+            page.set_content(f"<html><body>{html}</body></html>")
+            page.evaluate("window.BS = {offline: true}")
+            for name in SCRIPTS:
+                page.add_script_tag(content=(ROOT / "static" / name).read_text())
+            page.wait_for_function("window.BS && BS.store && document.querySelector('[data-testid=metrics] table')")
+            page.evaluate("(s) => BS.ingestAll(s)", stream)
+            page.wait_for_function("document.querySelector('[data-testid=metrics] tr[data-metric=steps] td')")
+            assert not errors, errors
+            return page.evaluate("""() => {
+                const t = document.querySelector('[data-testid=metrics] table');
+                return [...t.tHead.rows[0].querySelectorAll('th[data-policy]')].map((th, i) => {
+                    const col = {policy: th.dataset.policy};
+                    for (const tr of t.querySelectorAll('tr[data-metric]')) {
+                        const td = tr.cells[i + 1];
+                        col[tr.dataset.metric] = {text: td.textContent, values: JSON.parse(td.dataset.values)};
+                    }
+                    return col;
+                });
+            }""")
+
+        yield show
+        browser.close()
+
+
+def fixed(x: float, digits: int) -> str:
+    """JavaScript's Number.toFixed: the exact binary value rounded half up (Python's format rounds half to even)."""
+    return str(Decimal(x).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+
+
+def sec(v):
+    """The page's time format (static/metrics.js)."""
+    return "–" if v is None else fixed(v * 1000, 0) + " ms" if v < 1 else fixed(v, 2) + " s"
+
+
+def expected(m: dict) -> dict:
+    """engine.metrics.stretches() output as the page's rows: (numbers, text)."""
+    rows = {
+        "steps": ([m["first_step"], m["last_step"], m["num_steps"]],
+                  f"{m['first_step']}–{m['last_step']} ({m['num_steps']})"),
+        "ttft": ([m["ttft_p50_s"], m["ttft_p99_s"]], f"{sec(m['ttft_p50_s'])} / {sec(m['ttft_p99_s'])}"),
+        "tbt": ([m["tbt_p50_s"], m["tbt_p99_s"]], f"{sec(m['tbt_p50_s'])} / {sec(m['tbt_p99_s'])}"),
+        "stall": ([m["stall_max_s"]], sec(m["stall_max_s"]) if m["stall_max_s"] > 0 else "0"),
+        "tps": ([m["output_tokens_per_s"]],
+                "–" if m["output_tokens_per_s"] is None else fixed(m["output_tokens_per_s"], 1)),
+        "kv": ([m["kv_used_max"]], fixed(m["kv_used_max"] * 100, 1) + " %"),
+        "waiting": ([m["waiting_max"]], str(m["waiting_max"])),
+    }
+    return rows
+
+
+def same(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and math.isclose(a, b, rel_tol=1e-12,
+                                                                                          abs_tol=1e-12))
+
+
+def check(page_cols: list[dict], stream: list[dict]):
+    want = metrics.stretches(stream)[-MAX_COLUMNS:]
+    assert [c["policy"] for c in page_cols] == [m["policy"] for m in want]
+    for col, m in zip(page_cols, want):
+        for row, (values, text) in expected(m).items():
+            got = col[row]
+            assert len(got["values"]) == len(values) and all(map(same, got["values"], values)), (m["policy"], row,
+                                                                                                 got, values)
+            assert got["text"] == text, (m["policy"], row, got["text"], text)
+
+
+def test_recorded_trace_page_table_matches_python(stage):
+    objs = trace.load(TRACE)
+    s = metrics.summarize(objs)
+    assert s["stall_count"] > 0 and s["num_preemptions"] > 0 and len(metrics.stretches(objs)) == 3
+    check(stage(objs), objs)
+
+
+def test_preemption_stream_page_table_matches_python(stage):
+    """The case the two old stall definitions disagreed on: a's wait after its preemption."""
+    from tests.test_metrics import arrived, dec, pre, step
+    s = [arrived("a", 0.0), arrived("b", 0.0),
+         step(0, 0.0, 0.1, [pre("a", 8, 0, 8), pre("b", 8, 0, 8)]),
+         step(1, 0.1, 0.2, [dec("a"), dec("b")]),
+         step(2, 0.2, 0.3, [dec("b")], preempted=["a"], waiting=1),
+         step(3, 0.3, 0.4, [dec("b")], waiting=1),
+         step(4, 0.4, 1.6, [pre("a", 10, 0, 10)], stalled=["b"]),
+         step(5, 1.6, 1.7, [dec("a"), dec("b")])]
+    assert metrics.stretches(s)[0]["stall_max_s"] == pytest.approx(1.3)   # b's, not a's 1.4 s gap
+    check(stage(s), s)
+
+
+def test_random_streams_page_table_matches_python(stage):
+    """Many engine-shaped random streams (settings changing, stalls, preemptions) through the page."""
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(random_streams())
+    def one(s):
+        check(stage(s), s)
+
+    one()
