@@ -7,6 +7,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Property tests search many cases; a busy CI machine must not turn a slow case into a failure.
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("batchscope", deadline=None)
+settings.load_profile("batchscope")
+
 
 @pytest.fixture(scope="session")
 def default_engine_fp32():
