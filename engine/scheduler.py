@@ -4,8 +4,9 @@ Pure Python, no tensors. schedule() returns a Batch: a list of (sequence,
 num_tokens), where num_tokens is 1 for a decode and a chunk length for a
 prefill. Three policies retell three generations of LLM serving:
 
-  static      a batch is formed, prefilled, and decoded until every member has
-              finished; nothing joins mid-batch (request-level batching).
+  static      a batch is formed (the whole prompts the budget holds), prefilled in
+              one step, and decoded until every member has finished; nothing
+              joins mid-batch (request-level batching).
   continuous  iteration-level, prefill-first: whenever waiting prompts fit, the
               step prefills them whole and running decodes wait (Orca / vLLM v0
               without chunking): replies stall while a long prompt is prefilled.
@@ -161,9 +162,15 @@ class Scheduler:
 
     def _schedule_static(self, batch: Batch):
         if not self.running:                     # the last batch is done: form the next one
+            # as many whole prompts as the budget holds (the first always goes), so the batch is
+            # prefilled in one step and no member waits for another member's prompt
+            tokens = 0
             while self.waiting and len(self.running) < self.max_num_seqs:
-                if self._admit(self.waiting[0], lambda s: s.num_uncomputed_tokens) == 0:
+                n = self._admit(self.waiting[0], lambda s: s.num_uncomputed_tokens,
+                                fits=lambda n: not self.running or tokens + n <= self.token_budget)
+                if n == 0:
                     break
+                tokens += n
         # prefill every member before anyone decodes; then decode until all have finished
         self._add_whole_prefills(batch)
         if not batch.items:

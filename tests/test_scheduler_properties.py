@@ -39,6 +39,7 @@ class Case:
         self.hits = 0                      # prefix-cache hit tokens of admissions that held
         self.left_out: dict[str, int] = {}  # chunked: steps in a row a ready decode was left out
         self.peak_running = 0
+        self.static_formed = False   # the running batch was formed under static (not inherited by a switch)
 
     def budgets(self):
         rng = self.rng
@@ -66,6 +67,7 @@ class Case:
                 sched.set_policy(rng.choice(POLICIES), *self.budgets())
                 self.left_out.clear()
                 self.peak_running = 0
+                self.static_formed = False
             before = {"running": list(sched.running), "waiting": list(sched.waiting)}
             batch = sched.schedule()
             self.check(batch, before, step)
@@ -109,6 +111,7 @@ class Case:
         newcomers = [s for s in sched.running if s not in before["running"]]
         if sched.policy == "static" and before["running"]:
             assert not newcomers, f"static admitted into a running batch; {where}"
+        self.check_static_prefill(batch, before, prefills, where)
         for s in newcomers:
             self.order[s.id] = self.admitted
             self.admitted += 1
@@ -117,6 +120,18 @@ class Case:
         self.check_preemption(batch, newcomers, where)
         self.check_fairness(batch, where)
         self.check_blocks(where)
+
+    def check_static_prefill(self, batch: Batch, before: dict, prefills: int, where: str):
+        """Static: a batch formed under static prefills all its members in one step, so no member that
+        already has its first token waits for another member's prompt (a re-admitted one may)."""
+        sched = self.sched
+        if sched.policy != "static":
+            return
+        if not before["running"] and sched.running:
+            self.static_formed = True
+        if self.static_formed and prefills:
+            waiting_members = [s.id for s in sched.running if s.is_prefill_done and not s.num_preemptions]
+            assert not waiting_members, f"static: {waiting_members} wait for a member's prompt; {where}"
 
     def check_preemption(self, batch: Batch, newcomers: list, where: str):
         if not batch.preempted:
