@@ -7,7 +7,7 @@ call_soon_threadsafe (deliver): one wake-up per loop per step, not per request.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 
@@ -34,8 +34,9 @@ class Delta:
 class RequestStream:
     """`async for delta in stream` until the last delta; `async with stream` aborts it on an early exit."""
 
-    def __init__(self, service, loop: asyncio.AbstractEventLoop):
-        self.service, self.loop = service, loop
+    def __init__(self, loop: asyncio.AbstractEventLoop, abort: Callable[[RequestStream, str], None]):
+        """loop: the event loop that reads it; abort(stream, reason): stops the request (any thread)."""
+        self.loop, self._abort = loop, abort
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()   # unbounded, but one reply's worth at most
         self.id: str | None = None    # set on the engine thread when the request is added
         self.label: str | None = None
@@ -62,8 +63,7 @@ class RequestStream:
     def close(self, reason: str = "client went away"):
         """Abort the request unless it has already ended; frees its KV blocks at once."""
         if self.finish_reason is None:
-            # commands run in order, so by the time this one runs the add has set self.id
-            self.service._post(lambda: self.id is not None and self.service._abort(self.id, reason))
+            self._abort(self, reason)
 
     async def __aenter__(self) -> RequestStream:
         return self
