@@ -29,6 +29,15 @@ class Delta:
     completion_tokens: int            # output tokens so far
     finish_reason: str | None = None  # on the last delta only: stop | length | abort | error
     error: str | None = None          # why it ended early (abort reason or engine failure)
+    logprobs: list[TokenLogprob] | None = None   # the new tokens', when the request asked for them
+    cached_tokens: int = 0            # on the last delta: prompt tokens the prefix cache served
+
+
+@dataclass
+class TokenLogprob:
+    token: str                        # the token's text, decoded alone
+    logprob: float
+    top: list[tuple[str, float]]      # the most likely tokens at this position, most likely first
 
 
 class RequestStream:
@@ -44,7 +53,9 @@ class RequestStream:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.cached_tokens = 0        # prompt tokens served by the prefix cache, known at the end
         self.sent_chars = 0           # engine thread: characters of output_text already pushed
+        self.sent_logprobs = 0        # engine thread: tokens whose logprobs were already pushed
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._deltas()
@@ -55,6 +66,7 @@ class RequestStream:
             self.completion_tokens = delta.completion_tokens
             if delta.finish_reason is not None:
                 self.finish_reason, self.error = delta.finish_reason, delta.error
+                self.cached_tokens = delta.cached_tokens
             yield delta
 
     async def text(self) -> str:
@@ -85,12 +97,22 @@ def collect_deltas(engine, streams: dict[str, RequestStream]) -> dict:
             continue
         delta = Delta(text[stream.sent_chars:], seq.num_output_tokens)
         stream.sent_chars = len(text)
+        if seq.params.logprobs is not None:
+            new = range(stream.sent_logprobs, len(seq.logprobs))
+            delta.logprobs = [_named(engine.tokenizer, seq.output_token_ids[i], *seq.logprobs[i]) for i in new]
+            stream.sent_logprobs = len(seq.logprobs)
         if seq.is_finished:
-            delta.finish_reason = seq.finish_reason
+            delta.finish_reason, delta.cached_tokens = seq.finish_reason, seq.num_cached_tokens
             delta.error = seq.error if seq.finish_reason in ("error", "abort") else None
             del streams[rid]
         by_loop.setdefault(stream.loop, []).append((stream, delta))
     return by_loop
+
+
+def _named(tokenizer, token: int, logprob: float, top: list[tuple[int, float]]) -> TokenLogprob:
+    """Engine thread (the tokenizer is the engine's): token ids to their text."""
+    text = lambda t: tokenizer.decode([t])
+    return TokenLogprob(text(token), logprob, [(text(t), lp) for t, lp in top])
 
 
 def deliver(by_loop: dict):
