@@ -91,7 +91,9 @@ class Served:
 
 
 def _clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("BATCHSCOPE_", "PYTHON", "GRADIO_"))}
+    # no flags from the environment (BATCHSCOPE_CACHE, where the model lives, is not a flag)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("BATCHSCOPE_", "PYTHON", "GRADIO_")) or k == "BATCHSCOPE_CACHE"}
     return {**env, "BATCHSCOPE_KV_CACHE_GB": "0.1", "NO_PROXY": "*", **extra}
 
 

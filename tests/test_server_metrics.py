@@ -6,6 +6,8 @@ import threading
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.test_server_live import wait_for
+
 pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 
 VLLM_NAMES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
@@ -30,7 +32,8 @@ def total(samples: dict, name: str, **labels) -> float:
 
 def test_metrics_add_up_to_the_replies_and_the_records(live_server):
     model = live_server.service.model_name
-    head = live_server.records(1)[-1]["step"] if live_server.records(1) else -1
+    wait_for(lambda: live_server.engine()["live_requests"] == 0, what="the requests of earlier tests to end")
+    head = max([r["step"] for r in live_server.records(1) if r["type"] == "step"], default=-1)
     before = scrape(live_server)
     doc = "Here is a report about lighthouses and the sea. " * 12
     replies = {}
