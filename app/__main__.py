@@ -60,9 +60,9 @@ def _bool(text: str) -> bool:
 TYPES = {"int": int, "float": float, "int | None": int, "float | None": float, "bool": _bool}
 
 
-def parse_args(argv: list[str] | None = None, env: dict | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, env: dict | None = None, prog: str = "python -m app") -> argparse.Namespace:
     env = os.environ if env is None else env
-    p = argparse.ArgumentParser(prog="python -m app", description="batchscope: a live LLM engine you can watch.")
+    p = argparse.ArgumentParser(prog=prog, description="batchscope: a live LLM engine you can watch.")
     for flag, (cls, name, text) in FLAGS.items():
         field = next(f for f in dataclasses.fields(cls) if f.name == name)
         kind = TYPES.get(str(field.type), str)
@@ -115,8 +115,8 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m app") -> int:
+    args = parse_args(argv, prog=prog)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         service, app = build(args)

@@ -133,7 +133,7 @@ class Subscription:
     def close(self):
         self.closed = True
         self._event.set()
-        self.hub._subs.discard(self)
+        self.hub.unsubscribe(self)
 
 
 class Broadcaster:
@@ -183,6 +183,17 @@ class Broadcaster:
         self._subs.add(sub)
         return sub
 
+    def unsubscribe(self, sub: Subscription):
+        self._subs.discard(sub)
+
     def close_all(self):
         for sub in list(self._subs):
             sub.close()
+
+    def close_all_threadsafe(self):
+        """close_all() from any thread: it runs on the viewers' event loop."""
+        try:
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self.close_all)
+        except RuntimeError:                # that loop has already closed
+            pass

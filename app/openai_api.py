@@ -1,71 +1,29 @@
-"""OpenAI-compatible routes: GET /v1/models and POST /v1/chat/completions (streaming or not).
+"""OpenAI-compatible routes: GET /v1/models, POST /v1/chat/completions and /v1/completions
+(streaming or not; n choices, stop, seed, logprobs, usage with prefix-cache hits).
 
-Requests are checked strictly, as OpenAI's API does: wrong types, unknown
-arguments and unsupported features get a 400 that names the parameter. The
-official `openai` package and curl work unchanged (any API key is accepted).
+Requests are checked in app/openai_requests.py; here they become engine
+requests, one per choice, and their replies become OpenAI's response and
+stream shapes. The official `openai` package and curl work unchanged (any
+API key is accepted).
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from typing import Any
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from app.errors import APIError, from_validation, read_json
+from app.openai_requests import (ChatRequest, CompletionRequest, Sampling, chat_params, completion_params, message,
+                                 prompt_input)
 from app.rate_limit import client_of
+from app.request_stream import TokenLogprob
 from app.service import EngineService, QueueFull, ServiceUnavailable
 from engine import SamplingParams
-
-STRICT = ConfigDict(extra="forbid", strict=True)
-
-
-# Unions are checked by hand (content, stop, tool_choice): pydantic would name the union member
-# ("messages.0.content.str") instead of the parameter in its errors.
-
-class Message(BaseModel):
-    # clients echo back extra message fields (name, refusal, ...): ignore those
-    model_config = ConfigDict(extra="ignore", strict=True)
-    role: str
-    content: Any = None               # a string, or a list of {"type": "text", "text": ...} parts
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    include_usage: bool = False
-
-
-class ChatRequest(BaseModel):
-    model_config = STRICT
-    messages: list[Message]
-    model: str | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None          # vLLM extension
-    ignore_eos: bool = False          # vLLM extension: fixed-length replies for benchmarks
-    stop: Any = None                  # a string or a list of up to 4 strings
-    seed: int | None = None
-    n: int | None = None
-    user: str | None = None           # shown as the request's label on the live chart
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    logit_bias: dict[str, float] | None = None
-    response_format: dict | None = None
-    tools: list | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    metadata: dict | None = None
-    store: bool | None = None
-    service_tier: str | None = None
 
 
 def router(service: EngineService) -> APIRouter:
@@ -79,144 +37,211 @@ def router(service: EngineService) -> APIRouter:
 
     @api.post("/v1/chat/completions")
     async def chat(request: Request):
-        try:
-            body = ChatRequest.model_validate(await read_json(request, cfg.max_body_bytes))
-        except ValidationError as e:
-            raise from_validation(e) from None
-        messages, params = _convert(body, service)
-        label = (body.user or "").strip()[:32] or None
-        try:
-            client = client_of(request.headers, request.client.host if request.client else None)
-            stream = await service.submit(messages=messages, params=params, label=label, client=client)
-        except ValueError as e:
-            code = "context_length_exceeded" if "limit is" in str(e) else None
-            raise APIError(400, str(e), param="messages", code=code) from None
-        except QueueFull as e:
-            raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
-        except ServiceUnavailable as e:
-            raise APIError(503, str(e), code="service_unavailable") from None
-        meta = {"id": f"chatcmpl-{stream.id}", "created": int(time.time()), "model": service.model_name}
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return AbortOnDisconnect(_sse(stream, meta, include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _complete(request, stream, meta)
+        body = await _parse(request, ChatRequest, cfg.max_body_bytes)
+        params = chat_params(body, service)
+        messages = [message(i, m) for i, m in enumerate(body.messages)]
+        if not messages:
+            raise APIError(400, "messages must be a non-empty list", param="messages")
+        streams = await _submit(request, service, body, params, "messages", messages=messages)
+        return await _respond(request, body, streams, _ChatShape(service, streams))
+
+    @api.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest, cfg.max_body_bytes)
+        params = completion_params(body, service)
+        prompt = prompt_input(body.prompt)
+        streams = await _submit(request, service, body, params, "prompt", **prompt)
+        return await _respond(request, body, streams, _CompletionShape(service, streams))
 
     return api
 
 
-def _convert(body: ChatRequest, service: EngineService) -> tuple[list[dict], SamplingParams]:
-    """Check what the engine cannot express and build its inputs."""
-    cfg = service.config
-    if body.model is not None and body.model != service.model_name:
-        raise APIError(404, f"The model '{body.model}' does not exist; this server serves "
-                            f"'{service.model_name}'.", param="model", code="model_not_found")
-    unsupported = [(body.n not in (None, 1), "n", "only n=1 is supported"),
-                   (bool(body.presence_penalty), "presence_penalty", "penalties are not supported"),
-                   (bool(body.frequency_penalty), "frequency_penalty", "penalties are not supported"),
-                   (bool(body.logprobs) or bool(body.top_logprobs), "logprobs", "logprobs are not supported"),
-                   (bool(body.logit_bias), "logit_bias", "logit_bias is not supported"),
-                   (bool(body.tools), "tools", "tools are not supported"),
-                   (body.response_format not in (None, {"type": "text"}), "response_format",
-                    "only response_format {'type': 'text'} is supported")]
-    for bad, param, why in unsupported:
-        if bad:
-            raise APIError(400, why, param=param)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    if max_tokens is None:
-        max_tokens = cfg.default_max_tokens
-    elif max_tokens < 1:
-        raise APIError(400, f"{param} must be at least 1, got {max_tokens}", param=param)
-    elif max_tokens > cfg.max_tokens_cap:
-        raise APIError(400, f"{param} is {max_tokens}; this server allows at most {cfg.max_tokens_cap}",
-                       param=param)
-    checks = [(body.temperature is not None and not 0 <= body.temperature <= 2, "temperature",
-               "temperature must be between 0 and 2"),
-              (body.top_p is not None and not 0 < body.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
-              (body.top_k is not None and body.top_k < 0, "top_k", "top_k must be >= 0"),
-              (body.seed is not None and not -2**63 <= body.seed < 2**64, "seed", "seed must fit in 64 bits")]
-    stops = [body.stop] if isinstance(body.stop, str) else [] if body.stop is None else body.stop
-    checks.append((not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(x, str) and x for x in stops),
-                   "stop", "stop must be a string or a list of up to 4 non-empty strings"))
-    for bad, param, why in checks:
-        if bad:
-            raise APIError(400, why, param=param)
-    messages = [_message(i, m) for i, m in enumerate(body.messages)]
-    if not messages:
-        raise APIError(400, "messages must be a non-empty list", param="messages")
-    params = SamplingParams(max_tokens=max_tokens, stop=stops, ignore_eos=body.ignore_eos,
-                            temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default
-                            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed)
-    return messages, params
+async def _parse(request: Request, model: type[BaseModel], limit: int):
+    try:
+        return model.model_validate(await read_json(request, limit))
+    except ValidationError as e:
+        raise from_validation(e) from None
 
 
-def _message(i: int, m: Message) -> dict:
-    role = "system" if m.role == "developer" else m.role   # OpenAI's newer name for the system role
-    if role not in ("system", "user", "assistant"):
-        raise APIError(400, f"messages[{i}].role must be system, user or assistant, got {m.role!r}",
-                       param=f"messages.{i}.role")
-    content, param = m.content, f"messages.{i}.content"
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise APIError(400, f"messages[{i}].content: only text parts are supported", param=param)
-        content = "".join(p["text"] for p in content)
-    if content is None:
-        raise APIError(400, f"messages[{i}].content is missing", param=param)
-    if not isinstance(content, str):
-        raise APIError(400, f"messages[{i}].content must be a string or a list of text parts, "
-                            f"got {type(content).__name__}", param=param)
-    return {"role": role, "content": content}
+async def _submit(request: Request, service: EngineService, body: Sampling, params: SamplingParams,
+                  param: str, **prompt) -> list:
+    """One engine request per choice; if one cannot be queued, the others are aborted."""
+    label = (body.user or "").strip()[:32] or None
+    client = client_of(request.headers, request.client.host if request.client else None)
+    streams = []
+    try:
+        for i in range(body.n or 1):
+            p = params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
+            streams.append(await service.submit(**prompt, params=p, label=label, client=client))
+    except BaseException as e:
+        for s in streams:
+            s.close("another choice of the same request failed")
+        if isinstance(e, ValueError):
+            code = "context_length_exceeded" if "limit is" in str(e) else None
+            raise APIError(400, str(e), param=param, code=code) from None
+        if isinstance(e, QueueFull):
+            raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
+        if isinstance(e, ServiceUnavailable):
+            raise APIError(503, str(e), code="service_unavailable") from None
+        raise
+    return streams
 
 
-async def _complete(request: Request, stream, meta: dict) -> JSONResponse:
-    """Wait for the whole reply; a client that hangs up first aborts the request."""
-    async with stream:
-        reply = asyncio.ensure_future(stream.text())
+async def _respond(request: Request, body: Sampling, streams: list, shape):
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return AbortOnDisconnect(_sse(streams, shape, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _complete(request, streams, shape)
+
+
+class _ChatShape:
+    """How a chat completion, and each of its stream chunks, reads."""
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, service: EngineService, streams: list):
+        self.meta = {"id": f"chatcmpl-{streams[0].id}", "created": int(time.time()), "model": service.model_name}
+
+    def choice(self, i: int, text: str, finish_reason: str | None, logprobs: list | None) -> dict:
+        return {"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+                "logprobs": self.logprobs(i, logprobs)}
+
+    def start(self, i: int) -> dict | None:
+        return {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+
+    def piece(self, i: int, text: str, finish_reason: str | None, logprobs: list | None) -> dict:
+        return {"index": i, "delta": {"content": text} if text or logprobs else {},
+                "finish_reason": finish_reason, "logprobs": self.logprobs(i, logprobs)}
+
+    @staticmethod
+    def logprobs(i: int, tokens: list[TokenLogprob] | None) -> dict | None:
+        if tokens is None:
+            return None
+        entry = lambda t, lp: {"token": t, "logprob": lp, "bytes": list(t.encode())}
+        return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, lp) for t, lp in x.top]}
+                            for x in tokens], "refusal": None}
+
+
+class _CompletionShape:
+    """How a text completion, and each of its stream chunks, reads (the legacy logprobs format)."""
+    object = chunk_object = "text_completion"
+
+    def __init__(self, service: EngineService, streams: list):
+        self.meta = {"id": f"cmpl-{streams[0].id}", "created": int(time.time()), "model": service.model_name}
+        self.offsets = [0] * len(streams)           # text_offset of each choice's next token
+
+    def choice(self, i: int, text: str, finish_reason: str | None, logprobs: list | None) -> dict:
+        return {"index": i, "text": text, "logprobs": self.logprobs(i, logprobs), "finish_reason": finish_reason}
+
+    def start(self, i: int) -> dict | None:
+        return None
+
+    piece = choice
+
+    def logprobs(self, i: int, tokens: list[TokenLogprob] | None) -> dict | None:
+        if tokens is None:
+            return None
+        offsets = []
+        for x in tokens:
+            offsets.append(self.offsets[i])
+            self.offsets[i] += len(x.token)
+        return {"tokens": [x.token for x in tokens], "token_logprobs": [x.logprob for x in tokens],
+                "top_logprobs": [dict(x.top) for x in tokens], "text_offset": offsets}
+
+
+async def _collect(stream) -> tuple[str, list | None]:
+    """A whole reply: its text and, when asked for, its tokens' logprobs."""
+    text, logprobs = [], None
+    async for d in stream:
+        text.append(d.text)
+        if d.logprobs is not None:
+            logprobs = (logprobs or []) + d.logprobs
+    return "".join(text), logprobs
+
+
+async def _complete(request: Request, streams: list, shape) -> JSONResponse:
+    """Wait for every choice; a client that hangs up first aborts them all."""
+    try:
+        replies = asyncio.ensure_future(asyncio.gather(*map(_collect, streams)))
         gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait({reply, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({replies, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
-        if not reply.done():
-            reply.cancel()
+        if not replies.done():
+            replies.cancel()
             return JSONResponse({}, status_code=499)    # nobody is left to read it
-        text = reply.result()
-    if stream.finish_reason == "error" or (stream.finish_reason == "abort" and stream.error):
-        status = 503 if "shutting down" in (stream.error or "") else 500
-        raise APIError(status, stream.error or "the request failed")
-    return JSONResponse({**meta, "object": "chat.completion",
-                         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                      "finish_reason": stream.finish_reason, "logprobs": None}],
-                         "usage": _usage(stream)})
+        results = replies.result()
+    finally:
+        for s in streams:
+            s.close()
+    for s in streams:
+        if s.finish_reason == "error" or (s.finish_reason == "abort" and s.error):
+            status = 503 if "shutting down" in (s.error or "") else 500
+            raise APIError(status, s.error or "the request failed")
+    choices = [shape.choice(i, text, s.finish_reason, lp) for i, ((text, lp), s) in enumerate(zip(results, streams))]
+    return JSONResponse({**shape.meta, "object": shape.object, "choices": choices, "usage": _usage(streams)})
 
 
-async def _sse(stream, meta: dict, include_usage: bool):
+async def _merged(streams: list):
+    """(choice index, delta) from every choice, in the order they arrive."""
+    if len(streams) == 1:
+        async for d in streams[0]:
+            yield 0, d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        async for d in stream:
+            queue.put_nowait((i, d))
+        queue.put_nowait((i, None))
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, d = await queue.get()
+            if d is None:
+                left -= 1
+            else:
+                yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _sse(streams: list, shape, include_usage: bool):
     def event(obj: dict) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
-    def chunk(delta: dict, finish_reason: str | None = None) -> str:
-        return event({**meta, "object": "chat.completion.chunk",
-                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]})
+    def chunk(choice: dict) -> str:
+        return event({**shape.meta, "object": shape.chunk_object, "choices": [choice]})
 
-    async with stream:                      # closing early (client gone) aborts the request
-        yield chunk({"role": "assistant", "content": ""})
-        async for d in stream:
+    try:                                    # closing early (client gone) aborts every choice
+        for i in range(len(streams)):
+            if (first := shape.start(i)) is not None:
+                yield chunk(first)
+        failed = False
+        async for i, d in _merged(streams):
             if d.error:
                 code = "service_unavailable" if "shutting down" in d.error else "server_error"
                 yield event({"error": {"message": d.error, "type": "server_error", "param": None, "code": code}})
+                failed = True
                 break
-            if d.text:
-                yield chunk({"content": d.text})
+            if d.text or d.logprobs:
+                yield chunk(shape.piece(i, d.text, None, d.logprobs))
             if d.finish_reason:
-                yield chunk({}, d.finish_reason)
-        if include_usage and not stream.error:
-            yield event({**meta, "object": "chat.completion.chunk", "choices": [], "usage": _usage(stream)})
+                yield chunk(shape.piece(i, "", d.finish_reason, None))
+        if include_usage and not failed:
+            yield event({**shape.meta, "object": shape.chunk_object, "choices": [], "usage": _usage(streams)})
         yield "data: [DONE]\n\n"
+    finally:
+        for s in streams:
+            s.close()
 
 
-def _usage(stream) -> dict:
-    return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
-            "total_tokens": stream.prompt_tokens + stream.completion_tokens}
+def _usage(streams: list) -> dict:
+    """The prompt counts once, however many choices (as OpenAI bills it); completions add up."""
+    prompt, completion = streams[0].prompt_tokens, sum(s.completion_tokens for s in streams)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": streams[0].cached_tokens}}
 
 
 async def _disconnected(request: Request):

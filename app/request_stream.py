@@ -7,7 +7,7 @@ call_soon_threadsafe (deliver): one wake-up per loop per step, not per request.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 
@@ -29,13 +29,23 @@ class Delta:
     completion_tokens: int            # output tokens so far
     finish_reason: str | None = None  # on the last delta only: stop | length | abort | error
     error: str | None = None          # why it ended early (abort reason or engine failure)
+    logprobs: list[TokenLogprob] | None = None   # the new tokens', when the request asked for them
+    cached_tokens: int = 0            # on the last delta: prompt tokens the prefix cache served
+
+
+@dataclass
+class TokenLogprob:
+    token: str                        # the token's text, decoded alone
+    logprob: float
+    top: list[tuple[str, float]]      # the most likely tokens at this position, most likely first
 
 
 class RequestStream:
     """`async for delta in stream` until the last delta; `async with stream` aborts it on an early exit."""
 
-    def __init__(self, service, loop: asyncio.AbstractEventLoop):
-        self.service, self.loop = service, loop
+    def __init__(self, loop: asyncio.AbstractEventLoop, abort: Callable[[RequestStream, str], None]):
+        """loop: the event loop that reads it; abort(stream, reason): stops the request (any thread)."""
+        self.loop, self._abort = loop, abort
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()   # unbounded, but one reply's worth at most
         self.id: str | None = None    # set on the engine thread when the request is added
         self.label: str | None = None
@@ -43,7 +53,9 @@ class RequestStream:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.cached_tokens = 0        # prompt tokens served by the prefix cache, known at the end
         self.sent_chars = 0           # engine thread: characters of output_text already pushed
+        self.sent_logprobs = 0        # engine thread: tokens whose logprobs were already pushed
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._deltas()
@@ -54,6 +66,7 @@ class RequestStream:
             self.completion_tokens = delta.completion_tokens
             if delta.finish_reason is not None:
                 self.finish_reason, self.error = delta.finish_reason, delta.error
+                self.cached_tokens = delta.cached_tokens
             yield delta
 
     async def text(self) -> str:
@@ -62,8 +75,7 @@ class RequestStream:
     def close(self, reason: str = "client went away"):
         """Abort the request unless it has already ended; frees its KV blocks at once."""
         if self.finish_reason is None:
-            # commands run in order, so by the time this one runs the add has set self.id
-            self.service._post(lambda: self.id is not None and self.service._abort(self.id, reason))
+            self._abort(self, reason)
 
     async def __aenter__(self) -> RequestStream:
         return self
@@ -85,12 +97,22 @@ def collect_deltas(engine, streams: dict[str, RequestStream]) -> dict:
             continue
         delta = Delta(text[stream.sent_chars:], seq.num_output_tokens)
         stream.sent_chars = len(text)
+        if seq.params.logprobs is not None:
+            new = range(stream.sent_logprobs, len(seq.logprobs))
+            delta.logprobs = [_named(engine.tokenizer, seq.output_token_ids[i], *seq.logprobs[i]) for i in new]
+            stream.sent_logprobs = len(seq.logprobs)
         if seq.is_finished:
-            delta.finish_reason = seq.finish_reason
+            delta.finish_reason, delta.cached_tokens = seq.finish_reason, seq.num_cached_tokens
             delta.error = seq.error if seq.finish_reason in ("error", "abort") else None
             del streams[rid]
         by_loop.setdefault(stream.loop, []).append((stream, delta))
     return by_loop
+
+
+def _named(tokenizer, token: int, logprob: float, top: list[tuple[int, float]]) -> TokenLogprob:
+    """Engine thread (the tokenizer is the engine's): token ids to their text."""
+    text = lambda t: tokenizer.decode([t])
+    return TokenLogprob(text(token), logprob, [(text(t), lp) for t, lp in top])
 
 
 def deliver(by_loop: dict):

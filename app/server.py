@@ -1,4 +1,4 @@
-"""create_app(service) -> the FastAPI app: health, engine control, traces, the step stream, /v1.
+"""create_app(service) -> the FastAPI app: health, metrics, engine control, traces, the step stream, /v1.
 
 `/` is left free for the Gradio UI, which mounts on the same app:
     app = create_app(service); gr.mount_gradio_app(app, blocks, path="/")
@@ -13,7 +13,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
 
@@ -61,6 +62,11 @@ def create_app(service: EngineService, manage_service: bool = True) -> FastAPI:
         ok, reason = service.health()
         body = {"status": "ok" if ok else "unhealthy", "model": service.model_name, "device": service.device}
         return body if ok else JSONResponse({**body, "reason": reason}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        """Prometheus text format; vLLM's metric names where they mean the same (app/metrics.py)."""
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/api/engine")
     async def get_engine():

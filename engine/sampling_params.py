@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20                     # alternatives per token, as OpenAI allows
+
 
 @dataclass
 class SamplingParams:
@@ -14,6 +16,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False          # benchmarks need fixed output lengths
+    logprobs: int | None = None       # None: off; k: each token's logprob and the k most likely (k <= 20)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -34,6 +37,10 @@ class SamplingParams:
                f"stop must be a list of non-empty strings, got {self.stop!r}")
         _check(isinstance(self.stop_token_ids, list) and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -46,6 +46,7 @@ class Sequence:
     read_offset: int = 0
     text_buffer: str = ""             # decoded but held back: may be the start of a stop string
     generator: object = None          # torch.Generator for seeded sampling
+    logprobs: list = field(default_factory=list)  # when params.logprobs is set: per output token (logprob, top)
 
     # ---- derived sizes ----
     @property

@@ -18,6 +18,11 @@ chat_body = st.fixed_dictionaries({}, optional={
     "max_tokens": st.integers(-5, 10**7) | json_values, "temperature": st.floats(-5, 500) | json_values,
     "top_p": st.floats(-1, 2) | json_values, "stream": st.booleans() | json_values,
     "stop": json_values, "seed": json_values, "n": json_values, "surprise": json_values})
+completion_body = st.fixed_dictionaries({}, optional={
+    "model": json_values, "prompt": st.text(max_size=20) | st.lists(st.integers(-5, 60000), max_size=4) | json_values,
+    "max_tokens": st.integers(-5, 10**7) | json_values, "logprobs": st.integers(-2, 30) | json_values,
+    "n": st.integers(-1, 10) | json_values, "echo": json_values, "stream": st.booleans() | json_values,
+    "stop": json_values, "seed": json_values, "best_of": json_values, "surprise": json_values})
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 seen = {"cases": 0}
 
@@ -36,6 +41,14 @@ def test_chat_completions_fuzz(live_server, body):
     if isinstance(body.get("max_tokens"), int) and 0 < body["max_tokens"]:
         body["max_tokens"] = min(body["max_tokens"], 4)        # valid bodies stay cheap to serve
     check(live_server.http.post("/v1/chat/completions", json=body))
+
+
+@SETTINGS
+@given(body=completion_body)
+def test_completions_fuzz(live_server, body):
+    if isinstance(body.get("max_tokens"), int) and 0 < body["max_tokens"]:
+        body["max_tokens"] = min(body["max_tokens"], 4)        # valid bodies stay cheap to serve
+    check(live_server.http.post("/v1/completions", json=body))
 
 
 @SETTINGS

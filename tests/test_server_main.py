@@ -95,3 +95,19 @@ def test_python_m_app_serves_then_shuts_down_gracefully():
             proc.kill()
             proc.wait()
     assert key not in "".join(output)
+
+
+def test_batchscope_command_dispatches_to_the_app_and_the_demos(capsys):
+    from app.cli import main
+    assert main([]) == 2 and "serve" in capsys.readouterr().out
+    assert main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    assert all(c in listed for c in ("serve", "compare", "bench"))
+    assert main(["serf"]) == 2 and "unknown command 'serf'" in capsys.readouterr().err
+    for command, flag in [("serve", "--step-delay"), ("compare", "--scenario"), ("bench", "--batch")]:
+        with pytest.raises(SystemExit) as done:
+            main([command, "--help"])
+        assert done.value.code == 0 and flag in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--policy", "fifo"])
+    assert done.value.code == 2 and "batchscope serve" in capsys.readouterr().err
