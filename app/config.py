@@ -16,6 +16,7 @@ class ServerConfig:
     step_delay: float = 0.0           # seconds of pause after each step (slow motion for a class)
     presenter_key: str | None = None  # when set, changing the engine needs it; never logged or echoed
     served_model_name: str | None = None  # the name /v1/models shows; defaults to the model's name
+    public_url: str | None = None     # the address students reach this server at (the projector's join link)
     # ---- limits ----
     max_waiting: int = 64             # queued requests beyond which chat answers 429
     retry_after_s: int = 2            # the Retry-After a 429 suggests
@@ -41,6 +42,8 @@ class ServerConfig:
         self.default_max_tokens = min(self.default_max_tokens, self.max_tokens_cap)   # a lower cap wins
         if self.ws_buffer > self.history:
             raise ValueError(f"ws_buffer ({self.ws_buffer}) must not exceed history ({self.history})")
+        if self.public_url is not None and not self.public_url.startswith(("http://", "https://")):
+            raise ValueError(f"public_url must start with http:// or https://, got {self.public_url!r}")
         if self.presenter_key == "":
             self.presenter_key = None     # an empty variable means "no key", not "the empty key"
 
