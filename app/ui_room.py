@@ -18,6 +18,7 @@ from __future__ import annotations
 import html
 import json
 from pathlib import Path
+from urllib.parse import parse_qs
 from string import Template
 
 import segno
@@ -61,6 +62,43 @@ def join_box(url: str) -> str:
             '<span data-i18n="room.people"></span></div></aside>')
 
 
+class RoleRedirect:
+    """`/?role=student` and `/?view=projector` are the pages /join and /projector (a plain ASGI
+    middleware: it leaves every other request, and its disconnects, untouched)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/" and scope["method"] == "GET":
+            q = {k: v[-1] for k, v in parse_qs(scope.get("query_string", b"").decode()).items()}
+            lang = f"?lang={q['lang']}" if q.get("lang") in ("en", "zh") else ""
+            where = "join" if q.get("role") == "student" else "projector" if q.get("view") == "projector" else None
+            if where:
+                return await RedirectResponse(where + lang, status_code=307)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class Lines:
+    """An NDJSON body whose cleanup runs however it ends, even when the client left before the first
+    line (a plain async generator that never started would skip its `finally`)."""
+
+    def __init__(self, gen, cleanup):
+        self.gen, self.cleanup = gen, cleanup
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.gen.__anext__()
+
+    async def aclose(self):
+        try:
+            await self.gen.aclose()
+        finally:
+            self.cleanup()
+
+
 def mount_room(app: FastAPI, service, room: Room, head: str, max_tokens: int = 128):
     cfg = service.config
 
@@ -68,17 +106,7 @@ def mount_room(app: FastAPI, service, room: Room, head: str, max_tokens: int = 1
         return join_url(cfg.host, request.url.port or cfg.port, cfg.public_url,
                         str(request.base_url))
 
-    @app.middleware("http")
-    async def roles(request: Request, call_next):
-        """`/?role=student` and `/?view=projector` are the same pages as /join and /projector."""
-        if request.url.path == "/" and request.method == "GET":
-            q = request.query_params
-            lang = f"?lang={q['lang']}" if q.get("lang") in ("en", "zh") else ""
-            if q.get("role") == "student":
-                return RedirectResponse("join" + lang, status_code=307)
-            if q.get("view") == "projector":
-                return RedirectResponse("projector" + lang, status_code=307)
-        return await call_next(request)
+    app.add_middleware(RoleRedirect)
 
     @app.get("/join", response_class=HTMLResponse)
     async def student_page():
@@ -145,6 +173,10 @@ def mount_room(app: FastAPI, service, room: Room, head: str, max_tokens: int = 1
         member.rids.append(stream.id)
         member.busy = True
 
+        def done():
+            stream.close()                  # aborts the request unless it has ended
+            member.busy = False
+
         async def lines():
             reply, error = "", None
             try:
@@ -160,5 +192,6 @@ def mount_room(app: FastAPI, service, room: Room, head: str, max_tokens: int = 1
                     turn = [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
                     member.history = (member.history + turn)[-2 * HISTORY_TURNS:]
             finally:
-                member.busy = False
-        return AbortOnDisconnect(lines(), media_type="application/x-ndjson", headers={"Cache-Control": "no-cache"})
+                done()
+        return AbortOnDisconnect(Lines(lines(), done), media_type="application/x-ndjson",
+                                 headers={"Cache-Control": "no-cache"})

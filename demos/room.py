@@ -61,7 +61,8 @@ def start_server(port: int, args) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-async def api_student(base: str, i: int, stop: asyncio.Event, stats: dict, max_tokens: int, rng: random.Random):
+async def api_student(base: str, model: str, i: int, stop: asyncio.Event, stats: dict, max_tokens: int,
+                      rng: random.Random):
     """One student on the OpenAI API: ask, read the whole reply, think, ask again."""
     from openai import APIStatusError, AsyncOpenAI
     client = AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600,
@@ -72,7 +73,7 @@ async def api_student(base: str, i: int, stop: asyncio.Event, stats: dict, max_t
             t0, first, tokens = time.monotonic(), None, 0
             try:
                 stream = await client.chat.completions.create(
-                    model="default", stream=True, max_tokens=max_tokens, user=f"Student {i + 1}",
+                    model=model, stream=True, max_tokens=max_tokens, user=f"Student {i + 1}",
                     messages=[{"role": "user", "content": rng.choice(QUESTIONS)}])
                 async for chunk in stream:
                     if chunk.choices and chunk.choices[0].delta.content:
@@ -83,6 +84,8 @@ async def api_student(base: str, i: int, stop: asyncio.Event, stats: dict, max_t
                 stats["tokens"] += tokens
             except APIStatusError as e:
                 stats["refused" if e.status_code == 429 else "errors"] += 1
+                if e.status_code != 429 and len(stats["messages"]) < 3:
+                    stats["messages"].append(str(e)[:200])
             await asyncio.sleep(rng.uniform(2, 8))
     finally:
         await client.close()
@@ -117,11 +120,16 @@ async def run(args) -> dict:
     base = f"http://127.0.0.1:{port}"
     server = start_server(port, args)
     rng = random.Random(args.seed)
-    stats = {"ttft": [], "done": 0, "refused": 0, "errors": 0, "tokens": 0}
+    stats = {"ttft": [], "done": 0, "refused": 0, "errors": 0, "tokens": 0, "messages": []}
     stop = asyncio.Event()
     try:
         async with httpx.AsyncClient(base_url=base, timeout=60) as http:
-            await wait_healthy(http)
+            try:
+                await wait_healthy(http)
+            except RuntimeError:
+                server.terminate()
+                raise RuntimeError("the server did not start: " + server.stderr.read()[-800:]) from None
+            model = (await http.get("/v1/models")).json()["data"][0]["id"]
             async with async_playwright() as p:
                 browser = await p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
                 projector = await (await browser.new_context(viewport={"width": 1920, "height": 1080})).new_page()
@@ -133,7 +141,7 @@ async def run(args) -> dict:
                     tabs.append(pg)
                 names = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fay"]
                 tasks = [asyncio.ensure_future(tab_student(pg, names[k % len(names)], stop, rng)) for k, pg in enumerate(tabs)]
-                tasks += [asyncio.ensure_future(api_student(base, i, stop, stats, args.max_tokens, rng))
+                tasks += [asyncio.ensure_future(api_student(base, model, i, stop, stats, args.max_tokens, rng))
                           for i in range(args.students - args.tabs)]
                 await asyncio.sleep(args.warmup)
                 pages = [("projector", projector)] + [(f"student tab {k + 1}", pg) for k, pg in enumerate(tabs)]
@@ -159,6 +167,7 @@ async def run(args) -> dict:
             "steps_per_s": (step1 - step0) / (t1 - t0), "api_tokens_per_s": (stats["tokens"] - tok0) / (t1 - t0),
             "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_p99": percentile(ttft, 99),
             "ttft_n": len(ttft), "replies": stats["done"], "refused_429": stats["refused"], "errors": stats["errors"],
+            "error_messages": stats["messages"],
             "browsers": [fps_row(name, a, b) | {"rows_on_screen": n} for (name, _), a, b, n in zip(pages, before, after, rows)],
         }
     finally:
@@ -177,6 +186,7 @@ def report(r: dict) -> str:
              f"server: {r['steps_per_s']:.1f} steps/s, {r['api_tokens_per_s']:.1f} output tokens/s to the API clients",
              f"time to first token (API clients, n={r['ttft_n']}): p50 {s(r['ttft_p50'])}, p90 {s(r['ttft_p90'])}, "
              f"p99 {s(r['ttft_p99'])}; replies {r['replies']}, refused (429) {r['refused_429']}, errors {r['errors']}",
+             *[f"  error: {m}" for m in r["error_messages"]],
              "", f"{'browser':<16}{'fps':>7}{'<30fps':>9}{'redraws/s':>11}{'draw ms':>9}{'max ms':>8}{'rows':>6}"]
     for b in r["browsers"]:
         lines.append(f"{b['tab']:<16}{b['fps']:>7.1f}{b['slow_share'] * 100:>8.1f}%{b['redraws_per_s']:>11.1f}"
