@@ -106,6 +106,15 @@ async def tab_student(page, name: str, stop: asyncio.Event, rng: random.Random):
 PERF = "({...BS.perf, now: performance.now()})"
 
 
+async def peak_waiting(http, stop: asyncio.Event) -> int:
+    """The longest waiting queue seen, sampled once a second."""
+    peak = 0
+    while not stop.is_set():
+        peak = max(peak, (await http.get("/api/engine")).json()["waiting"])
+        await asyncio.sleep(1)
+    return peak
+
+
 def fps_row(name: str, a: dict, b: dict) -> dict:
     sec = (b["now"] - a["now"]) / 1000
     frames, draws = b["frames"] - a["frames"], b["draws"] - a["draws"]
@@ -147,6 +156,7 @@ async def run(args) -> dict:
                 pages = [("projector", projector)] + [(f"student tab {k + 1}", pg) for k, pg in enumerate(tabs)]
                 before = [await pg.evaluate(PERF) for _, pg in pages]
                 step0, t0, tok0, ttft0 = (await http.get("/api/engine")).json()["step"], time.monotonic(), stats["tokens"], len(stats["ttft"])
+                peak = asyncio.ensure_future(peak_waiting(http, stop))
                 await asyncio.sleep(args.seconds)
                 step1, t1 = (await http.get("/api/engine")).json()["step"], time.monotonic()
                 after = [await pg.evaluate(PERF) for _, pg in pages]
@@ -159,6 +169,7 @@ async def run(args) -> dict:
                         await tabs[0].screenshot(path=str(out / "ui_student.png"), full_page=True)
                 stop.set()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                waiting_peak = await peak
                 await browser.close()
         ttft = stats["ttft"][ttft0:]
         return {
@@ -166,7 +177,7 @@ async def run(args) -> dict:
             "max_num_seqs": args.max_num_seqs, "max_tokens": args.max_tokens,
             "steps_per_s": (step1 - step0) / (t1 - t0), "api_tokens_per_s": (stats["tokens"] - tok0) / (t1 - t0),
             "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_p99": percentile(ttft, 99),
-            "ttft_n": len(ttft), "replies": stats["done"], "refused_429": stats["refused"], "errors": stats["errors"],
+            "ttft_n": len(ttft), "waiting_peak": waiting_peak, "replies": stats["done"], "refused_429": stats["refused"], "errors": stats["errors"],
             "error_messages": stats["messages"],
             "browsers": [fps_row(name, a, b) | {"rows_on_screen": n} for (name, _), a, b, n in zip(pages, before, after, rows)],
         }
@@ -183,7 +194,8 @@ def report(r: dict) -> str:
     lines = [f"CPU: {r['cpu']}",
              f"{r['students']} students ({r['tabs']} browser tabs, {r['students'] - r['tabs']} API clients), "
              f"max_num_seqs {r['max_num_seqs']}, replies of up to {r['max_tokens']} tokens, measured {r['seconds']} s",
-             f"server: {r['steps_per_s']:.1f} steps/s, {r['api_tokens_per_s']:.1f} output tokens/s to the API clients",
+             f"server: {r['steps_per_s']:.1f} steps/s, {r['api_tokens_per_s']:.1f} output tokens/s to the API clients, "
+             f"waiting queue peak {r['waiting_peak']}",
              f"time to first token (API clients, n={r['ttft_n']}): p50 {s(r['ttft_p50'])}, p90 {s(r['ttft_p90'])}, "
              f"p99 {s(r['ttft_p99'])}; replies {r['replies']}, refused (429) {r['refused_429']}, errors {r['errors']}",
              *[f"  error: {m}" for m in r["error_messages"]],

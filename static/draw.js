@@ -8,6 +8,7 @@
   const TOP = 24;             // px above the rows, for setting-change flags
   const AXIS = 20;            // px below the rows, for the x axis
   const ROW_H = 30, MIN_ROWS = 5;   // the chart grows with its rows, up to BS.chartMaxH px
+  const MIN_ROW_H = 10, READABLE_ROW_H = 16;   // a crowd keeps readable rows and counts the rest
   const QUIET = 0.4;          // alpha of other people's cells on a student's page
   let shrinkVotes = 0, rowKey = "";
 
@@ -56,6 +57,7 @@
       g.fillText(BS.t("metrics.empty"), w / 2, h / 2);
       BS.view.drawn = { steps: [], rows: [], cells: [] };
       syncRowLabels(gantt, []);
+      setNote(gantt, "");
       return null;
     }
     const grouped = BS.role !== "lecturer";
@@ -67,7 +69,7 @@
     }
     if (want >= h * S) shrinkVotes = 0;
     const avail = h - TOP - AXIS;
-    const rowH = Math.max(10, Math.min(ROW_H, Math.floor(avail / Math.max(1, all))));
+    const rowH = Math.max(grouped ? READABLE_ROW_H : MIN_ROW_H, Math.min(ROW_H, Math.floor(avail / Math.max(1, all))));
     const { rows: shown, more, collapsed } = BS.layout.rowsOf(win, Math.floor(avail / rowH), grouped);
     const rowIndex = new Map(shown.map((r, i) => [r.rid, i]));
     const quiet = BS.role === "student" && shown.some((r) => r.mine);
@@ -75,10 +77,7 @@
     const notes = [];
     if (more > 0) notes.push("+" + more + " " + BS.t("rows.more"));
     if (collapsed > 0) notes.push(collapsed + " " + BS.t("rows.finished"));
-    if (notes.length) {
-      g.fillStyle = C().muted; g.font = "11px sans-serif"; g.textAlign = "left"; g.textBaseline = "middle";
-      g.fillText(notes.join(" · "), 4, TOP - 8);
-    }
+    setNote(gantt, notes.join(" · "));
     drawQueued(g, win, shown, rowIndex, rowH, plotW);
     const cells = drawCells(g, win, rowIndex, rowH, quiet ? new Set(shown.filter((r) => !r.mine).map((r) => r.rid)) : null);
     if (win.axis === "step") { drawGaps(g, win, avail); labelLongSteps(g, win); }
@@ -109,6 +108,12 @@
       g.fillText(r.rid, LABEL_W - 6, y + rowH / 2);
       if (r.mine) { g.strokeStyle = C().ink; g.lineWidth = 2; g.strokeRect(1, y + 1, LABEL_W + plotW - 2, rowH - 2); }
     });
+  }
+
+  // rows left out or collapsed: said above the chart, in the page (the canvas top holds step labels)
+  function setNote(gantt, text) {
+    const el = gantt.parentElement && gantt.parentElement.querySelector("[data-testid=rows-note]");
+    if (el && el.textContent !== text) el.textContent = text;
   }
 
   // the rows on screen as a list in the DOM, for screen readers and tests

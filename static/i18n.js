@@ -102,7 +102,7 @@
       "room.join_first": "Choose a name and press Join first.",
       "room.projector": "Join the class",
       "room.scan": "Scan the code or type the address:",
-      "room.people": "people in the room",
+      "room.people": "joined on /join",
       "room.lang": "中文",
     },
     zh: {
@@ -203,7 +203,7 @@
       "room.join_first": "请先起个名字并按“加入”。",
       "room.projector": "加入课堂",
       "room.scan": "扫码或输入地址：",
-      "room.people": "人在课堂中",
+      "room.people": "人已通过 /join 加入",
       "room.lang": "English",
     },
   };

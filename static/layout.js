@@ -127,13 +127,13 @@
   }
 
   // rows: [{rid, label, mine, group}] that fit in maxRows, plus what was left out.
-  // Few rows: oldest first, as they arrived. A crowd (or a room view): grouped running, queued,
-  // finished; finished ones collapse after COLLAPSE_S; the viewer's own rows are never left out.
+  // Few rows: oldest first, as they arrived. A crowd (or a room view): the viewer's own rows on
+  // top and never left out, then running, queued, finished; finished ones collapse after COLLAPSE_S.
   function rowsOf(win, maxRows, grouped) {
     const reqs = requestsOf(win);
     const rows = reqs.map((r) => ({ rid: r.rid, label: r.label, mine: BS.mine.has(r.rid), group: groupOf(r, win), end: r.end, arrived: r.arrived }));
     let collapsed = 0;
-    if (!grouped && rows.length <= CROWD) {
+    if (!grouped && rows.length <= CROWD && !rows.some((r) => r.mine)) {
       rows.sort(byArrival);
       const shown = rows.length > maxRows ? rows.slice(rows.length - maxRows) : rows;
       return { rows: shown, more: rows.length - shown.length, collapsed };
@@ -144,8 +144,8 @@
     const rank = (r) => (r.mine ? 0 : 1 + GROUPS.indexOf(r.group));
     const priority = [...kept].sort((a, b) => rank(a) - rank(b) || (a.group === "finished" ? (b.end - a.end) : byArrival(a, b)));
     const chosen = new Set(priority.slice(0, Math.max(0, maxRows)).map((r) => r.rid));
-    const shown = kept.filter((r) => chosen.has(r.rid))
-      .sort((a, b) => GROUPS.indexOf(a.group) - GROUPS.indexOf(b.group) || byArrival(a, b));
+    const shown = kept.filter((r) => chosen.has(r.rid))      // own rows on top, then by group
+      .sort((a, b) => b.mine - a.mine || GROUPS.indexOf(a.group) - GROUPS.indexOf(b.group) || byArrival(a, b));
     return { rows: shown, more: kept.length - shown.length, collapsed };
   }
 

@@ -150,7 +150,7 @@
     root = stage;
     if (BS.role === "projector") {
       BS.chartScale = PROJECTOR_SCALE;
-      BS.chartMaxH = Math.max(420, Math.round(window.innerHeight * 0.62));
+      BS.chartMaxH = Math.max(420, Math.round(window.innerHeight * 0.46));
     } else if (BS.role === "student") {
       BS.chartMaxH = 560;
       initStudent();
