@@ -41,6 +41,8 @@ FLAGS = {
     "max-model-len": (EngineConfig, "max_model_len", "context length; default: the model's"),
     "step-delay": (ServerConfig, "step_delay", "seconds of pause after each step (slow motion)"),
     "served-model-name": (ServerConfig, "served_model_name", "model name shown by /v1/models"),
+    "public-url": (ServerConfig, "public_url", "address students reach this server at, for the projector's join link "
+                                               "(default: the LAN address when --host is 0.0.0.0)"),
     "max-waiting": (ServerConfig, "max_waiting", "queued requests beyond which chat answers 429"),
     "max-tokens-cap": (ServerConfig, "max_tokens_cap", "largest max_tokens a request may ask for"),
     "default-max-tokens": (ServerConfig, "default_max_tokens", "max_tokens when a request gives none"),

@@ -16,13 +16,14 @@ class ServerConfig:
     step_delay: float = 0.0           # seconds of pause after each step (slow motion for a class)
     presenter_key: str | None = None  # when set, changing the engine needs it; never logged or echoed
     served_model_name: str | None = None  # the name /v1/models shows; defaults to the model's name
+    public_url: str | None = None     # the address students reach this server at (the projector's join link)
     # ---- limits ----
-    max_waiting: int = 64             # queued requests beyond which chat answers 429
+    max_waiting: int = 128            # queued requests beyond which chat answers 429 (docs/ui.md: a room of 60)
     retry_after_s: int = 2            # the Retry-After a 429 suggests
     max_tokens_cap: int = 4096        # largest max_tokens a request may ask for
     default_max_tokens: int = 512     # used when a request gives none
     max_body_bytes: int = 1 << 20     # request bodies of the JSON API
-    max_ws_subscribers: int = 64      # step-stream viewers at once
+    max_ws_subscribers: int = 128     # step-stream viewers at once (a room: 60 students, projector, lecturer)
     rate_limit_per_minute: int = 120  # chat requests one client address may send (API and UI); 0 = off
     rate_limit_burst: int = 30        # of which this many at once
     ws_buffer: int = 512              # messages a viewer may fall behind before older ones are dropped
@@ -41,6 +42,8 @@ class ServerConfig:
         self.default_max_tokens = min(self.default_max_tokens, self.max_tokens_cap)   # a lower cap wins
         if self.ws_buffer > self.history:
             raise ValueError(f"ws_buffer ({self.ws_buffer}) must not exceed history ({self.history})")
+        if self.public_url is not None and not self.public_url.startswith(("http://", "https://")):
+            raise ValueError(f"public_url must start with http:// or https://, got {self.public_url!r}")
         if self.presenter_key == "":
             self.presenter_key = None     # an empty variable means "no key", not "the empty key"
 

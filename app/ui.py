@@ -3,9 +3,10 @@
     app = create_app(service)
     mount_ui(app, service)          # /static/batchscope (the chart's JS and CSS) and / (this page)
 
-The page has three parts. The stage (static/stage.html, drawn by the scripts
-in static/) holds the engine controls, the live chart fed by /ws/steps and the
-metrics. The teaching steps and scenario buttons drive scripted users. The
+The page has three parts. The stage (static/controls.html and chart.html, drawn
+by the scripts in static/) holds the engine controls, the live chart fed by
+/ws/steps and the metrics. Students and the projector get the same chart on
+pages of their own (app/ui_room.py). The teaching steps and scenario buttons drive scripted users. The
 chat panels are Gradio components, one named, coloured user each, streaming
 from the engine through the service's in-process API (app/ui_sessions.py).
 """
@@ -23,13 +24,16 @@ from fastapi.staticfiles import StaticFiles
 
 from app import ui_scenarios
 from app.rate_limit import client_of
+from app.room import Room
+from app.ui_room import mount_room
 from app.ui_sessions import Session, Sessions, Turn, check_message, drive, fresh, stream_all
 from app.ui_text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, t
 from app.scenarios import SCENARIOS, get_scenario, load_text
 from engine import SamplingParams
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
-SCRIPTS = ["record.js", "i18n.js", "palette.js", "socket.js", "gantt.js", "controls.js", "metrics.js", "main.js"]
+SCRIPTS = ["record.js", "i18n.js", "palette.js", "socket.js", "layout.js", "draw.js", "interact.js", "controls.js",
+           "metrics.js", "room.js", "main.js"]
 STATIC_URL = "/static/batchscope"     # Gradio serves its own assets under /static/js, /static/fonts, ...
 MAX_PANELS = len(USERS)
 LESSONS = [("static", "static-vs-continuous"), ("continuous", "long-prompt-interrupts"),
@@ -45,6 +49,12 @@ def head_html() -> str:
     tags = [f'<link rel="stylesheet" href="{url("style.css")}">']
     tags += [f'<script src="{url(name)}"></script>' for name in SCRIPTS]
     return "\n".join(tags)
+
+
+def stage_html() -> str:
+    """The lecturer's stage: the engine controls, then the chart and the metrics every role shares."""
+    parts = [(STATIC / name).read_text() for name in ("controls.html", "chart.html")]
+    return '<div class="bs-stage" data-testid="stage" data-role="lecturer">\n' + "".join(parts) + "</div>"
 
 
 def panel_head(index: int) -> str:
@@ -207,7 +217,7 @@ def build_ui(service, **options) -> gr.Blocks:
         key = gr.Textbox(visible=False)
 
         # ---- the stage: controls, chart, metrics (static/) ----
-        gr.HTML((STATIC / "stage.html").read_text(), js_on_load=None, elem_id="bs-stage")
+        gr.HTML(stage_html(), js_on_load=None, elem_id="bs-stage")
 
         # ---- chat panels ----
         with gr.Row():
@@ -334,8 +344,11 @@ def _typed_scenario(ui: UI, name: str, policy: str | None):
 
 
 def mount_ui(app: FastAPI, service, path: str = "/", **options) -> FastAPI:
-    """Serve static/ at /static/batchscope and the Gradio page at `path` on the given app."""
+    """Serve static/ at /static/batchscope, the classroom pages (/join, /projector, /api/room) and
+    the lecturer's Gradio page at `path` on the given app."""
     app.mount(STATIC_URL, StaticFiles(directory=STATIC), name="batchscope-static")
+    app.state.room = Room(reserved=[name for name, _ in USERS])
+    mount_room(app, service, app.state.room, head_html(), max_tokens=options.get("max_tokens", 128))
     blocks = build_ui(service, **options)
     return gr.mount_gradio_app(app, blocks, path=path, head=head_html(), theme=gr.themes.Default(),
                                footer_links=[], ssr_mode=False)

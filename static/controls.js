@@ -1,6 +1,7 @@
 // Engine controls: policy, the chunked-prefill switch, budgets, slow motion.
-// They read and write /api/engine; when the server has a presenter key, writes
-// carry it in X-Presenter-Key (kept in this tab's sessionStorage only).
+// They write /api/engine and follow the settings in force from the policy events on
+// the socket; when the server has a presenter key, writes carry it in X-Presenter-Key
+// (kept in this tab's sessionStorage only).
 (function () {
   const BS = (window.BS = window.BS || {});
   let root, state = {}, locked = false, busy = false;
@@ -125,7 +126,6 @@
       }
     });
     BS.onLang(render);
-    load();
-    setInterval(load, 5000);
+    load();               // once, for what only /api/engine says (is a presenter key needed); then the socket
   };
 })();

@@ -180,15 +180,16 @@
 
   BS.initMetrics = function (root) {
     table = root.querySelector("[data-testid=metrics] table");
-    const tick = (now) => {
-      const v = BS.store.version + ":" + (BS.view ? BS.view.mode + BS.view.cursor : "") + BS.lang();
-      if (now - lastDraw > 500 && v !== lastKey) {
-        lastDraw = now; lastKey = v;
-        drawTable();
-        document.querySelectorAll("canvas[data-spark]").forEach(drawSpark);
-      }
-      requestAnimationFrame(tick);
-    };
-    requestAnimationFrame(tick);
+  };
+
+  // called once per animation frame by main.js; redraws at most twice a second, and only on change
+  BS.metricsFrame = function (now) {
+    if (!table) return;
+    const v = BS.store.version + ":" + (BS.view ? BS.view.mode + BS.view.cursor : "") + BS.lang();
+    if (now - lastDraw > 500 && v !== lastKey) {
+      lastDraw = now; lastKey = v;
+      drawTable();
+      document.querySelectorAll("canvas[data-spark]").forEach(drawSpark);
+    }
   };
 })();

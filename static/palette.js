@@ -11,25 +11,65 @@
     ["Eve", "#0072B2"], ["Frank", "#D55E00"], ["Grace", "#F0E442"], ["Heidi", "#7F7F7F"],
   ];
   const BY_NAME = new Map(USERS.map(([n, c]) => [n.toLowerCase(), c]));
-  const OTHERS = ["#5A5A5A", "#8C8C8C", "#3F3F3F", "#A6A6A6"];   // requests from elsewhere (API clients)
+  const OTHERS = ["#5A5A5A", "#8C8C8C", "#3F3F3F", "#A6A6A6"];   // labels the room has not numbered (yet)
+  const MARKS = 10;           // white marks on a label's swatch: slot // 8 picks one (app/room.py: SLOT_SIGNS)
 
-  BS.users = USERS.map(([name, color]) => ({ name, color }));
+  // the chart's inks, in one place
+  BS.colors = {
+    ink: "#111", paper: "#fff", soft: "#444", muted: "#666", rule: "#999", queued: "#555", stallLine: "#222",
+    stripe: "#f7f7f7", gap: "rgba(0,0,0,.06)", labelBack: "rgba(255,255,255,.85)", mineBand: "#fff1c1",
+  };
+
+  // the room numbers every label it sees (app/room.py); slot -> Okabe-Ito colour + mark
+  const slots = new Map();
+  const unknown = new Set();
+  BS.setSlots = function (bySlot) {
+    for (const [label, slot] of Object.entries(bySlot)) { slots.set(label, slot); unknown.delete(label); }
+  };
+  BS.unknownLabels = () => [...unknown];
 
   BS.colorOf = function (label) {
-    const key = String(label || "").toLowerCase();
+    const text = String(label || ""), key = text.toLowerCase();
+    if (slots.has(text)) return USERS[slots.get(text) % USERS.length][1];
     if (BY_NAME.has(key)) return BY_NAME.get(key);
-    const base = key.split(/[\s·#:-]/)[0];          // "Alice 2" or "alice-doc" keep Alice's colour
+    if (text) unknown.add(text);
+    const base = key.split(/[\s·#:-]/)[0];          // "Alice 2" or "alice-doc" keep Alice's colour until numbered
     if (BY_NAME.has(base)) return BY_NAME.get(base);
     let h = 0;
     for (const ch of key) h = (h * 31 + ch.charCodeAt(0)) >>> 0;
     return OTHERS[h % OTHERS.length];
   };
 
-  // text drawn on a colour: dark on light colours, white on dark ones
-  BS.inkOn = function (hex) {
+  BS.markOf = (label) => (slots.has(String(label)) ? Math.floor(slots.get(String(label)) / USERS.length) % MARKS : 0);
+
+  // dark ink on light colours, white on dark ones
+  function inkOn(hex) {
     const n = parseInt(hex.slice(1), 16);
     const r = (n >> 16) & 255, g = (n >> 8) & 255, b = n & 255;
     return 0.299 * r + 0.587 * g + 0.114 * b > 150 ? "#111" : "#fff";
+  }
+
+  // a row's swatch: its colour, and past the eight colours a mark that tells equal colours apart
+  BS.drawLabelSwatch = function (g, label, x, y, w, h) {
+    const color = BS.colorOf(label), mark = BS.markOf(label);
+    g.fillStyle = color; g.fillRect(x, y, w, h);
+    if (!mark) return;
+    const cx = x + w / 2, cy = y + h / 2, r = Math.min(w, h) * 0.32;
+    g.save();
+    g.fillStyle = g.strokeStyle = inkOn(color); g.lineWidth = Math.max(1.5, r * 0.5);
+    g.beginPath();
+    switch (mark) {
+      case 1: g.arc(cx, cy, r * 0.7, 0, 2 * Math.PI); g.fill(); break;                          // dot
+      case 2: g.fillRect(x + 1, cy - r * 0.35, w - 2, r * 0.7); break;                          // bar
+      case 3: g.fillRect(cx - r * 0.35, y + 1, r * 0.7, h - 2); break;                          // post
+      case 4: g.moveTo(cx - r, cy); g.lineTo(cx + r, cy); g.moveTo(cx, cy - r); g.lineTo(cx, cy + r); g.stroke(); break;   // plus
+      case 5: g.moveTo(cx - r, cy - r); g.lineTo(cx + r, cy + r); g.moveTo(cx + r, cy - r); g.lineTo(cx - r, cy + r); g.stroke(); break;  // cross
+      case 6: g.arc(cx, cy, r, 0, 2 * Math.PI); g.lineWidth = Math.max(1.2, r * 0.35); g.stroke(); break;   // ring
+      case 7: g.moveTo(cx, cy - r); g.lineTo(cx + r, cy + r); g.lineTo(cx - r, cy + r); g.closePath(); g.fill(); break;  // triangle
+      case 8: g.moveTo(cx, cy - r); g.lineTo(cx + r, cy); g.lineTo(cx, cy + r); g.lineTo(cx - r, cy); g.closePath(); g.fill(); break;  // diamond
+      case 9: g.fillRect(x + 1, y + 1, w - 2, r * 0.6); g.fillRect(x + 1, y + h - 1 - r * 0.6, w - 2, r * 0.6); break;  // two bars
+    }
+    g.restore();
   };
 
   const cache = new Map();

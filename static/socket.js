@@ -8,6 +8,7 @@
   const MAX_STEPS = 20000;        // about 10 minutes at 30 steps/s
   const MAX_BACKFILL = 2000;      // steps asked for at most after a reconnect
   let needRebuild = false;        // an older step was inserted: per-request data is recomputed once per batch
+  let pending = false;            // messages arrived since the last flush
 
   const store = (BS.store = {
     steps: [],          // step records, ascending by .step
@@ -137,12 +138,13 @@
     store.version++;
   };
 
-  BS.ingestAll = function (list) { for (const m of list) BS.ingest(m); notify(); };
-
-  function notify() {
+  // once per animation frame (main.js): recompute what a backfill changed, then tell the listeners
+  BS.flush = function () {
+    if (!pending) return;
+    pending = false;
     if (needRebuild) { needRebuild = false; rebuild(); store.version++; }
     store.listeners.forEach((fn) => { try { fn(store); } catch (e) { console.error(e); } });
-  }
+  };
   BS.onStore = (fn) => store.listeners.push(fn);
 
   BS.url = function (path) {
@@ -152,7 +154,7 @@
   };
 
   // ---- the socket ----
-  let ws = null, retry = 0, timer = null, pending = false;
+  let ws = null, retry = 0, timer = null;
 
   function setConn(ok) {
     store.connected = ok;
@@ -171,7 +173,7 @@
       let msg;
       try { msg = JSON.parse(e.data); } catch (err) { return; }
       if (Array.isArray(msg)) msg.forEach(BS.ingest); else BS.ingest(msg);
-      if (!pending) { pending = true; requestAnimationFrame(() => { pending = false; notify(); }); }
+      pending = true;
     };
     ws.onclose = () => {
       setConn(false);

@@ -38,17 +38,32 @@ def test_every_string_exists_in_both_languages():
 
 
 def test_stage_has_the_test_ids_and_the_i18n_keys_it_uses():
-    html = (STATIC / "stage.html").read_text()
-    for tid in ("gantt", "batch-bar", "policy", "chunked-toggle", "metrics", "pause", "resume", "step", "replay"):
+    from app.ui import stage_html
+    html = stage_html() + (STATIC / "student.html").read_text()
+    for tid in ("gantt", "batch-bar", "policy", "chunked-toggle", "metrics", "pause", "resume", "step", "replay",
+                "row-labels", "student-name", "student-box", "student-send"):
         assert f'data-testid="{tid}"' in html
-    js = (STATIC / "i18n.js").read_text()
-    for key in re.findall(r'data-i18n="([\w.]+)"', html):
+    js = (STATIC / "i18n.js").read_text() + (STATIC / "room.js").read_text()
+    for key in re.findall(r'data-i18n(?:-placeholder)?="([\w.]+)"', html):
         assert f'"{key}":' in js, key
+    # every key the scripts ask for by name exists (in both languages: the test above)
+    for name in STATIC.glob("*.js"):
+        for key in re.findall(r'BS\.t\("([\w]+\.[\w.]+)"\)', name.read_text()):
+            assert f'"{key}":' in js, (name.name, key)
+
+
+def test_chart_scripts_do_not_hard_code_visible_words_or_colours():
+    # words go through i18n.js, colours come from palette.js
+    for name in ("layout.js", "draw.js", "interact.js"):
+        src = (STATIC / name).read_text()
+        assert not re.search(r'"#[0-9a-fA-F]{3,6}"|rgba?\(', src), name
+        texts = re.findall(r'fillText\("([^"]*)"', src)
+        assert all(not re.search(r"[A-Za-z]{2}", t) for t in texts), (name, texts)
 
 
 def test_chart_never_writes_html_from_data():
-    for name in ("socket.js", "gantt.js", "metrics.js", "controls.js", "main.js", "i18n.js", "palette.js"):
-        src = (STATIC / name).read_text()
+    for name in STATIC.glob("*.js"):
+        src = name.read_text()
         assert not re.search(r"\.(inner|outer)HTML\s*\+?=|insertAdjacentHTML|document\.write|\beval\(", src), name
 
 
@@ -149,13 +164,14 @@ def test_page_loads_the_chart_scripts_with_versions(mounted):
     assert page.status_code == 200
     config = mounted.get("/config").json()
     head = config.get("head") or ""
-    for name in ("i18n.js", "gantt.js", "socket.js", "controls.js", "metrics.js", "main.js", "style.css"):
+    for name in ("i18n.js", "layout.js", "draw.js", "interact.js", "socket.js", "controls.js", "metrics.js", "room.js",
+                 "main.js", "style.css"):
         assert re.search(rf"/static/batchscope/{re.escape(name)}\?v=[0-9a-f]{{10}}", head), name
 
 
 def test_static_files_are_served_and_gradio_assets_are_not_shadowed(mounted):
-    r = mounted.get("/static/batchscope/gantt.js")
-    assert r.status_code == 200 and "initGantt" in r.text
+    r = mounted.get("/static/batchscope/interact.js")
+    assert r.status_code == 200 and "initChart" in r.text
     assert mounted.get("/static/batchscope/../app/ui.py").status_code == 404
     config = mounted.get("/config").json()
     assert json.dumps(config).count("bs-chat-") == 8       # eight panels exist (four visible at first)

@@ -1,0 +1,335 @@
+// Drawing the chart: the Gantt (one row per request, one column per step) and under it the
+// batch bar (what each step computed against its token budget), on two canvases that share
+// one x mapping (the window from layout.js). Text goes on canvas or through textContent only.
+(function () {
+  const BS = (window.BS = window.BS || {});
+  const C = () => BS.colors;
+  const LABEL_W = 132;        // px for row labels, left of both plots
+  const TOP = 24;             // px above the rows, for setting-change flags
+  const AXIS = 20;            // px below the rows, for the x axis
+  const ROW_H = 30, MIN_ROWS = 5;   // the chart grows with its rows, up to BS.chartMaxH px
+  const MIN_ROW_H = 10, READABLE_ROW_H = 16;   // a crowd keeps readable rows and counts the rest
+  const QUIET = 0.4;          // alpha of other people's cells on a student's page
+  let shrinkVotes = 0, rowKey = "";
+
+  BS.chartScale = 1;          // drawing units per CSS px (the projector draws everything bigger)
+  BS.chartMaxH = 420;         // px (CSS) the Gantt may grow to
+
+  // the canvas in drawing units: (ctx, width, height), scaled for the screen and the view
+  function fit(canvas) {
+    const dpr = window.devicePixelRatio || 1, S = BS.chartScale, r = canvas.getBoundingClientRect();
+    const cw = Math.max(200, Math.round(r.width)), ch = Math.max(60, Math.round(r.height));
+    if (canvas.width !== cw * dpr || canvas.height !== ch * dpr) { canvas.width = cw * dpr; canvas.height = ch * dpr; }
+    const g = canvas.getContext("2d");
+    g.setTransform(dpr * S, 0, 0, dpr * S, 0, 0);
+    return { g, w: cw / S, h: ch / S };
+  }
+
+  function ellipsize(g, text, max) {
+    if (g.measureText(text).width <= max) return text;
+    while (text.length > 1 && g.measureText(text + "…").width > max) text = text.slice(0, -1);
+    return text + "…";
+  }
+
+  const fmtMs = (BS.fmtMs = (sec) => (sec < 1 ? (sec * 1000).toFixed(0) + " ms" : sec.toFixed(2) + " s"));
+
+  function settingKey(s) { return s.policy + "/" + s.token_budget + "/" + s.max_num_seqs; }
+
+  function markerText(prev, s) {
+    if (prev.policy !== s.policy) {
+      if (s.policy === "chunked") return BS.t("marker.on");
+      if (prev.policy === "chunked") return BS.t("marker.off") + " → " + BS.t("policy." + s.policy);
+      return BS.t("policy." + s.policy);
+    }
+    const parts = [];
+    if (prev.token_budget !== s.token_budget) parts.push(BS.t("bar.budget") + " " + s.token_budget);
+    if (prev.max_num_seqs !== s.max_num_seqs) parts.push(BS.t("marker.seqs") + " " + s.max_num_seqs);
+    return parts.join(", ");
+  }
+
+  function drawGantt(gantt, resized) {
+    const { g, w, h } = fit(gantt), S = BS.chartScale;
+    g.clearRect(0, 0, w, h);
+    const plotW = w - LABEL_W - 8;
+    const win = BS.layout.windowOf(plotW);
+    if (!win) {
+      g.fillStyle = C().muted; g.font = "16px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
+      g.fillText(BS.t("metrics.empty"), w / 2, h / 2);
+      BS.view.drawn = { steps: [], rows: [], cells: [] };
+      syncRowLabels(gantt, []);
+      setNote(gantt, "");
+      return null;
+    }
+    const grouped = BS.role !== "lecturer";
+    const all = BS.layout.rowsOf(win, Infinity, grouped).rows.length;
+    const want = Math.min(BS.chartMaxH, (TOP + AXIS + Math.max(MIN_ROWS, all) * ROW_H) * S);
+    if (!resized && Math.abs(want - h * S) > 2 && (want > h * S || ++shrinkVotes > 30)) {   // shrink only once it has lasted
+      gantt.style.height = want + "px"; shrinkVotes = 0;
+      return drawGantt(gantt, true);
+    }
+    if (want >= h * S) shrinkVotes = 0;
+    const avail = h - TOP - AXIS;
+    const rowH = Math.max(grouped ? READABLE_ROW_H : MIN_ROW_H, Math.min(ROW_H, Math.floor(avail / Math.max(1, all))));
+    const { rows: shown, more, collapsed } = BS.layout.rowsOf(win, Math.floor(avail / rowH), grouped);
+    const rowIndex = new Map(shown.map((r, i) => [r.rid, i]));
+    const quiet = BS.role === "student" && shown.some((r) => r.mine);
+    drawRowLabels(g, shown, rowH, plotW);
+    const notes = [];
+    if (more > 0) notes.push("+" + more + " " + BS.t("rows.more"));
+    if (collapsed > 0) notes.push(collapsed + " " + BS.t("rows.finished"));
+    setNote(gantt, notes.join(" · "));
+    drawQueued(g, win, shown, rowIndex, rowH, plotW);
+    const cells = drawCells(g, win, rowIndex, rowH, quiet ? new Set(shown.filter((r) => !r.mine).map((r) => r.rid)) : null);
+    if (win.axis === "step") { drawGaps(g, win, avail); labelLongSteps(g, win); }
+    const markers = drawMarkers(g, win, TOP - 20, h - AXIS, true);
+    drawAxis(g, win, h - AXIS, plotW);
+    BS.view.drawn = { steps: win.steps.map((s) => s.step), rows: shown.map((r) => ({ rid: r.rid, label: r.label, mine: r.mine, group: r.group })),
+                      cells, markers, rowH, win };
+    syncRowLabels(gantt, shown);
+    return win;
+  }
+
+  // row labels with each label's colour and mark; the viewer's own rows on a band, marked "you"
+  function drawRowLabels(g, shown, rowH, plotW) {
+    g.textBaseline = "middle";
+    shown.forEach((r, i) => {
+      const y = TOP + i * rowH;
+      if (r.mine) { g.fillStyle = C().mineBand; g.fillRect(0, y, LABEL_W + plotW, rowH); }
+      else if (i % 2) { g.fillStyle = C().stripe; g.fillRect(LABEL_W, y, plotW, rowH); }
+      if (i > 0 && shown[i - 1].group !== r.group && BS.role !== "lecturer") {
+        g.fillStyle = C().rule; g.fillRect(0, y, LABEL_W + plotW, 1);
+      }
+      BS.drawLabelSwatch(g, r.label, 4, y + 3, 10, rowH - 6);
+      g.fillStyle = C().ink; g.textAlign = "left";
+      g.font = (rowH >= 18 ? "bold 14px" : "bold 11px") + " sans-serif";
+      const text = r.mine ? BS.t("row.you") + " · " + r.label : r.label;
+      g.fillText(ellipsize(g, text, LABEL_W - 60), 19, y + rowH / 2);
+      g.font = (rowH >= 18 ? "11px" : "9px") + " sans-serif"; g.fillStyle = C().muted; g.textAlign = "right";
+      g.fillText(r.rid, LABEL_W - 6, y + rowH / 2);
+      if (r.mine) { g.strokeStyle = C().ink; g.lineWidth = 2; g.strokeRect(1, y + 1, LABEL_W + plotW - 2, rowH - 2); }
+    });
+  }
+
+  // rows left out or collapsed: said above the chart, in the page (the canvas top holds step labels)
+  function setNote(gantt, text) {
+    const el = gantt.parentElement && gantt.parentElement.querySelector("[data-testid=rows-note]");
+    if (el && el.textContent !== text) el.textContent = text;
+  }
+
+  // the rows on screen as a list in the DOM, for screen readers and tests
+  function syncRowLabels(gantt, shown) {
+    const list = gantt.parentElement && gantt.parentElement.querySelector("[data-testid=row-labels]");
+    if (!list) return;
+    const key = BS.lang() + "|" + shown.map((r) => r.rid + (r.mine ? "*" : "") + r.group).join(",");
+    if (key === rowKey) return;
+    rowKey = key;
+    list.replaceChildren(...shown.map((r) => {
+      const li = document.createElement("li");
+      li.textContent = (r.mine ? BS.t("row.you") + ": " : "") + r.label + " (" + r.rid + ", " + BS.t("group." + r.group) + ")";
+      li.dataset.label = r.label; li.dataset.rid = r.rid; li.dataset.group = r.group;
+      if (r.mine) li.dataset.mine = "true";
+      return li;
+    }));
+  }
+
+  // queued spans: from arrival to the first step that ran the request
+  function drawQueued(g, win, shown, rowIndex, rowH, plotW) {
+    g.save(); g.setLineDash([4, 4]); g.strokeStyle = C().queued; g.lineWidth = 2;
+    for (const r of shown) {
+      if (r.arrived == null) continue;
+      const req = BS.store.reqs.get(r.rid), y = TOP + rowIndex.get(r.rid) * rowH + rowH / 2;
+      let xa = win.xOfTime(r.arrived);
+      if (xa == null) continue;
+      const fs = req.firstStep != null && req.firstStep <= win.last.step ? BS.layout.stepRec(req.firstStep) : null;
+      let xb = fs ? win.x(fs) : plotW;
+      xa = Math.max(0, xa); xb = Math.min(plotW, xb);
+      if (xb - xa > 2) { g.beginPath(); g.moveTo(LABEL_W + xa, y); g.lineTo(LABEL_W + xb - 2, y); g.stroke(); }
+    }
+    g.restore();
+  }
+
+  function drawCells(g, win, rowIndex, rowH, quietRids) {
+    const cells = [];
+    g.textAlign = "center"; g.textBaseline = "middle";
+    for (const s of win.steps) {
+      const x = LABEL_W + win.x(s), cw = win.w(s);
+      if (x + cw < LABEL_W) continue;
+      const x0 = Math.max(LABEL_W, x), wid = Math.max(1, cw - (cw > 5 ? 1 : 0) - (x0 - x));
+      for (const it of s.items) {
+        const i = rowIndex.get(it.req);
+        if (i === undefined) continue;
+        const y = TOP + i * rowH + 2, hh = rowH - 4;
+        g.globalAlpha = quietRids && quietRids.has(it.req) ? QUIET : 1;
+        drawItem(g, it, win.axis, x0, y, wid, hh);
+        g.globalAlpha = 1;
+        cells.push({ step: s.step, req: it.req, label: it.label, kind: it.kind, tokens: it.tokens, x: x0, y, w: wid, h: hh });
+      }
+      for (const rid of s.stalled || []) {
+        const i = rowIndex.get(rid);
+        if (i === undefined) continue;
+        const y = TOP + i * rowH + 2, hh = rowH - 4;
+        drawStall(g, s, x0, y, wid, hh);
+        const req = BS.store.reqs.get(rid);
+        cells.push({ step: s.step, req: rid, label: req ? req.label : rid, kind: "stall", tokens: 0, x: x0, y, w: wid, h: hh });
+      }
+    }
+    return cells;
+  }
+
+  function drawItem(g, it, axis, x0, y, wid, hh) {
+    const color = BS.colorOf(it.label);
+    if (it.kind === "decode" && (axis === "step" || wid < 8)) {
+      g.fillStyle = color; g.fillRect(x0, y, wid, hh);
+    } else if (it.kind === "decode") {
+      // wall time: one token, arriving at the end of the step; the pale body is the wait for it
+      const tick = Math.min(6, wid * 0.4), alpha = g.globalAlpha;
+      g.globalAlpha = alpha * 0.35; g.fillStyle = color; g.fillRect(x0, y, wid - tick, hh); g.globalAlpha = alpha;
+      g.fillRect(x0 + wid - tick, y, tick, hh);
+    } else {
+      g.fillStyle = BS.prefillPattern(g, color); g.fillRect(x0, y, wid, hh);
+      g.strokeStyle = color; g.lineWidth = 1.5; g.strokeRect(x0 + 0.75, y + 0.75, wid - 1.5, hh - 1.5);
+      const p = BS.t("cell.prefill");
+      const txt = wid >= 44 ? p + " " + it.tokens : wid >= 12 && hh >= 12 ? p : "";
+      if (txt) {
+        g.font = "bold " + (hh >= 18 ? 12 : 10) + "px sans-serif";
+        g.fillStyle = C().labelBack;
+        const tw = g.measureText(txt).width + 4;
+        g.fillRect(x0 + wid / 2 - tw / 2, y + hh / 2 - 7, tw, 14);
+        g.fillStyle = C().ink; g.fillText(txt, x0 + wid / 2, y + hh / 2 + 1);
+      }
+    }
+  }
+
+  function drawStall(g, s, x0, y, wid, hh) {
+    g.fillStyle = BS.stallPattern(g); g.fillRect(x0, y, wid, hh);
+    g.strokeStyle = C().stallLine; g.lineWidth = 1.5; g.strokeRect(x0 + 0.75, y + 0.75, wid - 1.5, hh - 1.5);
+    if (wid >= 80 && hh >= 14) {
+      const txt = BS.t("cell.stall") + " " + fmtMs(s.t_end - s.t_start);
+      g.font = "bold 11px sans-serif";
+      const tw = g.measureText(txt).width + 6;
+      g.fillStyle = C().paper; g.fillRect(x0 + wid / 2 - tw / 2, y + hh / 2 - 7, tw, 14);
+      g.fillStyle = C().ink; g.fillText(txt, x0 + wid / 2, y + hh / 2 + 1);
+    }
+  }
+
+  // missed steps (slow connection), step axis only: they have no times to place them by
+  function drawGaps(g, win, avail) {
+    const first = win.steps.length ? win.steps[0].step : win.last.step;
+    for (const gp of BS.store.gaps) {
+      const a = Math.max(gp.after + 1, first), b = Math.min(gp.before - 1, win.last.step);
+      if (b < a) continue;
+      const xa = LABEL_W + win.xOfStep(a), xb = LABEL_W + win.xOfStep(b + 1);
+      g.fillStyle = C().gap; g.fillRect(xa, TOP, xb - xa, avail);
+      g.fillStyle = C().queued; g.font = "11px sans-serif"; g.fillText("…", (xa + xb) / 2, TOP + avail / 2);
+    }
+  }
+
+  // the step axis hides how long a step took: say it above the steps far slower than the rest
+  function labelLongSteps(g, win) {
+    const d = win.steps.map((s) => s.t_end - s.t_start).sort((a, b) => a - b);
+    const median = d[d.length >> 1] || 0;
+    if (d.length < 5) return;
+    const slow = win.steps.filter((s) => s.t_end - s.t_start >= Math.max(4 * median, 0.2))
+      .sort((a, b) => (b.t_end - b.t_start) - (a.t_end - a.t_start));
+    g.font = "bold 12px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
+    const taken = [];                     // the longest get their label first; others only where it fits
+    for (const s of slow) {
+      const x = LABEL_W + win.x(s) + win.w(s) / 2, txt = fmtMs(s.t_end - s.t_start), tw = g.measureText(txt).width + 8;
+      if (taken.some(([a, b]) => x + tw / 2 > a && x - tw / 2 < b)) continue;
+      taken.push([x - tw / 2, x + tw / 2]);
+      g.fillStyle = C().paper; g.fillRect(x - tw / 2, TOP - 19, tw, 16);
+      g.strokeStyle = C().ink; g.lineWidth = 1; g.strokeRect(x - tw / 2 + 0.5, TOP - 18.5, tw - 1, 15);
+      g.fillStyle = C().ink; g.fillText(txt, x, TOP - 10.5);
+    }
+  }
+
+  function drawMarkers(g, win, yTop, yBottom, flags) {
+    const steps = BS.store.steps, out = [], S = BS.chartScale;
+    for (const s of win.steps) {
+      const i = BS.layout.findIndex(s.step);
+      if (i === 0) continue;
+      const prev = steps[i - 1];
+      if (settingKey(prev) === settingKey(s)) continue;
+      const x = Math.round(LABEL_W + win.x(s)) - 1;
+      if (x < LABEL_W) continue;
+      g.fillStyle = C().ink; g.fillRect(x - 1, yTop, 3, yBottom - yTop);
+      const txt = markerText(prev, s);
+      out.push({ step: s.step, x: x * S, text: txt, policy: s.policy });
+      if (flags) {
+        g.font = "bold 12px sans-serif";
+        const tw = g.measureText(txt).width + 10;
+        const bx = Math.min(x + 2, g.canvas.width / (window.devicePixelRatio || 1) / S - tw);
+        g.fillStyle = C().ink; g.fillRect(bx, yTop, tw, 18);
+        g.fillStyle = C().paper; g.textAlign = "left"; g.textBaseline = "middle";
+        g.fillText(txt, bx + 5, yTop + 9.5);
+        g.textAlign = "center";
+      }
+    }
+    return out;
+  }
+
+  function drawAxis(g, win, y, plotW) {
+    g.strokeStyle = C().rule; g.lineWidth = 1;
+    g.beginPath(); g.moveTo(LABEL_W, y + 0.5); g.lineTo(LABEL_W + plotW, y + 0.5); g.stroke();
+    g.fillStyle = C().soft; g.font = "11px sans-serif"; g.textAlign = "center"; g.textBaseline = "top";
+    for (const tk of win.ticks()) { g.fillRect(LABEL_W + tk.x, y, 1, 4); g.fillText(tk.text, LABEL_W + tk.x, y + 5); }
+    g.textAlign = "left"; g.fillText(BS.t(win.axis === "step" ? "axis.step" : "axis.time"), 4, y + 5);
+  }
+
+  function drawBar(bar, win) {
+    const { g, w, h } = fit(bar);
+    g.clearRect(0, 0, w, h);
+    if (!win) return;
+    const top = 16, bottom = h - 4, H = bottom - top;
+    let ymax = 1;
+    for (const s of win.steps) ymax = Math.max(ymax, s.token_budget, s.num_tokens);
+    const budgetNow = win.last.token_budget;
+    ymax = Math.min(ymax, budgetNow * 2.5) * 1.04;
+    const Y = (v) => bottom - Math.min(v, ymax) / ymax * H;
+
+    g.font = "11px sans-serif"; g.fillStyle = C().soft; g.textAlign = "right"; g.textBaseline = "middle";
+    g.fillText("0", LABEL_W - 6, bottom - 4);
+    g.fillText(BS.t("bar.budget") + " " + budgetNow, LABEL_W - 6, Y(budgetNow));
+    g.textAlign = "left"; g.textBaseline = "top"; g.fillText(BS.t("bar.axis"), 4, 2);
+
+    g.textAlign = "center";
+    for (const s of win.steps) {
+      const x = LABEL_W + win.x(s), cw = win.w(s);
+      if (x + cw < LABEL_W) continue;
+      const x0 = Math.max(LABEL_W, x), wid = Math.max(1, cw - (cw > 5 ? 1 : 0) - (x0 - x));
+      let v = 0;
+      for (const it of s.items) {            // decodes first, as the record lists them
+        const y1 = Y(v), y2 = Math.min(Y(v + it.tokens), y1 - 1.5);
+        const color = BS.colorOf(it.label);
+        g.fillStyle = it.kind === "decode" ? color : BS.prefillPattern(g, color);
+        g.fillRect(x0, y2, wid, y1 - y2);
+        v = Math.max(v + it.tokens, ymax * (bottom - y2) / H);
+      }
+      const used = s.num_tokens;
+      if (s.token_budget > used) {
+        const yb = Y(s.token_budget), yu = Math.min(Y(Math.max(used, v)), bottom);
+        g.fillStyle = BS.unusedPattern(g); g.fillRect(x0, yb, wid, yu - yb);
+      }
+      if (used > ymax) {                     // clipped: say how big it really was
+        g.fillStyle = C().ink; g.fillRect(x0, top - 2, wid, 2);
+      }
+      if (used > s.token_budget && (wid >= 26 || used > ymax)) {
+        g.fillStyle = C().ink; g.font = "bold 11px sans-serif"; g.textBaseline = "bottom";
+        g.fillText(String(used), x0 + wid / 2, Math.max(top, Y(used)) - 1);
+      }
+    }
+    // the budget line, which the bars may exceed under static and continuous batching
+    g.save(); g.setLineDash([6, 4]); g.strokeStyle = C().ink; g.lineWidth = 1.5;
+    g.beginPath();
+    let started = false;
+    for (const s of win.steps) {
+      const x = Math.max(LABEL_W, LABEL_W + win.x(s)), y = Math.round(Y(s.token_budget)) + 0.5;
+      if (!started) { g.moveTo(x, y); started = true; } else g.lineTo(x, y);
+      g.lineTo(LABEL_W + win.x(s) + win.w(s), y);
+    }
+    g.stroke(); g.restore();
+    drawMarkers(g, win, 0, h, false);
+  }
+
+  BS.draw = { gantt: drawGantt, bar: drawBar, LABEL_W, TOP };
+})();

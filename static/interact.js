@@ -1,0 +1,172 @@
+// Interaction with the chart: the hover tooltip, and playback (pause, step, replay, scrub,
+// zoom, axis). Playback is client-side: the store keeps every record, the view only moves a
+// cursor over them. chartFrame() is called once per animation frame by main.js.
+(function () {
+  const BS = (window.BS = window.BS || {});
+  const REPLAY_RATE = 8;      // steps per second while replaying
+  const view = BS.view;
+  let gantt, bar, tip, dirty = true, lastVersion = -1, replayAcc = 0, lastFrame = 0;
+
+  // ---- hover ----
+  const plotX = (canvas, ev) => (ev.clientX - canvas.getBoundingClientRect().left) / BS.chartScale - BS.draw.LABEL_W;
+
+  function showTip(ev, lines) {
+    if (!lines) { tip.hidden = true; return; }
+    tip.replaceChildren(...lines.map((l, i) => {
+      const d = document.createElement("div");
+      d.textContent = l;
+      if (i === 0) d.className = "bs-tip-head";
+      return d;
+    }));
+    tip.hidden = false;
+    const host = tip.offsetParent || document.body, r = host.getBoundingClientRect();
+    let x = ev.clientX - r.left + 14, y = ev.clientY - r.top + 14;
+    if (x + tip.offsetWidth > r.width) x = ev.clientX - r.left - tip.offsetWidth - 10;
+    tip.style.left = x + "px"; tip.style.top = y + "px";
+  }
+
+  function stepLines(s) {
+    const t = BS.t, decodes = s.items.filter((i) => i.kind === "decode").length;
+    const prefill = s.items.filter((i) => i.kind === "prefill").reduce((a, i) => a + i.tokens, 0);
+    return [
+      t("tip.step") + " " + s.step + " · " + t("policy." + s.policy) + " · " + t("tip.dur") + " " + BS.fmtMs(s.t_end - s.t_start),
+      t("tip.batch") + ": " + s.num_tokens + " / " + s.token_budget + " " + t("tip.tokens") + " (" + decodes + " " + t("kind.decode") +
+        ", " + prefill + " " + t("kind.prefill") + ")",
+      (s.stalled && s.stalled.length ? t("tip.stalls") + ": " + s.stalled.length + " · " : "") +
+        t("tip.kv") + " " + s.kv.used + " / " + s.kv.total + " · " + t("tip.waiting") + " " + s.waiting,
+    ];
+  }
+
+  function rowLines(s, row) {
+    const t = BS.t, it = s.items.find((i) => i.req === row.rid);
+    const head = row.label + " (" + row.rid + ")";
+    if (it && it.kind === "decode") return [head + ": " + t("kind.decode") + ", " + t("tip.one") + ", " + t("tip.position") + " " + it.start];
+    if (it) {
+      let l = head + ": " + t("kind.prefill") + " " + it.tokens + " " + t("tip.tokens") + ", " + it.start + "–" +
+        (it.start + it.tokens - 1) + " " + t("tip.of") + " " + it.prompt_len;
+      if (it.cached) l += " (" + it.cached + " " + t("tip.cached") + ")";
+      return [l, head + ": " + (it.completes_prompt ? t("tip.first") : "…")];
+    }
+    if ((s.stalled || []).includes(row.rid)) return [head + ": " + t("tip.stalled") + " (" + BS.fmtMs(s.t_end - s.t_start) + ")"];
+    return [head];
+  }
+
+  function onGanttMove(ev) {
+    const d = view.drawn, s = d && d.win ? d.win.at(plotX(gantt, ev)) : null;
+    if (!s) return showTip(ev, null);
+    const py = (ev.clientY - gantt.getBoundingClientRect().top) / BS.chartScale;
+    const row = d.rows[Math.floor((py - BS.draw.TOP) / d.rowH)];
+    showTip(ev, row ? [...rowLines(s, row), ...stepLines(s)] : stepLines(s));
+  }
+
+  function onBarMove(ev) {
+    const d = view.drawn, s = d && d.win ? d.win.at(plotX(bar, ev)) : null;
+    showTip(ev, s ? stepLines(s) : null);
+  }
+
+  // ---- playback ----
+  function setMode(mode) {
+    const steps = BS.store.steps;
+    if (mode !== "live" && view.mode === "live") view.cursor = steps.length ? steps[steps.length - 1].step : null;
+    view.mode = mode;
+    dirty = true;
+    updatePlayUI();
+  }
+
+  BS.play = {
+    pause() { setMode("paused"); },
+    resume() { setMode("live"); },
+    step(delta) {
+      const steps = BS.store.steps;
+      if (!steps.length) return;
+      setMode("paused");
+      const i = Math.max(0, Math.min(steps.length - 1, BS.layout.cursorIndex() + (delta || 1)));
+      view.cursor = steps[i].step;
+    },
+    replay() {
+      const steps = BS.store.steps;
+      if (!steps.length) return;
+      const shown = view.drawn && view.drawn.steps.length ? view.drawn.steps[0] : steps[0].step;
+      setMode("replay");
+      view.cursor = shown;
+      replayAcc = 0;
+    },
+    seek(stepNum) { setMode("paused"); view.cursor = stepNum; },
+    setAxis(axis) { view.axis = axis === "time" ? "time" : "step"; dirty = true; },
+    zoom(steps) { view.span = Math.max(8, Math.round(steps)); dirty = true; },
+  };
+
+  function tickReplay(dt) {
+    if (view.mode !== "replay") return;
+    replayAcc += dt * REPLAY_RATE;
+    const n = Math.floor(replayAcc);
+    if (n < 1) return;
+    replayAcc -= n;
+    const steps = BS.store.steps, i = BS.layout.cursorIndex() + n;
+    if (i >= steps.length - 1) { view.mode = "live"; view.cursor = null; }
+    else view.cursor = steps[i].step;
+    dirty = true;
+  }
+
+  function updatePlayUI() {
+    const steps = BS.store.steps, ci = BS.layout.cursorIndex();
+    const el = document.querySelector("[data-testid=play-state]");
+    if (el) {
+      const at = ci >= 0 ? " · " + BS.t("play.at") + " " + steps[ci].step : "";
+      el.textContent = BS.t("play." + (view.mode === "live" ? "live" : view.mode === "replay" ? "replaying" : "paused")) + at;
+      el.dataset.mode = view.mode;
+    }
+    const scrub = document.querySelector("[data-testid=scrub]");
+    if (scrub && steps.length) {
+      scrub.min = steps[0].step; scrub.max = steps[steps.length - 1].step;
+      if (document.activeElement !== scrub) scrub.value = ci >= 0 ? steps[ci].step : 0;
+    }
+  }
+
+  // one animation frame: returns true when the chart was redrawn
+  BS.chartFrame = function (now) {
+    const dt = lastFrame ? (now - lastFrame) / 1000 : 0;
+    lastFrame = now;
+    tickReplay(dt);
+    const v = BS.store.version;
+    if ((view.mode === "live" && v !== lastVersion) || dirty) {
+      lastVersion = v; dirty = false;
+      if (gantt.isConnected) BS.draw.bar(bar, BS.draw.gantt(gantt));
+      updatePlayUI();
+      return true;
+    }
+    if (v !== lastVersion) { lastVersion = v; updatePlayUI(); }    // paused: the chart holds still, the scrubber grows
+    return false;
+  };
+
+  BS.redrawChart = () => { dirty = true; };
+
+  BS.initChart = function (root) {
+    gantt = root.querySelector("[data-testid=gantt]");
+    bar = root.querySelector("[data-testid=batch-bar]");
+    tip = root.querySelector("[data-testid=tooltip]");
+    gantt.addEventListener("mousemove", onGanttMove);
+    bar.addEventListener("mousemove", onBarMove);
+    for (const c of [gantt, bar]) c.addEventListener("mouseleave", () => { tip.hidden = true; });
+    const on = (id, fn) => { const b = root.querySelector("[data-testid=" + id + "]"); if (b) b.addEventListener("click", fn); };
+    on("pause", () => BS.play.pause());
+    on("resume", () => BS.play.resume());
+    on("step", () => BS.play.step(1));
+    on("step-back", () => BS.play.step(-1));
+    on("replay", () => BS.play.replay());
+    root.querySelectorAll("input[name=bs-axis]").forEach((r) =>
+      r.addEventListener("change", () => { if (r.checked) BS.play.setAxis(r.value); }));
+    const zoom = root.querySelector("[data-testid=zoom]");
+    if (zoom) zoom.addEventListener("input", () => BS.play.zoom(+zoom.value));
+    const scrub = root.querySelector("[data-testid=scrub]");
+    if (scrub) scrub.addEventListener("input", () => BS.play.seek(+scrub.value));
+    document.addEventListener("keydown", (e) => {
+      if (/^(INPUT|TEXTAREA|SELECT|BUTTON)$/.test(e.target.tagName) || e.target.isContentEditable) return;
+      if (e.key === " ") { e.preventDefault(); view.mode === "live" ? BS.play.pause() : BS.play.resume(); }
+      else if (e.key === "ArrowRight") BS.play.step(1);
+      else if (e.key === "ArrowLeft") BS.play.step(-1);
+    });
+    window.addEventListener("resize", () => { dirty = true; });
+    BS.onLang(() => { dirty = true; });
+  };
+})();

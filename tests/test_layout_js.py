@@ -1,0 +1,87 @@
+"""static/layout.js under many random rooms, run in Node: which requests get a row, in which order.
+
+Skipped when `node` is not installed. One Node process runs every case; the checks are here.
+"""
+import json
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+NODE = shutil.which("node")
+STATIC = Path(__file__).resolve().parent.parent / "static"
+pytestmark = pytest.mark.skipif(NODE is None, reason="node is not installed")
+GROUPS = ["running", "queued", "finished"]
+COLLAPSE_S = 8
+
+RUNNER = """
+const fs = require("fs");
+global.window = {};
+eval(fs.readFileSync(process.argv[1], "utf8"));
+const BS = window.BS, out = [];
+for (const c of JSON.parse(fs.readFileSync(0, "utf8"))) {
+  BS.store = { steps: c.steps, reqs: new Map(c.reqs.map((r) => [r.rid, r])), gaps: [] };
+  BS.mine = new Set(c.mine);
+  Object.assign(BS.view, { mode: "live", cursor: null, axis: c.axis, span: 100, windowSec: 2 });
+  const win = BS.layout.windowOf(800);
+  const got = BS.layout.rowsOf(win, c.maxRows, c.grouped);
+  out.push({ ...got, tEnd: win.last.t_end, lastStep: win.last.step, first: win.steps[0].step });
+}
+console.log(JSON.stringify(out));
+"""
+
+
+def room(rng: random.Random) -> dict:
+    """Requests arriving over n steps of 0.1-0.5 s; each runs a while, some finish, some still queue."""
+    n_steps, n_reqs = rng.randint(5, 160), rng.randint(1, 70)
+    t, steps = 0.0, []
+    for i in range(n_steps):
+        dt = rng.uniform(0.1, 0.5)
+        steps.append({"step": i, "t_start": t, "t_end": t + dt, "items": [], "stalled": []})
+        t += dt
+    reqs = []
+    for k in range(n_reqs):
+        a = rng.randrange(n_steps)
+        r = {"rid": f"r{k}", "label": f"S{rng.randrange(30)}", "arrived": steps[a]["t_start"],
+             "firstStep": None, "lastStep": None, "end": None}
+        start = a + rng.randint(0, 20)
+        if start < n_steps:
+            stop = min(n_steps - 1, start + rng.randint(0, 40))
+            r["firstStep"], r["lastStep"] = start, stop
+            for s in steps[start:stop + 1]:
+                s["items"].append({"req": r["rid"], "label": r["label"], "kind": "decode", "tokens": 1})
+            if stop < n_steps - 1 or rng.random() < 0.5:
+                r["end"] = steps[stop]["t_end"]
+        reqs.append(r)
+    mine = [r["rid"] for r in rng.sample(reqs, rng.randint(0, min(3, len(reqs))))]
+    return {"steps": steps, "reqs": reqs, "mine": mine, "axis": rng.choice(["step", "time"]),
+            "grouped": rng.random() < 0.7, "maxRows": rng.randint(len(mine), 40)}
+
+
+def test_rows_under_many_random_rooms():
+    cases = [room(random.Random(seed)) for seed in range(300)]
+    done = subprocess.run([NODE, "-e", RUNNER, str(STATIC / "layout.js")], input=json.dumps(cases),
+                          capture_output=True, text=True, timeout=120, check=True)
+    for c, got in zip(cases, json.loads(done.stdout)):
+        rows, by = got["rows"], {r["rid"]: r for r in c["reqs"]}
+        rids = [r["rid"] for r in rows]
+        assert len(rids) == len(set(rids)) and len(rows) <= c["maxRows"]
+        crowd = c["grouped"] or len(rows) + got["more"] + got["collapsed"] > 12 or any(r["mine"] for r in rows)
+        for r in rows:
+            req = by[r["rid"]]
+            group = ("finished" if req["end"] is not None and req["end"] <= got["tEnd"] else
+                     "queued" if req["firstStep"] is None or req["firstStep"] > got["lastStep"] else "running")
+            assert r["group"] == group and r["mine"] == (r["rid"] in c["mine"])
+            if crowd and group == "finished" and not r["mine"]:
+                assert got["tEnd"] - req["end"] <= COLLAPSE_S     # finished rows collapse after a while
+        # the viewer's own rows are always shown (once they have arrived), on top when grouped
+        assert {rid for rid in c["mine"] if by[rid]["arrived"] <= got["tEnd"]} <= set(rids)
+        if crowd:
+            order = [(not r["mine"], GROUPS.index(r["group"])) for r in rows]
+            assert order == sorted(order)
+            assert got["more"] == 0 or len(rows) == c["maxRows"]      # rows are only left out when full
+        else:
+            arrivals = [by[rid]["arrived"] for rid in rids]
+            assert arrivals == sorted(arrivals)
