@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -40,9 +41,13 @@ def test_requirements_txt_names_the_runtime_dependencies_of_pyproject():
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # from a clean copy: an in-tree build/ folder keeps stale files that would ship in the wheel
+    source = out / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__",
+                                                                "*.pyc", ".pytest_cache", "out", "tests", "docs"))
     # no build isolation: setuptools is installed, and CI must not need an index to build
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--wheel-dir", str(out), str(ROOT)], check=True, cwd=out)
+                    "--wheel-dir", str(out), str(source)], check=True, cwd=out)
     (whl,) = out.glob("batchscope-*.whl")
     return whl
 
