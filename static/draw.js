@@ -3,6 +3,7 @@
 // one x mapping (the window from layout.js). Text goes on canvas or through textContent only.
 (function () {
   const BS = (window.BS = window.BS || {});
+  const R = BS.rec;                    // record fields are read through record.js
   const C = () => BS.colors;
   const LABEL_W = 132;        // px for row labels, left of both plots
   const TOP = 24;             // px above the rows, for setting-change flags
@@ -33,16 +34,16 @@
 
   const fmtMs = (BS.fmtMs = (sec) => (sec < 1 ? (sec * 1000).toFixed(0) + " ms" : sec.toFixed(2) + " s"));
 
-  function settingKey(s) { return s.policy + "/" + s.token_budget + "/" + s.max_num_seqs; }
+  const settingKey = R.settingKey;
 
   function markerText(prev, s) {
-    if (prev.policy !== s.policy) {
-      if (s.policy === "chunked") return BS.t("marker.on");
-      if (prev.policy === "chunked") return BS.t("marker.off") + " → " + BS.t("policy." + s.policy);
-      return BS.t("policy." + s.policy);
+    if (R.policy(prev) !== R.policy(s)) {
+      if (R.policy(s) === "chunked") return BS.t("marker.on");
+      if (R.policy(prev) === "chunked") return BS.t("marker.off") + " → " + BS.t("policy." + R.policy(s));
+      return BS.t("policy." + R.policy(s));
     }
     const parts = [];
-    if (prev.token_budget !== s.token_budget) parts.push(BS.t("bar.budget") + " " + s.token_budget);
+    if (R.budget(prev) !== R.budget(s)) parts.push(BS.t("bar.budget") + " " + R.budget(s));
     if (prev.max_num_seqs !== s.max_num_seqs) parts.push(BS.t("marker.seqs") + " " + s.max_num_seqs);
     return parts.join(", ");
   }
@@ -83,7 +84,7 @@
     if (win.axis === "step") { drawGaps(g, win, avail); labelLongSteps(g, win); }
     const markers = drawMarkers(g, win, TOP - 20, h - AXIS, true);
     drawAxis(g, win, h - AXIS, plotW);
-    BS.view.drawn = { steps: win.steps.map((s) => s.step), rows: shown.map((r) => ({ rid: r.rid, label: r.label, mine: r.mine, group: r.group })),
+    BS.view.drawn = { steps: win.steps.map((s) => R.step(s)), rows: shown.map((r) => ({ rid: r.rid, label: r.label, mine: r.mine, group: r.group })),
                       cells, markers, rowH, win };
     syncRowLabels(gantt, shown);
     return win;
@@ -155,14 +156,14 @@
       const x = LABEL_W + win.x(s), cw = win.w(s);
       if (x + cw < LABEL_W) continue;
       const x0 = Math.max(LABEL_W, x), wid = Math.max(1, cw - (cw > 5 ? 1 : 0) - (x0 - x));
-      for (const it of s.items) {
-        const i = rowIndex.get(it.req);
+      for (const it of R.items(s)) {
+        const i = rowIndex.get(R.req(it));
         if (i === undefined) continue;
         const y = TOP + i * rowH + 2, hh = rowH - 4;
-        g.globalAlpha = quietRids && quietRids.has(it.req) ? QUIET : 1;
+        g.globalAlpha = quietRids && quietRids.has(R.req(it)) ? QUIET : 1;
         drawItem(g, it, win.axis, x0, y, wid, hh);
         g.globalAlpha = 1;
-        cells.push({ step: s.step, req: it.req, label: it.label, kind: it.kind, tokens: it.tokens, x: x0, y, w: wid, h: hh });
+        cells.push({ step: R.step(s), req: R.req(it), label: R.label(it), kind: R.kind(it), tokens: R.tokens(it), x: x0, y, w: wid, h: hh });
       }
       for (const rid of s.stalled || []) {
         const i = rowIndex.get(rid);
@@ -170,17 +171,17 @@
         const y = TOP + i * rowH + 2, hh = rowH - 4;
         drawStall(g, s, x0, y, wid, hh);
         const req = BS.store.reqs.get(rid);
-        cells.push({ step: s.step, req: rid, label: req ? req.label : rid, kind: "stall", tokens: 0, x: x0, y, w: wid, h: hh });
+        cells.push({ step: R.step(s), req: rid, label: req ? req.label : rid, kind: "stall", tokens: 0, x: x0, y, w: wid, h: hh });
       }
     }
     return cells;
   }
 
   function drawItem(g, it, axis, x0, y, wid, hh) {
-    const color = BS.colorOf(it.label);
-    if (it.kind === "decode" && (axis === "step" || wid < 8)) {
+    const color = BS.colorOf(R.label(it));
+    if (R.isDecode(it) && (axis === "step" || wid < 8)) {
       g.fillStyle = color; g.fillRect(x0, y, wid, hh);
-    } else if (it.kind === "decode") {
+    } else if (R.isDecode(it)) {
       // wall time: one token, arriving at the end of the step; the pale body is the wait for it
       const tick = Math.min(6, wid * 0.4), alpha = g.globalAlpha;
       g.globalAlpha = alpha * 0.35; g.fillStyle = color; g.fillRect(x0, y, wid - tick, hh); g.globalAlpha = alpha;
@@ -189,7 +190,7 @@
       g.fillStyle = BS.prefillPattern(g, color); g.fillRect(x0, y, wid, hh);
       g.strokeStyle = color; g.lineWidth = 1.5; g.strokeRect(x0 + 0.75, y + 0.75, wid - 1.5, hh - 1.5);
       const p = BS.t("cell.prefill");
-      const txt = wid >= 44 ? p + " " + it.tokens : wid >= 12 && hh >= 12 ? p : "";
+      const txt = wid >= 44 ? p + " " + R.tokens(it) : wid >= 12 && hh >= 12 ? p : "";
       if (txt) {
         g.font = "bold " + (hh >= 18 ? 12 : 10) + "px sans-serif";
         g.fillStyle = C().labelBack;
@@ -204,7 +205,7 @@
     g.fillStyle = BS.stallPattern(g); g.fillRect(x0, y, wid, hh);
     g.strokeStyle = C().stallLine; g.lineWidth = 1.5; g.strokeRect(x0 + 0.75, y + 0.75, wid - 1.5, hh - 1.5);
     if (wid >= 80 && hh >= 14) {
-      const txt = BS.t("cell.stall") + " " + fmtMs(s.t_end - s.t_start);
+      const txt = BS.t("cell.stall") + " " + fmtMs(R.dur(s));
       g.font = "bold 11px sans-serif";
       const tw = g.measureText(txt).width + 6;
       g.fillStyle = C().paper; g.fillRect(x0 + wid / 2 - tw / 2, y + hh / 2 - 7, tw, 14);
@@ -226,15 +227,15 @@
 
   // the step axis hides how long a step took: say it above the steps far slower than the rest
   function labelLongSteps(g, win) {
-    const d = win.steps.map((s) => s.t_end - s.t_start).sort((a, b) => a - b);
+    const d = win.steps.map((s) => R.dur(s)).sort((a, b) => a - b);
     const median = d[d.length >> 1] || 0;
     if (d.length < 5) return;
-    const slow = win.steps.filter((s) => s.t_end - s.t_start >= Math.max(4 * median, 0.2))
-      .sort((a, b) => (b.t_end - b.t_start) - (a.t_end - a.t_start));
+    const slow = win.steps.filter((s) => R.dur(s) >= Math.max(4 * median, 0.2))
+      .sort((a, b) => R.dur(b) - R.dur(a));
     g.font = "bold 12px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
     const taken = [];                     // the longest get their label first; others only where it fits
     for (const s of slow) {
-      const x = LABEL_W + win.x(s) + win.w(s) / 2, txt = fmtMs(s.t_end - s.t_start), tw = g.measureText(txt).width + 8;
+      const x = LABEL_W + win.x(s) + win.w(s) / 2, txt = fmtMs(R.dur(s)), tw = g.measureText(txt).width + 8;
       if (taken.some(([a, b]) => x + tw / 2 > a && x - tw / 2 < b)) continue;
       taken.push([x - tw / 2, x + tw / 2]);
       g.fillStyle = C().paper; g.fillRect(x - tw / 2, TOP - 19, tw, 16);
@@ -246,7 +247,7 @@
   function drawMarkers(g, win, yTop, yBottom, flags) {
     const steps = BS.store.steps, out = [], S = BS.chartScale;
     for (const s of win.steps) {
-      const i = BS.layout.findIndex(s.step);
+      const i = BS.layout.findIndex(R.step(s));
       if (i === 0) continue;
       const prev = steps[i - 1];
       if (settingKey(prev) === settingKey(s)) continue;
@@ -254,7 +255,7 @@
       if (x < LABEL_W) continue;
       g.fillStyle = C().ink; g.fillRect(x - 1, yTop, 3, yBottom - yTop);
       const txt = markerText(prev, s);
-      out.push({ step: s.step, x: x * S, text: txt, policy: s.policy });
+      out.push({ step: R.step(s), x: x * S, text: txt, policy: R.policy(s) });
       if (flags) {
         g.font = "bold 12px sans-serif";
         const tw = g.measureText(txt).width + 10;
@@ -282,8 +283,8 @@
     if (!win) return;
     const top = 16, bottom = h - 4, H = bottom - top;
     let ymax = 1;
-    for (const s of win.steps) ymax = Math.max(ymax, s.token_budget, s.num_tokens);
-    const budgetNow = win.last.token_budget;
+    for (const s of win.steps) ymax = Math.max(ymax, R.budget(s), R.numTokens(s));
+    const budgetNow = R.budget(win.last);
     ymax = Math.min(ymax, budgetNow * 2.5) * 1.04;
     const Y = (v) => bottom - Math.min(v, ymax) / ymax * H;
 
@@ -298,22 +299,22 @@
       if (x + cw < LABEL_W) continue;
       const x0 = Math.max(LABEL_W, x), wid = Math.max(1, cw - (cw > 5 ? 1 : 0) - (x0 - x));
       let v = 0;
-      for (const it of s.items) {            // decodes first, as the record lists them
-        const y1 = Y(v), y2 = Math.min(Y(v + it.tokens), y1 - 1.5);
-        const color = BS.colorOf(it.label);
-        g.fillStyle = it.kind === "decode" ? color : BS.prefillPattern(g, color);
+      for (const it of R.items(s)) {            // decodes first, as the record lists them
+        const y1 = Y(v), y2 = Math.min(Y(v + R.tokens(it)), y1 - 1.5);
+        const color = BS.colorOf(R.label(it));
+        g.fillStyle = R.isDecode(it) ? color : BS.prefillPattern(g, color);
         g.fillRect(x0, y2, wid, y1 - y2);
-        v = Math.max(v + it.tokens, ymax * (bottom - y2) / H);
+        v = Math.max(v + R.tokens(it), ymax * (bottom - y2) / H);
       }
-      const used = s.num_tokens;
-      if (s.token_budget > used) {
-        const yb = Y(s.token_budget), yu = Math.min(Y(Math.max(used, v)), bottom);
+      const used = R.numTokens(s);
+      if (R.budget(s) > used) {
+        const yb = Y(R.budget(s)), yu = Math.min(Y(Math.max(used, v)), bottom);
         g.fillStyle = BS.unusedPattern(g); g.fillRect(x0, yb, wid, yu - yb);
       }
       if (used > ymax) {                     // clipped: say how big it really was
         g.fillStyle = C().ink; g.fillRect(x0, top - 2, wid, 2);
       }
-      if (used > s.token_budget && (wid >= 26 || used > ymax)) {
+      if (used > R.budget(s) && (wid >= 26 || used > ymax)) {
         g.fillStyle = C().ink; g.font = "bold 11px sans-serif"; g.textBaseline = "bottom";
         g.fillText(String(used), x0 + wid / 2, Math.max(top, Y(used)) - 1);
       }
@@ -323,7 +324,7 @@
     g.beginPath();
     let started = false;
     for (const s of win.steps) {
-      const x = Math.max(LABEL_W, LABEL_W + win.x(s)), y = Math.round(Y(s.token_budget)) + 0.5;
+      const x = Math.max(LABEL_W, LABEL_W + win.x(s)), y = Math.round(Y(R.budget(s))) + 0.5;
       if (!started) { g.moveTo(x, y); started = true; } else g.lineTo(x, y);
       g.lineTo(LABEL_W + win.x(s) + win.w(s), y);
     }

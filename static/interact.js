@@ -3,6 +3,7 @@
 // cursor over them. chartFrame() is called once per animation frame by main.js.
 (function () {
   const BS = (window.BS = window.BS || {});
+  const R = BS.rec;                    // record fields are read through record.js
   const REPLAY_RATE = 8;      // steps per second while replaying
   const view = BS.view;
   let gantt, bar, tip, dirty = true, lastVersion = -1, replayAcc = 0, lastFrame = 0;
@@ -26,28 +27,28 @@
   }
 
   function stepLines(s) {
-    const t = BS.t, decodes = s.items.filter((i) => i.kind === "decode").length;
-    const prefill = s.items.filter((i) => i.kind === "prefill").reduce((a, i) => a + i.tokens, 0);
+    const t = BS.t, decodes = R.items(s).filter((i) => R.isDecode(i)).length;
+    const prefill = R.items(s).filter((i) => !R.isDecode(i)).reduce((a, i) => a + R.tokens(i), 0);
     return [
-      t("tip.step") + " " + s.step + " · " + t("policy." + s.policy) + " · " + t("tip.dur") + " " + BS.fmtMs(s.t_end - s.t_start),
-      t("tip.batch") + ": " + s.num_tokens + " / " + s.token_budget + " " + t("tip.tokens") + " (" + decodes + " " + t("kind.decode") +
+      t("tip.step") + " " + R.step(s) + " · " + t("policy." + R.policy(s)) + " · " + t("tip.dur") + " " + BS.fmtMs(R.dur(s)),
+      t("tip.batch") + ": " + R.numTokens(s) + " / " + R.budget(s) + " " + t("tip.tokens") + " (" + decodes + " " + t("kind.decode") +
         ", " + prefill + " " + t("kind.prefill") + ")",
       (s.stalled && s.stalled.length ? t("tip.stalls") + ": " + s.stalled.length + " · " : "") +
-        t("tip.kv") + " " + s.kv.used + " / " + s.kv.total + " · " + t("tip.waiting") + " " + s.waiting,
+        t("tip.kv") + " " + R.kvUsed(s) + " / " + R.kvTotal(s) + " · " + t("tip.waiting") + " " + R.waiting(s),
     ];
   }
 
   function rowLines(s, row) {
-    const t = BS.t, it = s.items.find((i) => i.req === row.rid);
+    const t = BS.t, it = R.items(s).find((i) => R.req(i) === row.rid);
     const head = row.label + " (" + row.rid + ")";
-    if (it && it.kind === "decode") return [head + ": " + t("kind.decode") + ", " + t("tip.one") + ", " + t("tip.position") + " " + it.start];
+    if (it && R.isDecode(it)) return [head + ": " + t("kind.decode") + ", " + t("tip.one") + ", " + t("tip.position") + " " + R.start(it)];
     if (it) {
-      let l = head + ": " + t("kind.prefill") + " " + it.tokens + " " + t("tip.tokens") + ", " + it.start + "–" +
-        (it.start + it.tokens - 1) + " " + t("tip.of") + " " + it.prompt_len;
+      let l = head + ": " + t("kind.prefill") + " " + R.tokens(it) + " " + t("tip.tokens") + ", " + R.start(it) + "–" +
+        (R.start(it) + R.tokens(it) - 1) + " " + t("tip.of") + " " + R.promptLen(it);
       if (it.cached) l += " (" + it.cached + " " + t("tip.cached") + ")";
-      return [l, head + ": " + (it.completes_prompt ? t("tip.first") : "…")];
+      return [l, head + ": " + (R.completesPrompt(it) ? t("tip.first") : "…")];
     }
-    if ((s.stalled || []).includes(row.rid)) return [head + ": " + t("tip.stalled") + " (" + BS.fmtMs(s.t_end - s.t_start) + ")"];
+    if (R.stalled(s).includes(row.rid)) return [head + ": " + t("tip.stalled") + " (" + BS.fmtMs(R.dur(s)) + ")"];
     return [head];
   }
 

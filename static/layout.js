@@ -5,6 +5,7 @@
 // with x/w in px from the left of the plot (row labels excluded).
 (function () {
   const BS = (window.BS = window.BS || {});
+  const R = BS.rec;                    // record fields are read through record.js
   const MIN_CELL = 3;                  // px per step at the widest zoom
   const MIN_SPAN = 2, MAX_SPAN = 30;   // seconds shown in wall-time mode
   const CROWD = 12;                    // more rows than this: group them (running, queued, finished)
@@ -53,10 +54,10 @@
     const every = Math.max(1, Math.ceil(60 / cw / 5) * 5);
     return {
       axis: "step", steps: inView, last, cw,
-      x: (s) => (s.step - first) * cw, w: () => cw,
+      x: (s) => (R.step(s) - first) * cw, w: () => cw,
       xOfStep: (n) => (n - first) * cw,
       at: (px) => (px < 0 ? null : stepRec(first + Math.floor(px / cw))),
-      xOfTime: (t) => { const s = inView.find((s) => s.t_end >= t); return s ? (s.step - first) * cw : null; },
+      xOfTime: (t) => { const s = inView.find((s) => R.tEnd(s) >= t); return s ? (R.step(s) - first) * cw : null; },
       ticks() {
         const out = [];
         for (let s = Math.ceil(first / every) * every; s <= last.step; s += every) out.push({ x: (s - first + 0.5) * cw, text: String(s) });
@@ -69,20 +70,20 @@
   // once (a long stall stays in view) and shrinks slowly (no jitter)
   function timeWindow(ci, n, plotW) {
     const steps = BS.store.steps, last = steps[ci];
-    const span = last.t_end - steps[Math.max(0, ci - n + 1)].t_start;
+    const span = R.tEnd(last) - R.tStart(steps[Math.max(0, ci - n + 1)]);
     const target = Math.max(MIN_SPAN, Math.min(MAX_SPAN, span));
     view.windowSec = target > view.windowSec ? target : view.windowSec * 0.97 + target * 0.03;
-    const t1 = last.t_end, t0 = t1 - view.windowSec, k = plotW / view.windowSec;
+    const t1 = R.tEnd(last), t0 = t1 - view.windowSec, k = plotW / view.windowSec;
     let i = ci;
-    while (i > 0 && steps[i - 1].t_end > t0) i--;
+    while (i > 0 && R.tEnd(steps[i - 1]) > t0) i--;
     const inView = steps.slice(i, ci + 1);
     const every = view.windowSec > 20 ? 5 : view.windowSec > 6 ? 1 : 0.5;
-    const x = (s) => (s.t_start - t0) * k;
+    const x = (s) => (R.tStart(s) - t0) * k;
     return {
       axis: "time", steps: inView, last,
-      x, w: (s) => Math.max(2, (s.t_end - s.t_start) * k),
+      x, w: (s) => Math.max(2, (R.dur(s)) * k),
       xOfStep: (n) => { const s = stepRec(n); return s ? x(s) : null; },
-      at: (px) => { const t = t0 + px / k; return px < 0 ? null : inView.find((s) => s.t_start <= t && t <= s.t_end) || null; },
+      at: (px) => { const t = t0 + px / k; return px < 0 ? null : inView.find((s) => R.tStart(s) <= t && t <= R.tEnd(s)) || null; },
       xOfTime: (t) => (t - t0) * k,
       ticks() {
         const out = [];
@@ -108,10 +109,10 @@
     const seen = new Map();
     const add = (rid) => { if (!seen.has(rid)) seen.set(rid, BS.store.reqs.get(rid)); };
     for (const s of win.steps) {
-      for (const it of s.items) add(it.req);
+      for (const it of R.items(s)) add(R.req(it));
       for (const rid of s.stalled || []) add(rid);
     }
-    const tEnd = win.last.t_end, tStart = win.steps.length ? win.steps[0].t_start : tEnd;
+    const tEnd = R.tEnd(win.last), tStart = win.steps.length ? R.tStart(win.steps[0]) : tEnd;
     for (const r of BS.store.reqs.values()) {
       if (r.arrived != null && r.arrived <= tEnd && (r.firstStep == null || r.firstStep > win.last.step) &&
           (r.end == null || r.end >= tStart)) add(r.rid);
@@ -121,7 +122,7 @@
   }
 
   function groupOf(r, win) {
-    if (r.end != null && r.end <= win.last.t_end) return "finished";
+    if (r.end != null && r.end <= R.tEnd(win.last)) return "finished";
     if (r.firstStep == null || r.firstStep > win.last.step) return "queued";
     return "running";
   }
@@ -138,7 +139,7 @@
       const shown = rows.length > maxRows ? rows.slice(rows.length - maxRows) : rows;
       return { rows: shown, more: rows.length - shown.length, collapsed };
     }
-    const kept = rows.filter((r) => r.mine || r.group !== "finished" || win.last.t_end - r.end <= COLLAPSE_S);
+    const kept = rows.filter((r) => r.mine || r.group !== "finished" || R.tEnd(win.last) - r.end <= COLLAPSE_S);
     collapsed = rows.length - kept.length;
     // who gets a row when they do not all fit: mine, then running, queued, the latest finished
     const rank = (r) => (r.mine ? 0 : 1 + GROUPS.indexOf(r.group));
