@@ -8,7 +8,8 @@ import torch
 POLICIES = ("static", "continuous", "chunked")
 BACKENDS = ("auto", "torch", "triton", "flash_attn")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "int8": torch.float32}         # CPU: int8 linears (engine/quant.py), fp32 activations and KV cache
 
 
 @dataclass
