@@ -1,9 +1,11 @@
-"""transformers baselines for demos.bench, timed per token and measured with engine.metrics.
+"""transformers and llama.cpp baselines for demos.bench, timed per token and measured with engine.metrics.
 
     load_hf(folder, dtype, device)                   the reference model, SDPA attention
     run_hf_static(model, workload, batch, pad_id)    generate() in static batches
     run_hf_cb(model, workload, batch, budget)        transformers' own continuous batching
     hf_decode_step(model, batch, context, ...)       one decode forward over a KV cache
+    llamacpp_decode_step(gguf, context, ...)         llama.cpp (llama-cpp-python, the `llamacpp` extra):
+                                                     one single-stream decode step on the GGUF file
 
 workload: [(prompt token ids, reply length)], everyone arriving at t=0.
 """
@@ -131,3 +133,19 @@ def hf_decode_step(model, batch: int, context: int, repeats: int, vocab: int) ->
         ts.append(time.perf_counter() - t)
         cache.crop(-1)                      # back to context - 1 tokens
     return {"forward_ms": statistics.median(ts[1:]) * 1e3, "samples": repeats}
+
+
+def llamacpp_decode_step(gguf, context: int, repeats: int, vocab: int, threads: int) -> dict:
+    """Median time of llama.cpp evaluating one new token after a prompt of context - 1 tokens, single
+    stream (llama-cpp-python's Llama has one sequence; its parallel slots live in llama-server)."""
+    from llama_cpp import Llama
+    llm = Llama(model_path=str(gguf), n_ctx=context + repeats + 8, n_threads=threads, n_batch=512, verbose=False)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1000, vocab, (context - 1 + repeats + 1,), generator=g).tolist()
+    llm.eval(ids[:context - 1])
+    ts = []
+    for tok in ids[context - 1:]:
+        t = time.perf_counter()
+        llm.eval([tok])
+        ts.append(time.perf_counter() - t)
+    return {"step_ms": statistics.median(ts[1:]) * 1e3, "samples": repeats}

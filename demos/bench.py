@@ -14,11 +14,12 @@ Parts (each can be skipped with --skip):
                hf-cb                 transformers' own continuous batching
                                      (init_continuous_batching), where installed
              Metrics: engine.metrics definitions over per-token times.
-  decode     one decode step at batch 1 and 32 with ~512 tokens of context:
-             our engine's step (and its forward part) against transformers'
-             forward with a KV cache of the same size, beside the memory-
-             bandwidth floor (weight bytes / measured copy bandwidth; and with
-             the KV cache read as well).
+  decode     one decode step at batch 1, 8 and 32 with ~512 tokens of context:
+             our engine's step (and its forward part) in each of --decode-dtypes
+             (fp32, int8) against transformers' forward with a KV cache of the
+             same size and, at batch 1, llama.cpp on the same GGUF file (the
+             `llamacpp` extra), beside each dtype's weight-read floor (bytes a
+             step reads / measured copy bandwidth; and with the KV cache too).
   record     the fraction of our step time spent building the StepRecord.
 """
 from __future__ import annotations
@@ -119,6 +120,49 @@ def kv_bytes(hf_config, batch: int, context: int, itemsize: int) -> int:
     return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * itemsize * batch * context
 
 
+def decode_part(args, cfg: dict, folder, hf, skip: set, log) -> dict:
+    """Decode steps per batch size: ours per dtype, transformers, llama.cpp (batch 1), and the floors."""
+    from transformers import AutoConfig
+    from demos.baselines import llamacpp_decode_step
+    from engine.quant import int8_available
+    hf_config = AutoConfig.from_pretrained(folder)
+    bw, ctx = copy_bandwidth(), args.decode_context
+    dtypes = [d for d in args.decode_dtypes.split(",") if d and (d != "int8" or int8_available())]
+    batches = [int(x) for x in args.decode_batches.split(",")]
+    d = {"copy_bandwidth_gb_s": bw / 1e9, "context": ctx, "batches": {str(b): {"ours": {}} for b in batches}}
+    for dtype in dtypes:
+        for b in batches:
+            engine = LLMEngine(EngineConfig(**{**cfg, "dtype": dtype, "max_num_seqs": max(b, args.batch),
+                                               "max_num_batched_tokens": max(args.budget, 2048)}, policy="chunked"))
+            warm_up(engine)
+            ours = ours_decode_step(engine, b, ctx, args.decode_repeats)
+            floor = engine.runner.weight_bytes / bw * 1e3
+            kvb = kv_bytes(hf_config, b, ctx, engine.runner.dtype.itemsize)
+            d["batches"][str(b)]["ours"][dtype] = {
+                "step_ms": ours["step_ms"], "forward_ms": ours["forward_ms"], "weight_bytes": engine.runner.weight_bytes,
+                "weight_floor_ms": floor, "weight_plus_kv_floor_ms": floor + kvb / bw * 1e3,
+                "step_over_floor": ours["step_ms"] / floor}
+            del engine
+            log(f"decode {dtype} batch {b} done")
+    for b in batches:
+        r = d["batches"][str(b)]
+        r["hf_forward_ms"] = hf_decode_step(hf, b, ctx, args.decode_repeats, hf_config.vocab_size)["forward_ms"]
+    if "llamacpp" not in skip and (args.model is None):
+        from engine.loader import default_gguf
+        try:
+            d["llamacpp_batch1_step_ms"] = llamacpp_decode_step(default_gguf(), ctx, args.decode_repeats,
+                                                                hf_config.vocab_size, torch.get_num_threads())["step_ms"]
+        except ImportError:
+            d["llamacpp_error"] = "llama-cpp-python is not installed (pip install 'batchscope[llamacpp]')"
+        log("llama.cpp done")
+    one = d["batches"].get("1", {}).get("ours", {})
+    if "float32" in one and "int8" in one:
+        d["int8_speedup_batch1"] = one["float32"]["step_ms"] / one["int8"]["step_ms"]
+    if "llamacpp_batch1_step_ms" in d:
+        d["ours_over_llamacpp_batch1"] = {k: v["step_ms"] / d["llamacpp_batch1_step_ms"] for k, v in one.items()}
+    return d
+
+
 # ---- the whole run ----
 def ratio(a, b):
     return a / b if a is not None and b else None
@@ -136,11 +180,12 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--batch", type=int, default=16, help="max sequences per step (ours, hf-cb), hf-static batch size")
     ap.add_argument("--budget", type=int, default=512, help="token budget per step (ours, hf-cb)")
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--decode-batches", default="1,32")
+    ap.add_argument("--decode-batches", default="1,8,32")
+    ap.add_argument("--decode-dtypes", default="float32,int8", help="our dtypes in the decode part")
     ap.add_argument("--decode-context", type=int, default=512)
     ap.add_argument("--decode-repeats", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    ap.add_argument("--skip", default="", help="comma list of: ours, hf-static, hf-cb, decode")
+    ap.add_argument("--skip", default="", help="comma list of: ours, hf-static, hf-cb, decode, llamacpp")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--md", default=None, help="also write the tables as markdown here")
     ap.add_argument("--quiet", action="store_true")
@@ -208,26 +253,7 @@ def main(argv: list[str] | None = None):
         out["record"] = {p: record_fraction(st) for p, st in streams.items()}
 
     if "decode" not in skip:
-        from transformers import AutoConfig
-        hf_config = AutoConfig.from_pretrained(folder)
-        bw = copy_bandwidth()
-        itemsize = EngineConfig(dtype=args.dtype).torch_dtype.itemsize
-        out["decode"] = {"copy_bandwidth_gb_s": bw / 1e9, "context": args.decode_context,
-                         "weight_floor_ms": out["weight_bytes"] / bw * 1e3, "batches": {}}
-        for b in (int(x) for x in args.decode_batches.split(",")):
-            engine = LLMEngine(EngineConfig(**{**cfg, "max_num_seqs": max(b, args.batch),
-                                               "max_num_batched_tokens": max(args.budget, 2048)}, policy="chunked"))
-            warm_up(engine)
-            ours = ours_decode_step(engine, b, args.decode_context, args.decode_repeats)
-            del engine
-            theirs = hf_decode_step(hf, b, args.decode_context, args.decode_repeats, hf_config.vocab_size)
-            kvb = kv_bytes(hf_config, b, args.decode_context, itemsize)
-            out["decode"]["batches"][str(b)] = {
-                "ours_step_ms": ours["step_ms"], "ours_forward_ms": ours["forward_ms"],
-                "hf_forward_ms": theirs["forward_ms"], "hf_over_ours_step": theirs["forward_ms"] / ours["step_ms"],
-                "weight_floor_ms": out["weight_bytes"] / bw * 1e3,
-                "weight_plus_kv_floor_ms": (out["weight_bytes"] + kvb) / bw * 1e3, "kv_bytes": kvb}
-            log(f"decode batch {b} done")
+        out["decode"] = decode_part(args, cfg, folder, hf, skip, log)
     out["wall_s"] = time.perf_counter() - t_all
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2))
@@ -265,12 +291,8 @@ def markdown(out: dict) -> str:
     d = out.get("decode")
     if d:
         lines += ["", f"Decode step at ~{d['context']} tokens of context; copy bandwidth "
-                      f"{d['copy_bandwidth_gb_s']:.1f} GB/s (read + write), weights {out['weight_bytes'] / 1e6:.0f} MB.",
-                  "", "| batch | ours: step ms | ours: forward ms | transformers forward ms | transformers / ours "
-                      "| floor: weights ms | floor: weights + KV ms |", "|---:|---:|---:|---:|---:|---:|---:|"]
-        for b, r in d["batches"].items():
-            lines.append(f"| {b} | {r['ours_step_ms']:.1f} | {r['ours_forward_ms']:.1f} | {r['hf_forward_ms']:.1f} "
-                         f"| {r['hf_over_ours_step']:.2f} | {r['weight_floor_ms']:.1f} | {r['weight_plus_kv_floor_ms']:.1f} |")
+                      f"{d['copy_bandwidth_gb_s']:.1f} GB/s (read + write); floor = weight bytes a step reads / "
+                      "bandwidth. Medians; ratios within this run.", "", *decode_lines(d)]
     if out.get("record"):
         lines += ["", "| policy | StepRecord building, share of step time | per step, p50 |", "|---|---:|---:|"]
         for p, r in out["record"].items():
@@ -295,12 +317,29 @@ def print_summary(out: dict, file=sys.stdout):
               file=file)
     d = out.get("decode")
     if d:
-        print(f"copy bandwidth {d['copy_bandwidth_gb_s']:.1f} GB/s, weight floor {d['weight_floor_ms']:.2f} ms",
-              file=file)
-        for b, r in d["batches"].items():
-            print(f"decode batch {b} @ {d['context']}: ours step {r['ours_step_ms']:.2f} ms (forward "
-                  f"{r['ours_forward_ms']:.2f}), transformers forward {r['hf_forward_ms']:.2f} ms, "
-                  f"floor {r['weight_floor_ms']:.2f} / with KV {r['weight_plus_kv_floor_ms']:.2f} ms", file=file)
+        print(f"copy bandwidth {d['copy_bandwidth_gb_s']:.1f} GB/s, context {d['context']}", file=file)
+        print("\n".join(decode_lines(d)), file=file)
+
+
+def decode_lines(d: dict) -> list[str]:
+    """The decode part as a markdown table, and its headline ratios."""
+    lines = ["| batch | dtype | step ms | forward ms | floor ms (weights) | step / floor | floor ms (+KV) "
+             "| transformers fp32 forward ms |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for b, r in d["batches"].items():
+        for dtype, o in r["ours"].items():
+            lines.append(f"| {b} | {dtype} | {o['step_ms']:.1f} | {o['forward_ms']:.1f} | {o['weight_floor_ms']:.1f} "
+                         f"| {o['step_over_floor']:.2f} | {o['weight_plus_kv_floor_ms']:.1f} "
+                         f"| {r.get('hf_forward_ms', float('nan')):.1f} |")
+    if "llamacpp_batch1_step_ms" in d:
+        lines.append(f"| 1 | llama.cpp (GGUF Q4_1) | {d['llamacpp_batch1_step_ms']:.1f} | | | | | |")
+    lines.append("")
+    if "int8_speedup_batch1" in d:
+        lines.append(f"int8 / fp32 batch-1 step speed-up: {d['int8_speedup_batch1']:.2f}x")
+    for k, v in d.get("ours_over_llamacpp_batch1", {}).items():
+        lines.append(f"ours ({k}) / llama.cpp batch-1 step time: {v:.2f}x")
+    if "llamacpp_error" in d:
+        lines.append(f"llama.cpp: {d['llamacpp_error']}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ travels in one per-step AttentionMetadata (set by the model runner, read by
 every layer), not through the forward signatures.
 
 Backends share one call: backend(q, k, v, k_cache, v_cache, meta) -> out.
-  TorchAttention      portable (CPU and CUDA): all decodes in one batched SDPA
-                      call over their gathered blocks, one call per prefill chunk.
+  TorchAttention      portable (CPU and CUDA): one SDPA call per prefill chunk;
+                      decodes at short contexts in one batched call over their
+                      gathered blocks, at longer ones one call per sequence over
+                      a view of the cache where its blocks are contiguous.
   TritonAttention     CUDA: decodes through a Triton paged-attention kernel that
                       reads the cache by block table (graph-capturable); prefill
                       chunks as in TorchAttention.
@@ -45,6 +47,8 @@ class AttentionMetadata:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    # host-side, per decode: (first block if its blocks are consecutive ids else None, context length)
+    decode_runs: list[tuple[int | None, int]] = field(default_factory=list)
     derived: dict = field(default_factory=dict)   # per-step tensors a backend builds in its first layer
 
 
@@ -80,6 +84,7 @@ def sdpa(q, k, v, **kw) -> torch.Tensor:
 class TorchAttention:
     name = "torch-sdpa"
     graphable = False                # decode shapes follow the longest context: no fixed shape to capture
+    batch_below = 128                # decodes whose longest context is shorter share one gathered SDPA call
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         # q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim)
@@ -104,7 +109,13 @@ class TorchAttention:
         return out
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Gathering every decode's blocks copies its whole context in every layer, padded to the longest:
+        at 512 tokens that costs more than the attention itself. Past `batch_below` tokens, each sequence
+        reads a view of the cache instead (its blocks are contiguous when allocated together, as a
+        prompt's are) or, where they are not, a gather of its own blocks only."""
         nd, bs = meta.num_decodes, k_cache.shape[1]
+        if meta.decode_runs and meta.decode_blocks * bs >= self.batch_below:
+            return self.decode_each(q, k_cache, v_cache, meta)
         tables = meta.block_tables[:nd, :meta.decode_blocks]
         if "decode_mask" not in meta.derived:   # (nd, 1, 1, decode_blocks * block_size), shared by all layers
             ctx = meta.context_lens[:nd]
@@ -114,6 +125,16 @@ class TorchAttention:
         kc = k_cache[tables].flatten(1, 2).transpose(1, 2)
         vc = v_cache[tables].flatten(1, 2).transpose(1, 2)
         return sdpa(q.unsqueeze(2), kc, vc, attn_mask=meta.derived["decode_mask"]).squeeze(2)
+
+    def decode_each(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for i, (first, ctx) in enumerate(meta.decode_runs):
+            n = -(-ctx // k_cache.shape[1])
+            blocks = slice(first, first + n) if first is not None else meta.block_tables[i, :n]   # a view, or a copy
+            kc = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)[None]   # (1, kv_heads, ctx, head_dim)
+            vc = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)[None]
+            out[i] = sdpa(q[i, :, None][None], kc, vc)[0, :, 0]
+        return out
 
 
 class TritonAttention(TorchAttention):

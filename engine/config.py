@@ -10,7 +10,8 @@ from dataclasses import dataclass
 POLICIES = ("static", "continuous", "chunked")
 BACKENDS = ("auto", "torch", "triton", "flash_attn")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",   # accepted name -> torch dtype name
-          "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}
+          "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+          "int8": "float32"}      # CPU: int8 linears (engine/quant.py), fp32 activations and KV cache
 
 
 @dataclass

@@ -23,8 +23,8 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
-from engine.loader import resolve_model
-from engine.model_runner import ModelRunner, check_architecture, load_safetensors
+from engine.loader import check_architecture, resolve_model
+from engine.model_runner import ModelRunner
 from engine.prompts import eos_ids, tokenize
 from engine.records import KVState, PolicyEvent, Record, RequestEvent, StepItem, StepRecord, StepTiming
 from engine.sampling_params import SamplingParams
@@ -50,7 +50,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         max_len = min(config.max_model_len or hf_config.max_position_embeddings, hf_config.max_position_embeddings)
-        self.runner = ModelRunner(config, hf_config, load_safetensors(folder), max_len)
+        self.runner = ModelRunner(config, hf_config, folder, max_len)
         # a sequence must fit in the cache on its own, or it could never be scheduled
         self.max_model_len = min(max_len, self.runner.num_blocks * config.block_size)
         self.vocab_size = hf_config.vocab_size

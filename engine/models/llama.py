@@ -28,14 +28,14 @@ SUPPORTED_ARCHITECTURES = {
 class FuseOnCuda:
     """A chain of elementwise ops that torch.compile fuses into one kernel when it runs on CUDA. A
     decode step is ~45 tiny kernels per layer written op by op, so launches, not bytes moved, would
-    set its time. On CPU: the plain function, unchanged. enforce_eager turns compiling off."""
-    enabled = True
+    set its time. On CPU, or when `enabled` is off (enforce_eager): the plain function. Each model
+    holds its own instances (FusedOps), so two engines in one process do not share the switch."""
 
-    def __init__(self, fn):
-        self.fn, self.compiled = fn, None
+    def __init__(self, fn, enabled: bool = True):
+        self.fn, self.enabled, self.compiled = fn, enabled, None
 
     def __call__(self, x, *args):
-        if not (x.is_cuda and FuseOnCuda.enabled):
+        if not (x.is_cuda and self.enabled):
             return self.fn(x, *args)
         if self.compiled is None:           # first call: compile, or stay unfused where that fails
             try:
@@ -47,48 +47,52 @@ class FuseOnCuda:
         return self.compiled(x, *args)
 
 
-@FuseOnCuda
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # computed in fp32 like the reference implementation, so fp32 outputs match bit for bit
+    if x.dtype == torch.float32:        # one op, bit for bit the formula below
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # 16-bit: computed in fp32 and rounded before the weight, like the reference implementation
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(dtype)
 
 
-@FuseOnCuda
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """The residual add fused into the next norm: returns (norm(x + residual), x + residual)."""
     x = x + residual
-    return rms_norm.fn(x, weight, eps), x
+    return rms_norm(x, weight, eps), x
 
 
-@FuseOnCuda
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    # q: (num_tokens, heads, head_dim); k: (num_tokens, kv_heads, head_dim); cos, sin: (num_tokens, 1, head_dim)
-    def rope(x):
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-    return rope(q), rope(k)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (num_tokens, heads, head_dim), q's and k's heads together; cos, sin: (num_tokens, 1, head_dim),
+    sin with its first half negated, so rotate_half(x) * sin is roll(x) * sin: four ops, not seven."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
-@FuseOnCuda
 def silu_and_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     gate, up = gate_up.split(inter, dim=-1)
     return F.silu(gate) * up
 
 
+class FusedOps:
+    """One model's elementwise chains, each compiled on first use on CUDA unless `enabled` is off."""
+
+    def __init__(self, enabled: bool = True):
+        self.rms_norm, self.add_rms_norm = FuseOnCuda(rms_norm, enabled), FuseOnCuda(add_rms_norm, enabled)
+        self.apply_rope, self.silu_and_mul = FuseOnCuda(apply_rope, enabled), FuseOnCuda(silu_and_mul, enabled)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: FusedOps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.ops = eps, ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_rms_norm(x, residual, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def head_dim_of(cfg) -> int:
@@ -96,8 +100,9 @@ def head_dim_of(cfg) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, layer_idx: int, backend):
+    def __init__(self, cfg, layer_idx: int, backend, ops: FusedOps):
         super().__init__()
+        self.ops = ops
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = head_dim_of(cfg)
@@ -108,42 +113,43 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias and cfg.model_type != "qwen2")
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
         self.layer_idx = layer_idx
         self.backend = backend
         self.k_cache = self.v_cache = torch.empty(0)   # views into the runner's cache, set after start-up
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)       # (num_tokens, heads, head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)    # (num_tokens, kv_heads, head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        h, kvh = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(-1, h + 2 * kvh, self.head_dim)   # (num_tokens, heads + 2 kv_heads, head_dim)
+        qk, v = qkv[:, :h + kvh], qkv[:, h + kvh:]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        qk = self.ops.apply_rope(qk, cos, sin)              # q's and k's heads in one go
+        q, k = qk[:, :h], qk[:, h:]                          # (num_tokens, heads | kv_heads, head_dim)
         o = self.backend(q, k, v, self.k_cache, self.v_cache, get_metadata())
         return self.o_proj(o.flatten(1))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, ops: FusedOps):
         super().__init__()
+        self.ops = ops
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate, up fused
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.inter))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x), self.inter))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int, backend):
+    def __init__(self, cfg, layer_idx: int, backend, ops: FusedOps):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, layer_idx, backend, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, ops)
 
     def forward(self, x, residual, cos, sin):
         """x: the previous layer's output; residual: the stream it adds to (None in the first layer).
@@ -161,12 +167,14 @@ class LlamaForCausalLM(nn.Module):
     packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg, backend):
+    def __init__(self, cfg, backend, compile_on_cuda: bool = True):
         super().__init__()
         self.cfg = cfg
+        ops = FusedOps(compile_on_cuda)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, ops) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.int8_head = None        # engine.quant sets it for dtype="int8"
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -182,9 +190,11 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin)
         return self.norm.add_forward(x, residual)[0]
 
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.int8_head(hidden) if self.int8_head is not None else F.linear(hidden, self.head_weight())
 
     def load_checkpoint(self, tensors):
         """tensors: iterable of (checkpoint name, tensor) in Hugging Face naming."""

