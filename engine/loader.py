@@ -183,7 +183,7 @@ def load_model(folder: Path, hf_config, dtype: str, device: torch.device, backen
         raise ValueError("dtype='int8' runs on CPUs whose torch has the fbgemm int8 kernels (x86); "
                          f"here: device {device.type}, engines {torch.backends.quantized.supported_engines}")
     with torch.device("meta"):            # no time spent initialising weights we overwrite
-        model = LlamaForCausalLM(hf_config, backend, compile_on_cuda).to(DTYPES[dtype])
+        model = LlamaForCausalLM(hf_config, backend, compile_on_cuda).to(getattr(torch, DTYPES[dtype]))
     model.to_empty(device=device)
     model.load_checkpoint(load_safetensors(folder))
     model.eval().requires_grad_(False)
