@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from app.arrival_log import ArrivalLog
 from app.broadcast import Broadcaster, RecordRing
 from app.config import ServerConfig, check_step_delay
 from app.request_stream import Delta, QueueFull, RequestStream, ServiceUnavailable, collect_deltas, deliver
@@ -44,6 +45,8 @@ class EngineService:
         self.broadcaster = Broadcaster(self.ring, self.config.ws_buffer, self.config.max_ws_subscribers)
         self.broadcaster.describe = self.describe
         self.limiter = RateLimiter(self.config.rate_limit_per_minute, self.config.rate_limit_burst)
+        self.arrival_log = ArrivalLog()               # private: token ids for the what-if replay (app/whatif.py)
+        self.whatif = None                            # the WhatIfJob in progress, stepped between live steps
         # ---- filled in by the engine thread when the model is loaded; read-only afterwards ----
         self.model_name = self.device = self.dtype = None
         self.max_model_len = 0
@@ -134,8 +137,10 @@ class EngineService:
                 raise QueueFull(f"{self.config.max_waiting} requests are already waiting; try again shortly",
                                 self.config.retry_after_s)
             rid = self.engine.add_request(prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
-                                          params=params, label=label)
+                                          params=ArrivalLog.seeded(params or SamplingParams()), label=label)
             seq = self.engine.get_request(rid)
+            self.arrival_log.arrived(rid, seq.label, seq.arrival_time, self.engine.step_index,
+                                     seq.prompt_token_ids, seq.params)
             stream.id, stream.label, stream.prompt_tokens = rid, seq.label, seq.prompt_len
             self._streams[rid] = stream
             return stream
@@ -258,14 +263,26 @@ class EngineService:
         if self._stopping:
             return
         if not self.engine.has_unfinished():
-            self._wake.wait()               # idle: sleep until a command arrives
+            if not self._whatif_slice():
+                self._wake.wait()           # idle: sleep until a command arrives
+            elif self.whatif is not None and self.whatif.loading:
+                self._wake.wait(0.02)       # its engine loads on a helper thread: do not spin meanwhile
             return
         record = self.engine.step()
         self._push_deltas()
+        self._whatif_slice()                # one replay step per live step (app/whatif.py)
         if record is not None and not record["items"]:
             self._sleep(0.01)               # nothing could be scheduled this time: do not spin
         if self.step_delay > 0:
             self._sleep(self.step_delay)
+
+    def _whatif_slice(self) -> bool:
+        """One step of a what-if replay, if one is running. False when there was nothing to do."""
+        job = self.whatif
+        if job is None or not job.slice():
+            self.whatif = None
+            return False
+        return True
 
     def _sleep(self, seconds: float):
         """Pause between steps, still running commands (aborts, policy changes) as they come."""
@@ -284,7 +301,8 @@ class EngineService:
         return ran
 
     def _on_record(self, obj: dict):
-        """Engine listener, on the engine thread: O(1)."""
+        """Engine listener, on the engine thread: O(items)."""
+        self.arrival_log.observe(obj)
         if obj.get("type") == "policy":
             self.settings = {k: obj[k] for k in self.settings}
             obj["step_delay"] = self.step_delay     # the slow-motion setting travels with the others

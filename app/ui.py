@@ -29,7 +29,7 @@ from app.scenarios import SCENARIOS, get_scenario, load_text
 from engine import SamplingParams
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
-SCRIPTS = ["record.js", "i18n.js", "palette.js", "socket.js", "gantt.js", "controls.js", "metrics.js", "main.js"]
+SCRIPTS = ["record.js", "i18n.js", "palette.js", "socket.js", "gantt.js", "controls.js", "metrics.js", "main.js", "whatif.js"]
 STATIC_URL = "/static/batchscope"     # Gradio serves its own assets under /static/js, /static/fonts, ...
 MAX_PANELS = len(USERS)
 LESSONS = [("static", "static-vs-continuous"), ("continuous", "long-prompt-interrupts"),
@@ -208,6 +208,7 @@ def build_ui(service, **options) -> gr.Blocks:
 
         # ---- the stage: controls, chart, metrics (static/) ----
         gr.HTML((STATIC / "stage.html").read_text(), js_on_load=None, elem_id="bs-stage")
+        gr.HTML((STATIC / "whatif.html").read_text(), js_on_load=None, elem_id="bs-whatif")   # presenter: replay
 
         # ---- chat panels ----
         with gr.Row():
