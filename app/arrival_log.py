@@ -70,7 +70,8 @@ class ArrivalLog:
         """Every record the live engine publishes (O(items))."""
         kind = obj.get("type")
         with self._lock:
-            if not self._arrivals or self.full or kind not in ("step", "request"):
+            # a request's "arrived" event comes before `arrived` is called for it: events are kept from the start
+            if self.full or kind not in ("step", "request") or (kind == "step" and not self._arrivals):
                 return
             if kind == "step":
                 if self._steps >= self.max_steps:
