@@ -242,3 +242,20 @@ def test_live_session_replays_like_demos_compare_and_stays_private(live_server, 
     assert {e["pid"] for e in chrome["traceEvents"]} == {1, 2}
     saved = http.get("/api/whatif/log", headers=key).json()
     assert to_scenario(from_saved(saved)).arrivals[2].label == "Dan"
+
+
+def test_compare_reads_a_saved_log_with_the_live_budgets(tmp_path):
+    from demos.compare import saved_session
+    doc = {"type": "arrival_log", "version": 1, "model": "m", "device": "cpu", "dtype": "float32",
+           "settings": {"policy": "continuous", "max_num_batched_tokens": 64, "max_num_seqs": 8},
+           "arrivals": [{"req": "r1", "label": "Dan", "t": 0.5, "step": 4, "prompt_token_ids": [9, 8],
+                         "params": SamplingParams(max_tokens=20).__dict__, "output_tokens": 6}],
+           "records": [event("arrived", "r1", 0.5), step(4, [("r1", "prefill")])]}
+    (tmp_path / "saved.json").write_text(json.dumps(doc))
+    scenario, actual = saved_session(str(tmp_path / "saved.json"))
+    assert scenario.engine == {"max_num_batched_tokens": 64, "max_num_seqs": 8}
+    assert [(a.at, a.label, a.max_tokens, a.prompt_token_ids) for a in scenario.arrivals] == [(0, "Dan", 6, (9, 8))]
+    assert actual.meta["policy"] == "continuous" and len(actual.stream) == 2
+    (tmp_path / "viewer.json").write_text(json.dumps({"records": []}))
+    with pytest.raises(SystemExit, match="not an arrival log"):
+        saved_session(str(tmp_path / "viewer.json"))
