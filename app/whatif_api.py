@@ -63,7 +63,7 @@ def router(service) -> APIRouter:
             logged, records, left_out = service.arrival_log.window(since)
             scenario = to_scenario(logged)
         except WhatIfError as e:
-            raise APIError(400, str(e), param="settings" if "settings" in str(e) else None) from None
+            raise APIError(400, str(e)) from None
         cost = busy_seconds(records) * len(settings)
         if cost > TIME_LIMIT_S:
             raise APIError(400, f"replaying {len(logged)} requests ({busy_seconds(records):.0f} s of engine time) "
