@@ -30,11 +30,14 @@ log = logging.getLogger("batchscope.server")
 
 class EngineLoop:
     def __init__(self, engine_config: EngineConfig, broadcaster: Broadcaster, step_delay: float,
-                 on_load: Callable[[LLMEngine], None], on_record: Callable[[dict], None]):
+                 on_load: Callable[[LLMEngine], None], on_record: Callable[[dict], None],
+                 between_steps: Callable[[], float | None] = lambda: None):
         """on_load(engine) and on_record(record) run on the engine thread: once when the model is
-        loaded, and for every record the engine emits (before viewers see it)."""
+        loaded, and for every record the engine emits (before viewers see it). between_steps() runs
+        side work (a what-if replay's step) after every live step and, while the engine is idle, over
+        and over: it returns None when it had nothing to do, else seconds to wait before the next call."""
         self.engine_config, self.broadcaster = engine_config, broadcaster
-        self.on_load, self.on_record = on_load, on_record
+        self.on_load, self.on_record, self.between_steps = on_load, on_record, between_steps
         self.step_delay = step_delay            # seconds of pause after each step; set on the engine thread
         self.engine: LLMEngine | None = None    # engine thread only, once loaded
         self.streams: dict[str, RequestStream] = {}   # live requests that somebody is reading
@@ -74,6 +77,10 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def wake(self):
+        """Make an idle engine thread look for work (side work included)."""
+        self._wake.set()
 
     def post(self, command: Callable[[], None]):
         self._commands.append(command)          # deque.append is atomic: no lock needed
@@ -154,10 +161,15 @@ class EngineLoop:
         if self.stopping:
             return
         if not self.engine.has_unfinished():
-            self._wake.wait()                   # idle: sleep until a command arrives
+            pause = self.between_steps()
+            if pause is None:
+                self._wake.wait()               # idle: sleep until a command arrives
+            elif pause > 0:
+                self._wake.wait(pause)
             return
         record = self.engine.step()
         self._push_deltas()
+        self.between_steps()                    # side work takes one step per live step
         if record is not None and not record["items"]:
             self._sleep(0.01)                   # nothing could be scheduled this time: do not spin
         if self.step_delay > 0:

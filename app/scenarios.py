@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -48,13 +50,16 @@ class Arrival:
     label: str                         # who sends it: the name the chart shows
     max_tokens: int                    # reply length (ignore_eos: always exactly this many)
     prompt: str | None = None          # a plain prompt, or
-    messages: tuple[dict, ...] | None = None   # a chat history (the model's chat template applies)
+    messages: tuple[dict, ...] | None = None   # a chat history (the model's chat template applies), or
+    prompt_token_ids: tuple[int, ...] | None = None   # token ids (a replayed live request, app/whatif.py)
     temperature: float = 0.0           # 0 = greedy
     seed: int | None = None            # sampling seed when temperature > 0
+    top_k: int = 0                     # 0 = off
+    top_p: float = 1.0                 # 1 = off
 
     def __post_init__(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError(f"arrival {self.label!r}: give exactly one of prompt or messages")
+        if sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)) != 1:
+            raise ValueError(f"arrival {self.label!r}: give exactly one of prompt, messages or prompt_token_ids")
         if self.at < 0 or self.max_tokens < 1:
             raise ValueError(f"arrival {self.label!r}: at must be >= 0 and max_tokens >= 1")
 
@@ -62,12 +67,14 @@ class Arrival:
         """Keyword arguments for LLMEngine.add_request (params excluded)."""
         if self.prompt is not None:
             return {"prompt": self.prompt}
+        if self.prompt_token_ids is not None:
+            return {"prompt_token_ids": list(self.prompt_token_ids)}
         return {"messages": [dict(m) for m in self.messages]}
 
     def params(self) -> SamplingParams:
         """ignore_eos: a scenario's replies always have exactly max_tokens tokens."""
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, seed=self.seed,
-                              ignore_eos=True)
+                              top_k=self.top_k, top_p=self.top_p, ignore_eos=True)
 
 
 @dataclass(frozen=True)
@@ -245,3 +252,73 @@ class Replay:
         """The step count to use when the engine is idle: the next step arrival's, if later."""
         return max(steps_done, math.ceil(self.next_at)) if self.pending else steps_done
 
+
+
+def play(engine, scenario: Scenario, on_add: Callable[[int, str], None] | None = None,
+         max_steps: int = 1_000_000) -> Iterator[int]:
+    """Feed the scenario's arrivals to `engine` and step it until every request has ended.
+
+    A generator: it yields the number of steps done after each engine step, so
+    a caller may interleave it with other work (app/whatif.py runs it between
+    the live engine's steps). "step" arrivals join just before the step of
+    that index and an idle engine skips ahead to the next one; "wall" arrivals
+    join at the first step boundary after their time, and an idle engine
+    sleeps until then. on_add(index in scenario.arrivals, request id).
+    """
+    replay, ids = Replay(scenario), []
+    t0, steps_done = time.perf_counter(), 0
+    while steps_done < max_steps:
+        for i, a in replay.due(steps_done, time.perf_counter() - t0):
+            ids.append(rid := engine.add_request(**a.request_kwargs(), params=a.params(), label=a.label))
+            if on_add:
+                on_add(i, rid)
+        if engine.step() is not None:
+            steps_done += 1
+            yield steps_done
+        elif replay.done:
+            if all(engine.get_request(r).is_finished for r in ids):
+                return
+        elif scenario.clock == "step":                # idle: skip ahead to the next arrival
+            steps_done = replay.skip_idle(steps_done)
+        else:
+            time.sleep(max(0.0, replay.next_at - (time.perf_counter() - t0)))
+    raise RuntimeError(f"scenario {scenario.name!r} did not finish in {max_steps} steps")
+
+
+def longest_prompt(engine, scenario: Scenario) -> int:
+    return max(len(engine.tokenize(**a.request_kwargs())) for a in scenario.arrivals)
+
+
+def warm_up_steps(engine, tokens: int | None = None) -> Iterator[None]:
+    """One throwaway request (a prompt of `tokens`, default the token budget, then a few decodes),
+    yielding after each step.
+
+    The first passes of a fresh engine pay one-off costs (allocator growth,
+    kernel selection) that would otherwise land on whichever request comes
+    first; a prompt as long as the scenario's longest warms the same shapes.
+    """
+    n = min(max(tokens or 0, engine.scheduler.token_budget), engine.max_model_len - 8)
+    ids = [(7919 * i + 13) % engine.vocab_size for i in range(n)]   # no real text: never a prefix-cache hit
+    rid = engine.add_request(prompt_token_ids=ids, params=SamplingParams(max_tokens=4, ignore_eos=True),
+                             label="warm-up")
+    while not engine.get_request(rid).is_finished:
+        engine.step()
+        yield
+
+
+def warm_up(engine, tokens: int | None = None):
+    for _ in warm_up_steps(engine, tokens):
+        pass
+
+
+def engine_meta(engine, scenario: Scenario | None = None) -> dict:
+    """The header of a trace: what produced it."""
+    s = engine.stats()
+    meta = {"type": "trace", "version": 1, "model": s["model"], "device": s["device"], "dtype": s["dtype"],
+            "attention_backend": s["attention_backend"], "policy": s["policy"],
+            "max_num_batched_tokens": s["max_num_batched_tokens"], "max_num_seqs": s["max_num_seqs"],
+            "max_prefill_chunk": s["max_prefill_chunk"], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if scenario is not None:
+        meta.update(scenario=scenario.name, clock=scenario.clock,
+                    arrivals=[{"at": a.at, "label": a.label, "max_tokens": a.max_tokens} for a in scenario.arrivals])
+    return meta

@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
 
-from app import openai_api
+from app import openai_api, whatif_api
 from app.broadcast import Entry, Subscription, TooManySubscribers
 from app.errors import APIError, from_validation, read_json
 from app.service import EngineService, ServiceUnavailable
@@ -56,6 +56,7 @@ def create_app(service: EngineService, manage_service: bool = True) -> FastAPI:
     cfg = service.config
     _add_error_handlers(app)
     app.include_router(openai_api.router(service))
+    app.include_router(whatif_api.router(service))     # presenter only: replays the arrival log
 
     @app.get("/healthz")
     async def healthz():

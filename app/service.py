@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from app.arrival_log import ArrivalLog
 from app.broadcast import Broadcaster, RecordRing
 from app.config import ServerConfig, check_step_delay
 from app.engine_loop import EngineLoop
@@ -37,8 +38,11 @@ class EngineService:
         self.broadcaster.describe = self.describe
         self.limiter = RateLimiter(self.config.rate_limit_per_minute, self.config.rate_limit_burst)
         self.metrics = Metrics()
+        self.arrival_log = ArrivalLog()         # private: token ids for the what-if replay (app/whatif.py)
+        self.whatif = None                      # the WhatIfJob in progress, stepped between live steps
         self.loop = EngineLoop(self.engine_config, self.broadcaster, self.config.step_delay,
-                               on_load=self._on_load, on_record=self._on_record)
+                               on_load=self._on_load, on_record=self._on_record,
+                               between_steps=self._whatif_slice)
         # ---- filled in by the engine thread when the model is loaded; read-only afterwards ----
         self.model_name = self.device = self.dtype = None
         self.max_model_len = 0
@@ -118,8 +122,12 @@ class EngineService:
             if self.engine.stats()["waiting"] >= self.config.max_waiting:
                 raise QueueFull(f"{self.config.max_waiting} requests are already waiting; try again shortly",
                                 self.config.retry_after_s)
-            return self.loop.add(stream, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
-                                 params=params, label=label)
+            self.loop.add(stream, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
+                          params=ArrivalLog.seeded(params or SamplingParams()), label=label)
+            seq = self.engine.get_request(stream.id)
+            self.arrival_log.arrived(stream.id, seq.label, seq.arrival_time, self.engine.step_index,
+                                     seq.prompt_token_ids, seq.params)
+            return stream
         try:
             return await self.loop.call(add)
         except asyncio.CancelledError:
@@ -179,8 +187,17 @@ class EngineService:
         self.settings = engine.settings()
         self.metrics.attach(engine, self.model_name)
 
+    def _whatif_slice(self) -> float | None:
+        """One step of a what-if replay, if one is running (engine thread). None when there is none."""
+        job = self.whatif
+        if job is None or not job.slice():
+            self.whatif = None
+            return None
+        return 0.02 if job.loading else 0.0     # its engine loads on a helper thread: do not spin meanwhile
+
     def _on_record(self, obj: dict):
-        """Engine listener, on the engine thread: O(1)."""
+        """Engine listener, on the engine thread: O(items)."""
+        self.arrival_log.observe(obj)
         if obj.get("type") == "policy":
             self.settings = {k: obj[k] for k in self.settings}
             obj["step_delay"] = self.loop.step_delay    # the slow-motion setting travels with the others

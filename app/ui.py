@@ -33,7 +33,7 @@ from engine import SamplingParams
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 SCRIPTS = ["record.js", "i18n.js", "palette.js", "socket.js", "layout.js", "draw.js", "interact.js", "controls.js",
-           "metrics.js", "room.js", "main.js"]
+           "metrics.js", "room.js", "main.js", "whatif.js"]
 STATIC_URL = "/static/batchscope"     # Gradio serves its own assets under /static/js, /static/fonts, ...
 MAX_PANELS = len(USERS)
 LESSONS = [("static", "static-vs-continuous"), ("continuous", "long-prompt-interrupts"),
@@ -218,6 +218,7 @@ def build_ui(service, **options) -> gr.Blocks:
 
         # ---- the stage: controls, chart, metrics (static/) ----
         gr.HTML(stage_html(), js_on_load=None, elem_id="bs-stage")
+        gr.HTML((STATIC / "whatif.html").read_text(), js_on_load=None, elem_id="bs-whatif")   # presenter: replay
 
         # ---- chat panels ----
         with gr.Row():

@@ -2,6 +2,12 @@
 
     python -m demos.compare --scenario long-prompt-interrupts \\
         --policies static,continuous,chunked --out out/report.html --json out/metrics.json
+    python -m demos.compare --trace saved.json --policies static,chunked    # a live session, replayed
+
+--trace takes an arrival log saved from the server (GET /api/whatif/log, presenter
+key): the class's own requests, replayed at the steps they arrived under each
+policy, as the server's what-if replay does (app/whatif.py); the report also
+shows what actually happened live.
 
 Writes a self-contained HTML report (demos/report.py) and a JSON file with, per
 policy, the numbers of engine.metrics.summarize (ttft_p50_s, ttft_p99_s,
@@ -27,7 +33,9 @@ from demos import trace
 from engine import metrics
 from demos.report import fmt, write_report
 from demos.runner import Run, longest_prompt, run_scenario, warm_up
+from app.arrival_log import from_saved
 from app.scenarios import SCENARIOS, Scenario, get_scenario
+from app.whatif import Replayed, to_scenario
 from engine import EngineConfig, LLMEngine
 
 
@@ -177,6 +185,23 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def saved_session(path: str) -> tuple[Scenario, Replayed]:
+    """A saved arrival log -> (its arrivals as a step-clock scenario under the live budgets, the live run)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        logged = from_saved(doc)
+    except (OSError, json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--trace {path}: {e}") from None
+    live = doc.get("settings", {})
+    budgets = {k: live[k] for k in ("max_num_batched_tokens", "max_num_seqs") if live.get(k)}
+    scenario = to_scenario(logged, name=f"live session ({Path(path).name})")
+    scenario = Scenario(scenario.name, scenario.description, scenario.arrivals, engine=budgets)
+    meta = {"model": doc.get("model"), "dtype": doc.get("dtype"), "device": doc.get("device"),
+            "created": doc.get("created", ""), **{k: live.get(k) for k in
+                                                   ("policy", "max_num_batched_tokens", "max_num_seqs")}}
+    return scenario, Replayed(meta, doc.get("records", []))
+
+
 def parse_params(items: list[str]) -> dict:
     """--param k=v pairs for the scenario factory; numbers become numbers."""
     out = {}
@@ -196,7 +221,9 @@ def parse_params(items: list[str]) -> dict:
 
 def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(prog="python -m demos.compare", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenario", required=True, choices=list(SCENARIOS))
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--scenario", choices=list(SCENARIOS))
+    src.add_argument("--trace", default=None, help="an arrival log saved from the server (GET /api/whatif/log)")
     ap.add_argument("--policies", default="static,continuous,chunked")
     ap.add_argument("--out", default="out/report.html", help="HTML report")
     ap.add_argument("--json", default=None, help="metrics JSON")
@@ -218,7 +245,11 @@ def main(argv: list[str] | None = None):
         import torch
         torch.set_num_threads(args.threads)
 
-    scenario = get_scenario(args.scenario, **parse_params(args.param))
+    actual = None
+    if args.trace:
+        scenario, actual = saved_session(args.trace)
+    else:
+        scenario = get_scenario(args.scenario, **parse_params(args.param))
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     kw = {k: v for k, v in dict(model=args.model, dtype=args.dtype, device=args.device,
                                 max_num_batched_tokens=args.max_num_batched_tokens,
@@ -231,10 +262,14 @@ def main(argv: list[str] | None = None):
     r = ratios(summaries)
     if r:
         print("chunked vs continuous: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items() if v is not None))
+    meta = next(iter(runs.values())).meta
+    if actual is not None:                  # what happened live, first
+        runs = {f"actual ({actual.meta['policy']})": actual, **runs}
+        live_reqs = {e["req"] for e in metrics.events(actual.stream, "arrived")}   # not earlier requests in flight
+        summaries = {next(iter(runs)): metrics.summarize(actual.stream, live_reqs), **summaries}
     path = write_report(args.out, scenario, runs, summaries, repeats=args.repeats)
     print(f"wrote {path}")
     if args.json:
-        meta = next(iter(runs.values())).meta
         doc = {"scenario": scenario.name, "params": parse_params(args.param), "model": meta["model"],
                "dtype": meta["dtype"], "device": meta["device"], "machine": machine(),
                "engine": {k: meta[k] for k in ("max_num_batched_tokens", "max_num_seqs", "attention_backend")},

@@ -21,8 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from app.scenarios import Replay, Scenario
-from engine import SamplingParams
+from app.scenarios import Replay, Scenario, engine_meta, longest_prompt, play, warm_up  # noqa: F401  (re-exported)
 
 
 class Feeder:
@@ -68,65 +67,26 @@ class Run:
 
 def run_scenario(engine, scenario: Scenario, on_record: Callable[[dict], None] | None = None,
                  max_steps: int = 1_000_000) -> Run:
-    """Replay the scenario until all its requests have finished; return the stream it produced."""
+    """Replay the scenario until all its requests have finished; return the stream it produced.
+    The loop is app.scenarios.play, the same one the what-if replay steps through."""
     run = Run(scenario, engine_meta(engine, scenario))
+    ids: list[str | None] = [None] * len(scenario.arrivals)
 
     def listen(obj: dict):
         run.stream.append(obj)
         if on_record:
             on_record(obj)
 
-    feeder = Feeder(scenario, engine)
+    def added(i: int, rid: str):
+        ids[i] = rid
+
     engine.subscribe(listen)
-    t0, steps_done = time.perf_counter(), 0
+    t0 = time.perf_counter()
     try:
-        while steps_done < max_steps:
-            feeder.poll(steps_done, time.perf_counter() - t0)
-            if engine.step() is not None:
-                steps_done += 1
-            elif feeder.done:
-                if all(r is None or engine.get_request(r).is_finished for r in feeder.request_ids):
-                    break
-            elif scenario.clock == "step":                # idle: skip ahead to the next arrival
-                steps_done = feeder.replay.skip_idle(steps_done)
-            else:
-                time.sleep(max(0.0, feeder.next_at - (time.perf_counter() - t0)))
-        else:
-            raise RuntimeError(f"scenario {scenario.name!r} did not finish in {max_steps} steps")
+        for _ in play(engine, scenario, on_add=added, max_steps=max_steps):
+            pass
     finally:
         engine.unsubscribe(listen)
-    run.request_ids = list(feeder.request_ids)
+    run.request_ids = ids
     run.wall_s = time.perf_counter() - t0
     return run
-
-
-def engine_meta(engine, scenario: Scenario | None = None) -> dict:
-    """The header of a trace: what produced it."""
-    s = engine.stats()
-    meta = {"type": "trace", "version": 1, "model": s["model"], "device": s["device"], "dtype": s["dtype"],
-            "attention_backend": s["attention_backend"], "policy": s["policy"],
-            "max_num_batched_tokens": s["max_num_batched_tokens"], "max_num_seqs": s["max_num_seqs"],
-            "max_prefill_chunk": s["max_prefill_chunk"], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    if scenario is not None:
-        meta.update(scenario=scenario.name, clock=scenario.clock,
-                    arrivals=[{"at": a.at, "label": a.label, "max_tokens": a.max_tokens} for a in scenario.arrivals])
-    return meta
-
-
-def longest_prompt(engine, scenario: Scenario) -> int:
-    return max(len(engine.tokenize(**a.request_kwargs())) for a in scenario.arrivals)
-
-
-def warm_up(engine, tokens: int | None = None):
-    """Run one throwaway request (a prompt of `tokens`, default the token budget, then a few decodes).
-
-    The first passes of a fresh process pay one-off costs (allocator growth,
-    kernel selection) that would otherwise land on whichever request comes
-    first; a prompt as long as the scenario's longest warms the same shapes.
-    """
-    n = min(max(tokens or 0, engine.scheduler.token_budget), engine.max_model_len - 8)
-    ids = [(7919 * i + 13) % engine.vocab_size for i in range(n)]   # no real text: never a prefix-cache hit
-    rid = engine.add_request(prompt_token_ids=ids, params=SamplingParams(max_tokens=4, ignore_eos=True),
-                             label="warm-up")
-    while not engine.get_request(rid).is_finished:
-        engine.step()

@@ -38,6 +38,7 @@ trace and a GPU run give the same numbers.
     metrics.summarize(stream, reqs={"r0", "r1"}) # latencies of some requests only
     metrics.stretches(stream)                    # the page's metrics table, one dict per column
     metrics.tbts(stream)["r0"]                   # [s, s, ...]
+    metrics.user_rows(stream)                    # one row per label: the what-if table
 """
 from __future__ import annotations
 
@@ -217,6 +218,29 @@ def focus_summary(stream: Iterable[dict], focus_req: str) -> dict:
             "tbt_p50_s": s["tbt_p50_s"], "tbt_p99_s": s["tbt_p99_s"],
             "tbt_max_s": s["tbt_max_s"], "stall_count": s["stall_count"], "stall_max_s": s["stall_max_s"],
             "focus_ttft_s": ttfts(stream).get(focus_req)}
+
+
+def user_rows(stream: Iterable[dict], reqs: Iterable[str] | None = None) -> list[dict]:
+    """One row per label (a chat panel's user, an OpenAI `user`), in order of first arrival: the
+    what-if table. A label with several requests gets its worst TTFT, the p99 of all its TBTs and
+    its longest stall (0.0 with none; None when it never had a second token)."""
+    stream = list(stream)
+    keep = set(reqs) if reqs is not None else None
+    names, arr, toks = labels(stream), arrivals(stream), tokens(stream)
+    order = sorted((r for r in names if keep is None or r in keep), key=lambda r: arr.get(r, math.inf))
+    by_label: dict[str, list[str]] = {}
+    for req in order:
+        by_label.setdefault(names[req], []).append(req)
+    rows = []
+    for label, rs in by_label.items():
+        mine = [tk for r in rs for tk in toks.get(r, [])]
+        tbt = [tk.gap for tk in mine if tk.gap is not None]
+        ttft = [toks[r][0].t - arr[r] for r in rs if toks.get(r) and r in arr]
+        rows.append({"label": label, "requests": len(rs), "ttft_s": max(ttft, default=None),
+                     "tbt_p99_s": percentile(tbt, 99),
+                     "longest_stall_s": max((tk.gap for tk in mine if tk.stalled), default=0.0) if tbt else None,
+                     "output_tokens": len(mine)})
+    return rows
 
 
 # ---- per-setting stretches: the page's metrics table ----

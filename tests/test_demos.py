@@ -258,7 +258,7 @@ def test_app_does_not_import_demos_and_metrics_need_no_torch():
     import subprocess
     import sys
     root = Path(__file__).resolve().parent.parent
-    code = ("import sys; import app, app.ui, app.scenarios, app.trace, app.ui_scenarios; "
+    code = ("import sys; import app, app.ui, app.scenarios, app.trace, app.ui_scenarios, app.whatif_api, app.report; "
             "bad = sorted(m for m in sys.modules if m == 'demos' or m.startswith('demos.')); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=300)
     # engine/metrics.py on its own (the package's __init__ loads the engine, and torch with it)

@@ -1,0 +1,212 @@
+// What-if panel: replay the class's own requests under other settings (POST /api/whatif, app/whatif.py).
+// Presenter only: every call carries the key from this tab's sessionStorage; the server refuses otherwise.
+// Draws one Gantt per run (actual first), all on one time axis that starts at the first arrival, and
+// the per-user table with the change from actual to each what-if ("Dan: longest stall 4.3 s -> 0.5 s").
+(function () {
+  const BS = (window.BS = window.BS || {});
+  const COLORS = { prefill: "#ff7f0e", decode: "#2ca02c", stall: "rgba(214,39,40,0.35)" };
+  const ROW = 16, LEFT = 70;
+  let root, polling = null;
+
+  const $ = (id) => root.querySelector("[data-testid=" + id + "]");
+  const url = (p) => (BS.url ? BS.url(p) : p);
+
+  function headers() {
+    let key = "";
+    try { key = sessionStorage.getItem("batchscope.key") || ""; } catch (e) { /* no storage */ }
+    return key ? { "X-Presenter-Key": key, "Content-Type": "application/json" } : { "Content-Type": "application/json" };
+  }
+
+  function say(text, bad) {
+    const el = $("whatif-status");
+    el.textContent = text;
+    el.dataset.bad = bad ? "1" : "";
+  }
+
+  async function call(method, path, body) {
+    const r = await fetch(url(path), { method, headers: headers(), body: body ? JSON.stringify(body) : undefined,
+                                        cache: "no-store" });
+    const data = (r.headers.get("content-type") || "").includes("json") ? await r.json() : await r.text();
+    if (!r.ok) throw new Error((data && data.error && data.error.message) || r.statusText);
+    return data;
+  }
+
+  function showLog(log) {
+    $("whatif-log").textContent = `log: ${log.requests} request(s), ${log.steps} step(s)` + (log.full ? " (full)" : "");
+  }
+
+  async function poll() {
+    try {
+      const s = await call("GET", "/api/whatif");
+      showLog(s.log);
+      const bar = $("whatif-progress");
+      if (s.running && s.progress) {
+        const p = s.progress;
+        bar.hidden = false;
+        bar.value = p.fraction;
+        say(`setting ${p.setting} of ${p.settings}: ${p.phase}, ${p.tokens} of ${p.tokens_total} tokens`);
+      }
+    } catch (e) {
+      say(e.message, true);
+    }
+  }
+
+  function settings() {
+    const budget = parseInt($("whatif-budget").value, 10);
+    return [...root.querySelectorAll("input[data-whatif-policy]:checked")].map((c) => {
+      const s = { policy: c.dataset.whatifPolicy };
+      if (budget > 0) s.max_num_batched_tokens = budget;
+      return s;
+    });
+  }
+
+  async function run() {
+    const chosen = settings();
+    if (!chosen.length) return say("tick at least one policy", true);
+    $("whatif-run").disabled = true;
+    $("whatif-progress").hidden = false;
+    $("whatif-progress").value = 0;
+    say("starting…");
+    polling = setInterval(poll, 500);
+    try {
+      const result = await call("POST", "/api/whatif", { settings: chosen, since_step: 0 });
+      const runs = (await call("GET", "/api/whatif/result?format=json")).runs;
+      draw(runs, result);
+      say(`replayed ${result.requests} request(s)` +
+          (result.left_out_running ? `; ${result.left_out_running} still running, left out` : ""));
+    } catch (e) {
+      say(e.message, true);
+    } finally {
+      clearInterval(polling);
+      $("whatif-run").disabled = false;
+      $("whatif-progress").hidden = true;
+      poll();
+    }
+  }
+
+  // ---- the Gantts: one per run, rows = users in arrival order, x = seconds since the first arrival ----
+  function startOf(records) {
+    const t = records.filter((r) => r.type === "request" && r.event === "arrived").map((r) => r.t);
+    const s = records.filter((r) => r.type === "step").map((r) => r.t_start);
+    return Math.min(...(t.length ? t : s));
+  }
+
+  function draw(runs, result) {
+    const box = $("whatif-gantts");
+    box.textContent = "";
+    const spans = runs.map((run) => {
+      const t0 = startOf(run.records);
+      const ends = run.records.filter((r) => r.type === "step").map((r) => r.t_end - t0);
+      return Math.max(0.001, ...ends);
+    });
+    const span = Math.max(...spans);
+    for (const run of runs) box.appendChild(gantt(run, span));
+    table(result);
+    $("whatif-downloads").hidden = false;
+  }
+
+  function gantt(run, span) {
+    const t0 = startOf(run.records), rows = [], names = {};
+    for (const r of run.records) {
+      if (r.type === "request" && r.event === "arrived" && !(r.req in names)) { names[r.req] = r.label; rows.push(r.req); }
+    }
+    const fig = document.createElement("figure");
+    fig.className = "bs-whatif-gantt";
+    fig.dataset.run = run.name;
+    const cap = document.createElement("figcaption");
+    cap.textContent = run.name;
+    const canvas = document.createElement("canvas");
+    const w = Math.max(300, root.clientWidth - 20), h = rows.length * ROW + 24;
+    const dpr = window.devicePixelRatio || 1;
+    canvas.width = w * dpr; canvas.height = h * dpr;
+    canvas.style.width = w + "px"; canvas.style.height = h + "px";
+    const g = canvas.getContext("2d");
+    g.scale(dpr, dpr);
+    const x = (t) => LEFT + ((t - t0) / span) * (w - LEFT - 10);
+    g.font = "11px system-ui, sans-serif";
+    g.fillStyle = "#333";
+    rows.forEach((req, i) => g.fillText(names[req], 4, i * ROW + 12));
+    const rowOf = Object.fromEntries(rows.map((r, i) => [r, i]));
+    for (const s of run.records) {
+      if (s.type !== "step") continue;
+      for (const req of s.stalled || []) {
+        if (!(req in rowOf)) continue;
+        g.fillStyle = COLORS.stall;
+        g.fillRect(x(s.t_start), rowOf[req] * ROW + 2, Math.max(1, x(s.t_end) - x(s.t_start)), ROW - 4);
+      }
+      for (const it of s.items) {
+        if (!(it.req in rowOf)) continue;
+        g.fillStyle = COLORS[it.kind] || "#999";
+        g.fillRect(x(s.t_start), rowOf[it.req] * ROW + 2, Math.max(1, x(s.t_end) - x(s.t_start)), ROW - 4);
+      }
+    }
+    g.fillStyle = "#666";
+    const y = rows.length * ROW + 16;
+    for (let k = 0; k <= 4; k++) {
+      const t = (span * k) / 4;
+      g.fillText(t.toFixed(1) + " s", LEFT + (k / 4) * (w - LEFT - 10) - (k === 4 ? 30 : 0), y);
+    }
+    fig.append(cap, canvas);
+    return fig;
+  }
+
+  // ---- the per-user table: actual, each what-if, and the change ----
+  function fmt(v) { return v == null ? "–" : v < 1 ? (v * 1000).toFixed(0) + " ms" : v.toFixed(2) + " s"; }
+
+  function table(result) {
+    const t = $("whatif-table");
+    const cols = [["ttft_s", "TTFT"], ["tbt_p99_s", "TBT p99"], ["longest_stall_s", "longest stall"]];
+    const head = ["user", ...result.whatif.map((w, i) => `actual → what-if ${i + 1} (${w.settings.policy || "live"})`)];
+    let html = "<tr>" + head.map((h) => `<th>${h}</th>`).join("") + "</tr>";
+    for (const u of result.actual.users) {
+      const cells = result.whatif.map((w) => {
+        const other = w.users.find((x) => x.label === u.label) || {};
+        return cols.map(([k, name]) => `${name} ${fmt(u[k])} -> ${fmt(other[k])}`).join("<br>");
+      });
+      html += `<tr data-user="${escape(u.label)}"><th>${escape(u.label)}</th>` + cells.map((c) => `<td>${c}</td>`).join("") + "</tr>";
+    }
+    t.innerHTML = html;
+    t.hidden = false;
+  }
+
+  function escape(s) {
+    return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+  }
+
+  // ---- downloads: fetched with the key, then saved from a blob ----
+  async function download(kind) {
+    const path = kind === "log" ? "/api/whatif/log" : `/api/whatif/result?format=${kind}`;
+    try {
+      const r = await fetch(url(path), { headers: headers(), cache: "no-store" });
+      if (!r.ok) throw new Error((await r.json()).error.message);
+      const a = document.createElement("a");
+      a.href = URL.createObjectURL(await r.blob());
+      a.download = { html: "batchscope-whatif.html", chrome: "batchscope-whatif.json", log: "batchscope-arrivals.json" }[kind];
+      a.click();
+      setTimeout(() => URL.revokeObjectURL(a.href), 1000);
+    } catch (e) {
+      say(e.message, true);
+    }
+  }
+
+  async function clearLog() {
+    try { showLog(await call("DELETE", "/api/whatif/log")); say("log cleared"); } catch (e) { say(e.message, true); }
+  }
+
+  function start() {
+    root = document.querySelector("[data-testid=whatif]");
+    if (!root || root.dataset.ready) return !!root;
+    root.dataset.ready = "1";
+    $("whatif-run").addEventListener("click", run);
+    $("whatif-clear").addEventListener("click", clearLog);
+    root.querySelectorAll("[data-download]").forEach((b) => b.addEventListener("click", () => download(b.dataset.download)));
+    poll();
+    return true;
+  }
+
+  BS.initWhatIf = start;
+  if (!start()) {
+    const mo = new MutationObserver(() => { if (start()) mo.disconnect(); });
+    mo.observe(document.documentElement, { childList: true, subtree: true });
+  }
+})();

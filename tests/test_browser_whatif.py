@@ -1,0 +1,95 @@
+"""The what-if panel in Chromium: refused without the presenter key, then run with it: one Gantt per run,
+the per-user table with the change, downloads. Keeps a screenshot when BATCHSCOPE_SCREENSHOT_DIR is set."""
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_browser_ui import ARGS, CHROMIUM
+
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium (/usr/bin/chromium) is not "
+                                                                "installed; browser tests need it")]
+KEY = "whatif-browser-key"
+
+
+@pytest.fixture(scope="module")
+def server():
+    import httpx
+    import uvicorn
+
+    from app.config import ServerConfig
+    from app.server import create_app
+    from app.service import EngineService
+    from app.ui import mount_ui
+    from engine import EngineConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    service = EngineService(EngineConfig(kv_cache_gb=0.25, policy="continuous", max_num_batched_tokens=32),
+                            ServerConfig(port=port, presenter_key=KEY))
+    app = create_app(service)
+    mount_ui(app, service, max_tokens=8)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 300
+    while not srv.started:
+        assert thread.is_alive() and time.time() < deadline, "the server did not start"
+        time.sleep(0.2)
+    url = f"http://127.0.0.1:{port}"
+    with httpx.Client(base_url=url, timeout=300, trust_env=False) as http:     # two users, one after the other
+        for user, text, n in (("Ann", "Count to five.", 8), ("Dan", "Summarise: " + "a red fox ran " * 10, 3)):
+            body = {"messages": [{"role": "user", "content": text}], "max_tokens": n, "temperature": 0,
+                    "user": user, "ignore_eos": True}
+            threading.Thread(target=http.post, args=("/v1/chat/completions",), kwargs={"json": body}).start()
+            time.sleep(0.3)
+        while service.arrival_log.status()["ended"] < 2:
+            time.sleep(0.2)
+    yield url
+    srv.should_exit = True
+    thread.join(60)
+
+
+def test_whatif_panel_replays_and_shows_each_user(server):
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        page = browser.new_page(viewport={"width": 1300, "height": 1000}, accept_downloads=True)
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(server + "/")
+        panel = page.locator("[data-testid=whatif]")
+        panel.wait_for()
+        status = panel.locator("[data-testid=whatif-status]")
+        panel.locator("[data-testid=whatif-run]").click()        # no key: the server says no, the page says why
+        page.wait_for_function("document.querySelector('[data-testid=whatif-status]').dataset.bad === '1'")
+        assert "presenter key" in status.inner_text()
+
+        page.evaluate(f"sessionStorage.setItem('batchscope.key', '{KEY}')")
+        panel.locator("[data-whatif-policy=chunked]").check()
+        panel.locator("[data-testid=whatif-budget]").fill("8")
+        panel.locator("[data-testid=whatif-run]").click()
+        panel.locator("[data-testid=whatif-table]").wait_for(state="visible", timeout=600_000)
+        assert panel.locator("figure.bs-whatif-gantt").count() == 2
+        captions = panel.locator("figure.bs-whatif-gantt figcaption").all_inner_texts()
+        assert captions[0].startswith("actual (continuous)") and "chunked, budget 8" in captions[1]
+        rows = panel.locator("[data-testid=whatif-table] tr[data-user]")
+        assert [rows.nth(i).get_attribute("data-user") for i in range(rows.count())] == ["Ann", "Dan"]
+        assert "longest stall" in rows.nth(0).inner_text() and "->" in rows.nth(0).inner_text()
+        assert "replayed 2 request(s)" in status.inner_text()
+
+        with page.expect_download() as dl:
+            panel.locator("[data-download=html]").click()
+        report = Path(dl.value.path()).read_text()
+        assert report.startswith("<!doctype html>") and "what-if 1: chunked, budget 8" in report
+
+        shots = os.environ.get("BATCHSCOPE_SCREENSHOT_DIR")
+        if shots:
+            panel.screenshot(path=str(Path(shots) / "ui_whatif.png"))
+        browser.close()
+    assert not errors, errors

@@ -1,0 +1,261 @@
+"""What-if replay: the arrival log (private, bounded), the settings check, the per-user rows, and a live
+session replayed through the real server against demos.compare running the same scenario."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from hypothesis import given, strategies as st
+
+from app.arrival_log import ArrivalLog, from_saved
+from app.scenarios import Arrival, Scenario, _chat
+from app.whatif import Stopwatch, WhatIfError, check_settings, to_scenario
+from engine import SamplingParams, metrics
+
+SECRET = "zebra marmalade quartz"          # a prompt that must never leave the server but to the presenter
+
+
+# ---- the log, without a model ----
+def step(i: int, items: list[tuple[str, str]], t: float | None = None) -> dict:
+    t = float(i) if t is None else t
+    return {"type": "step", "step": i, "t_start": t, "t_end": t + 0.5, "token_budget": 8, "max_num_seqs": 4,
+            "policy": "chunked", "num_tokens": len(items), "stalled": [],
+            "items": [{"req": r, "label": r.upper(), "kind": k, "tokens": 1, "completes_prompt": True}
+                      for r, k in items]}
+
+
+def event(kind: str, req: str, t: float) -> dict:
+    return {"type": "request", "event": kind, "req": req, "label": req.upper(), "t": t}
+
+
+def test_log_keeps_arrivals_counts_tokens_and_returns_ended_ones():
+    log = ArrivalLog()
+    log.observe(step(0, [("x", "decode")]))                  # before any arrival: not kept
+    log.observe(event("arrived", "a", 1.0))                 # the engine publishes it before the log hears of it
+    log.arrived("a", "A", 1.0, 1, [5, 6, 7], SamplingParams(max_tokens=3))
+    log.observe(step(1, [("a", "prefill")]))
+    log.arrived("b", "B", 1.6, 2, [8], SamplingParams(max_tokens=9))
+    log.observe(step(2, [("a", "decode"), ("b", "prefill")]))
+    log.observe(event("finished", "a", 2.5))
+    done, records, left_out = log.window()
+    assert [(a.req, n) for a, n in done] == [("a", 2)] and left_out == 1
+    assert [r.get("step") for r in records if r["type"] == "step"] == [1, 2]
+    assert [(r["event"], r["req"]) for r in records if r["type"] == "request"] == [("arrived", "a"), ("finished", "a")]
+    assert log.status()["requests"] == 2 and log.status()["ended"] == 1
+    log.clear()
+    assert log.window() == ([], [], 0) and log.status()["requests"] == 0
+
+
+def test_log_is_bounded_and_says_it_is_full():
+    log = ArrivalLog(max_requests=2, max_steps=3)
+    for i in range(4):
+        log.arrived(f"r{i}", "U", float(i), i, [1], SamplingParams())
+    assert log.status()["requests"] == 2 and log.full
+    log = ArrivalLog(max_requests=5, max_steps=3)
+    log.arrived("r0", "U", 0.0, 0, [1], SamplingParams())
+    for i in range(10):
+        log.observe(step(i, [("r0", "decode")]))
+    assert log.status()["steps"] == 3 and log.full
+
+
+def test_a_sampled_request_gets_a_seed_and_a_greedy_one_is_left_alone():
+    greedy = SamplingParams()
+    assert ArrivalLog.seeded(greedy) is greedy
+    seeded = ArrivalLog.seeded(SamplingParams(temperature=0.8))
+    assert isinstance(seeded.seed, int)
+    assert ArrivalLog.seeded(SamplingParams(temperature=0.8, seed=3)).seed == 3
+
+
+@pytest.mark.parametrize("settings, words", [
+    (None, "list of 1 to"), ([], "list of 1 to"), ([{}], "must be an object"), ([{"policy": "fast"}], "policy must be"),
+    ([{"max_num_batched_tokens": 0}], "positive integer"), ([{"max_num_seqs": True}], "positive integer"),
+    ([{"temperature": 1}], "unknown key"), ([{"policy": "static"}] * 5, "list of 1 to")])
+def test_bad_settings_are_refused_with_the_reason(settings, words):
+    with pytest.raises(WhatIfError, match=words):
+        check_settings(settings)
+
+
+def test_an_empty_log_is_refused():
+    with pytest.raises(WhatIfError, match="no finished requests"):
+        to_scenario([])
+
+
+def test_to_scenario_keeps_steps_ids_seeds_and_live_lengths():
+    log = ArrivalLog()
+    log.arrived("a", "Ann", 0.0, 7, [1, 2], SamplingParams(temperature=0.7, seed=11, top_k=5))
+    log.arrived("b", "Dan", 0.1, 10, [3], SamplingParams(max_tokens=50))
+    for i, items in enumerate([[("a", "prefill")], [("a", "decode"), ("b", "prefill")]]):
+        log.observe(step(7 + i, items))
+    log.observe(event("aborted", "a", 9.0))
+    log.observe(event("finished", "b", 9.0))
+    sc = to_scenario(log.window()[0])
+    assert [(a.at, a.label, a.prompt_token_ids, a.max_tokens) for a in sc.arrivals] == \
+        [(0, "Ann", (1, 2), 2), (3, "Dan", (3,), 1)]
+    assert sc.arrivals[0].params().seed == 11 and sc.arrivals[0].params().top_k == 5
+    saved = json.loads(json.dumps({"type": "arrival_log", "arrivals": [
+        {"req": a.req, "label": a.label, "t": a.t, "step": a.step, "prompt_token_ids": list(a.prompt_token_ids),
+         "params": a.params.__dict__, "output_tokens": n} for a, n in log.window()[0]]}))
+    assert to_scenario(from_saved(saved)) == sc
+    with pytest.raises(ValueError, match="not an arrival log"):
+        from_saved({"records": []})
+
+
+def test_stopwatch_counts_only_while_started():
+    clock = Stopwatch()
+    clock.start()
+    time.sleep(0.02)
+    clock.stop()
+    stopped = clock()
+    time.sleep(0.03)
+    assert clock() == stopped and 0.015 < stopped < 0.5
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["decode", "prefill"])), min_size=1, max_size=40))
+def test_user_rows_split_the_stream_by_label(items):
+    """Rows add up to the whole: every output token in exactly one row, the worst TTFT per label."""
+    reqs = {f"r{r}" for r, _ in items}
+    stream = [dict(event("arrived", r, 0.0), label="L" + r[-1:] if r != "r3" else "L0") for r in sorted(reqs)]
+    for i, (r, kind) in enumerate(items):
+        stream.append(step(i, [(f"r{r}", kind)], t=1.0 + i))
+    rows = metrics.user_rows(stream)
+    assert sum(row["output_tokens"] for row in rows) == sum(len(v) for v in metrics.tokens(stream).values())
+    ttft = metrics.ttfts(stream)
+    for row in rows:
+        mine = [r for r in reqs if stream[0] and metrics.labels(stream)[r] == row["label"]]
+        assert row["ttft_s"] == max(ttft[r] for r in mine)
+
+
+# ---- through the real server ----
+SCENARIO = Scenario(
+    name="whatif-test", description="three users, the last with a longer prompt",
+    arrivals=(Arrival(at=0, label="Ann", max_tokens=10, messages=_chat(f"Count slowly. {SECRET}")),
+              Arrival(at=3, label="Bob", max_tokens=5, messages=_chat("Name a colour.")),
+              Arrival(at=5, label="Dan", max_tokens=3, messages=_chat("Summarise: " + "the quick fox " * 8))),
+    engine={"max_num_batched_tokens": 64, "max_num_seqs": 8})
+
+
+def shapes(stream: list[dict]) -> list[list[tuple]]:
+    return [[(i["label"], i["kind"], i["tokens"]) for i in r["items"]] for r in metrics.steps(stream)]
+
+
+def median_step(stream: list[dict]) -> float:
+    return metrics.percentile([r["t_end"] - r["t_start"] for r in metrics.steps(stream)], 50)
+
+
+def play_live(live_server, scenario: Scenario):
+    """Send each arrival through /v1/chat/completions just before its step (slow motion makes room)."""
+    service, base, threads, replies = live_server.service, None, [], {}
+
+    def send(a: Arrival):
+        replies[a.label] = live_server.chat(a.messages[0]["content"], user=a.label, max_tokens=a.max_tokens,
+                                            ignore_eos=True).json()
+    for a in scenario.arrivals:
+        while base is not None and service.engine.step_index < base + a.at:
+            time.sleep(0.005)
+        base = service.engine.step_index if base is None else base
+        threads.append(threading.Thread(target=send, args=(a,)))
+        threads[-1].start()
+        while service.arrival_log.status()["requests"] < len(threads):
+            time.sleep(0.005)
+    for t in threads:
+        t.join(120)
+    return replies
+
+
+def test_live_session_replays_like_demos_compare_and_stays_private(live_server, monkeypatch):
+    from websockets.sync.client import connect
+
+    from demos.compare import run_policy
+    http, key = live_server.http, {"X-Presenter-Key": live_server.key}
+    assert http.delete("/api/whatif/log").status_code == 403            # the audience cannot touch the log
+    assert http.delete("/api/whatif/log", headers=key).json()["requests"] == 0
+    empty = http.post("/api/whatif", json={"settings": [{"policy": "static"}]}, headers=key)
+    assert empty.status_code == 400 and "no finished requests" in empty.json()["error"]["message"]
+
+    before = live_server.engine()
+    live_server.set_engine(policy="continuous", max_num_batched_tokens=64, max_num_seqs=8, step_delay=0.3)
+    seen: list[str] = []
+    with connect(live_server.ws, proxy=None, compression=None, open_timeout=30) as ws:
+        stop = threading.Event()
+
+        def read():
+            while not stop.is_set():
+                try:
+                    seen.append(ws.recv(timeout=0.2))
+                except TimeoutError:
+                    pass
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            replies = play_live(live_server, SCENARIO)
+        finally:
+            live_server.set_engine(policy=before["policy"], max_num_batched_tokens=before["max_num_batched_tokens"],
+                                   max_num_seqs=before["max_num_seqs"], step_delay=0.0)
+            time.sleep(0.5)
+            stop.set()
+            reader.join()
+    assert all(replies[a.label]["usage"]["completion_tokens"] == a.max_tokens for a in SCENARIO.arrivals)
+    logged = [(a.step, a.label) for a, _ in live_server.service.arrival_log.window()[0]]
+    assert [s - logged[0][0] for s, _ in logged] == [a.at for a in SCENARIO.arrivals], "arrivals missed their step"
+
+    # what a viewer can see carries no prompt: not the stream, not the traces, not the what-if routes
+    ids = live_server.service.arrival_log.window()[0][0][0].prompt_token_ids
+    public = seen + [http.get("/api/trace", params={"last": 1024, "format": f}).text for f in ("json", "chrome")]
+    public.append(http.get("/api/engine").text)
+    for text in public:
+        assert SECRET not in text and "prompt_token_ids" not in text and json.dumps(list(ids[:12]))[1:-1] not in text
+    for path in ("/api/whatif", "/api/whatif/log", "/api/whatif/result"):
+        assert http.get(path).status_code == 403
+
+    monkeypatch.setattr("app.whatif_api.TIME_LIMIT_S", 1e-3)
+    too_long = http.post("/api/whatif", json={"settings": [{"policy": "chunked"}]}, headers=key)
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "too_long"
+    monkeypatch.undo()
+
+    setting = {"policy": "chunked", "max_num_batched_tokens": 16}
+    res = http.post("/api/whatif", json={"settings": [setting]}, headers=key, timeout=900)
+    assert res.status_code == 200, res.text
+    body = res.json()
+    assert [u["label"] for u in body["actual"]["users"]] == ["Ann", "Bob", "Dan"]
+    assert [u["output_tokens"] for u in body["whatif"][0]["users"]] == [10, 5, 3]
+    assert body["actual"]["metrics"]["num_steps"] >= 1 and body["whatif"][0]["settings"] == setting
+    runs = http.get("/api/whatif/result", headers=key).json()["runs"]
+    replayed = runs[1]["records"]
+
+    ref = run_policy(SCENARIO, "chunked", {"max_num_batched_tokens": 16, "kv_cache_gb": 0.25}, progress=False)
+    assert shapes(replayed) == shapes(ref.stream)
+    assert body["whatif"][0]["metrics"]["num_steps"] == metrics.summarize(ref.stream)["num_steps"]
+    # timings: this machine's speed drifts with its load, so compare them in units of each run's median
+    # step time; and the replay's clock counts only its own steps, none of the live engine's
+    mine, theirs = body["whatif"][0]["metrics"], metrics.summarize(ref.stream)
+    for k in ("tbt_p50_s", "tbt_p99_s", "ttft_p50_s", "duration_s"):
+        a, b = mine[k] / median_step(replayed), theirs[k] / median_step(ref.stream)
+        assert a / 1.5 < b < a * 1.5, (k, mine[k], theirs[k])
+    busy = sum(r["t_end"] - r["t_start"] for r in metrics.steps(replayed))
+    assert busy <= mine["duration_s"] < busy * 1.1 + 0.2
+
+    html = http.get("/api/whatif/result", params={"format": "html"}, headers=key)
+    assert html.status_code == 200 and "what-if 1: chunked, budget 16" in html.text and SECRET not in html.text
+    chrome = http.get("/api/whatif/result", params={"format": "chrome"}, headers=key).json()
+    assert {e["pid"] for e in chrome["traceEvents"]} == {1, 2}
+    saved = http.get("/api/whatif/log", headers=key).json()
+    assert to_scenario(from_saved(saved)).arrivals[2].label == "Dan"
+
+
+def test_compare_reads_a_saved_log_with_the_live_budgets(tmp_path):
+    from demos.compare import saved_session
+    doc = {"type": "arrival_log", "version": 1, "model": "m", "device": "cpu", "dtype": "float32",
+           "settings": {"policy": "continuous", "max_num_batched_tokens": 64, "max_num_seqs": 8},
+           "arrivals": [{"req": "r1", "label": "Dan", "t": 0.5, "step": 4, "prompt_token_ids": [9, 8],
+                         "params": SamplingParams(max_tokens=20).__dict__, "output_tokens": 6}],
+           "records": [event("arrived", "r1", 0.5), step(4, [("r1", "prefill")])]}
+    (tmp_path / "saved.json").write_text(json.dumps(doc))
+    scenario, actual = saved_session(str(tmp_path / "saved.json"))
+    assert scenario.engine == {"max_num_batched_tokens": 64, "max_num_seqs": 8}
+    assert [(a.at, a.label, a.max_tokens, a.prompt_token_ids) for a in scenario.arrivals] == [(0, "Dan", 6, (9, 8))]
+    assert actual.meta["policy"] == "continuous" and len(actual.stream) == 2
+    (tmp_path / "viewer.json").write_text(json.dumps({"records": []}))
+    with pytest.raises(SystemExit, match="not an arrival log"):
+        saved_session(str(tmp_path / "viewer.json"))
