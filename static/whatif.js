@@ -4,7 +4,7 @@
 // the per-user table with the change from actual to each what-if ("Dan: longest stall 4.3 s -> 0.5 s").
 (function () {
   const BS = (window.BS = window.BS || {});
-  const COLORS = { prefill: "#ff7f0e", decode: "#2ca02c", stall: "rgba(214,39,40,0.35)" };
+  const R = BS.rec;                    // record fields are read through record.js
   const ROW = 16, LEFT = 70;
   let root, polling = null;
 
@@ -87,7 +87,7 @@
   // ---- the Gantts: one per run, rows = users in arrival order, x = seconds since the first arrival ----
   function startOf(records) {
     const t = records.filter((r) => r.type === "request" && r.event === "arrived").map((r) => r.t);
-    const s = records.filter((r) => r.type === "step").map((r) => r.t_start);
+    const s = records.filter((r) => r.type === "step").map((r) => R.tStart(r));
     return Math.min(...(t.length ? t : s));
   }
 
@@ -96,7 +96,7 @@
     box.textContent = "";
     const spans = runs.map((run) => {
       const t0 = startOf(run.records);
-      const ends = run.records.filter((r) => r.type === "step").map((r) => r.t_end - t0);
+      const ends = run.records.filter((r) => r.type === "step").map((r) => R.tEnd(r) - t0);
       return Math.max(0.001, ...ends);
     });
     const span = Math.max(...spans);
@@ -124,23 +124,25 @@
     g.scale(dpr, dpr);
     const x = (t) => LEFT + ((t - t0) / span) * (w - LEFT - 10);
     g.font = "11px system-ui, sans-serif";
-    g.fillStyle = "#333";
+    g.fillStyle = BS.colors.soft;
     rows.forEach((req, i) => g.fillText(names[req], 4, i * ROW + 12));
     const rowOf = Object.fromEntries(rows.map((r, i) => [r, i]));
     for (const s of run.records) {
-      if (s.type !== "step") continue;
-      for (const req of s.stalled || []) {
-        if (!(req in rowOf)) continue;
-        g.fillStyle = COLORS.stall;
-        g.fillRect(x(s.t_start), rowOf[req] * ROW + 2, Math.max(1, x(s.t_end) - x(s.t_start)), ROW - 4);
+      if (R.type(s) !== "step") continue;
+      const x0 = x(R.tStart(s)), wid = Math.max(1, x(R.tEnd(s)) - x0);
+      for (const req of R.stalled(s)) {        // the same cells as the live chart: stall cross-hatch,
+        if (!(req in rowOf)) continue;         // decode solid, prefill striped, in the user's colour
+        g.fillStyle = BS.stallPattern(g);
+        g.fillRect(x0, rowOf[req] * ROW + 2, wid, ROW - 4);
       }
-      for (const it of s.items) {
-        if (!(it.req in rowOf)) continue;
-        g.fillStyle = COLORS[it.kind] || "#999";
-        g.fillRect(x(s.t_start), rowOf[it.req] * ROW + 2, Math.max(1, x(s.t_end) - x(s.t_start)), ROW - 4);
+      for (const it of R.items(s)) {
+        if (!(R.req(it) in rowOf)) continue;
+        const color = BS.colorOf(R.label(it));
+        g.fillStyle = R.isDecode(it) ? color : BS.prefillPattern(g, color);
+        g.fillRect(x0, rowOf[R.req(it)] * ROW + 2, wid, ROW - 4);
       }
     }
-    g.fillStyle = "#666";
+    g.fillStyle = BS.colors.muted;
     const y = rows.length * ROW + 16;
     for (let k = 0; k <= 4; k++) {
       const t = (span * k) / 4;

@@ -238,8 +238,15 @@ def test_bench_smoke(tiny_model, tmp_path):
     assert d["copy_bandwidth_gb_s"] > 0 and set(d["batches"]) == {"1", "3"}
     md = (tmp_path / "b.md").read_text()
     assert all(f"| {name} |" in md for name in doc["systems"]) and "| 3 |" in md
+    import torch
+    dtypes = {"float32", "int8"} if "fbgemm" in torch.backends.quantized.supported_engines else {"float32"}
     for b in d["batches"].values():
-        assert b["ours_step_ms"] > 0 and b["hf_forward_ms"] > 0 and b["weight_plus_kv_floor_ms"] > b["weight_floor_ms"]
+        assert b["hf_forward_ms"] > 0 and set(b["ours"]) == dtypes
+        for o in b["ours"].values():
+            assert o["step_ms"] > 0 and o["weight_plus_kv_floor_ms"] > o["weight_floor_ms"] > 0
+    if "int8" in dtypes:     # the int8 step reads fewer bytes, so its floor is lower
+        one = d["batches"]["1"]["ours"]
+        assert one["int8"]["weight_floor_ms"] < one["float32"]["weight_floor_ms"] and d["int8_speedup_batch1"] > 0
 
 
 def test_one_chrome_converter_every_event_on_a_track():
