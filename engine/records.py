@@ -89,6 +89,24 @@ class KVState(Record):
         return cls(bm.num_used, bm.num_blocks, bm.num_cached, bm.block_size)
 
 
+STALL_CAUSES = ("prefill", "static_batch", "budget", "no_slot")
+
+
+@dataclass(frozen=True)
+class StallCause(Record):
+    req: str = doc("the running request left out of the step (one of the step's `stalled`)")
+    cause: str = doc("why the scheduler left it out: `prefill` (continuous: a whole prompt ran first), "
+                     "`static_batch` (static: the batch's members were still prefilling), "
+                     "`budget` (the token budget was spent) or `no_slot` (`max_num_seqs` reached)")
+    by: str | None = doc("prefill and static_batch: the request whose prompt took the step (its largest chunk)",
+                         optional=True)
+    by_tokens: int | None = doc("prefill and static_batch: that request's tokens in the step", optional=True)
+
+    def __post_init__(self):
+        if self.cause not in STALL_CAUSES:
+            raise ValueError(f"stall cause must be one of {STALL_CAUSES}, got {self.cause!r}")
+
+
 @dataclass(frozen=True)
 class StepTiming(Record):
     schedule: float = doc("seconds in the scheduler: choosing the batch (and any preemption)")
@@ -112,12 +130,16 @@ class StepRecord(Record):
     finished: tuple[str, ...] = doc("requests that finished in this step (EOS, stop, length)")
     preempted: tuple[str, ...] = doc("requests preempted (KV freed, to be recomputed) while building this step")
     stalled: tuple[str, ...] = doc("running requests that had a reply under way but were left out of this step")
+    stall_causes: tuple[StallCause, ...] = doc("one entry per `stalled` request, in that order: why the scheduler "
+                                               "left it out")
     kv: KVState = doc("paged KV cache after the step")
     waiting: int = doc("requests waiting for admission after the step")
     running: int = doc("requests admitted (holding KV) after the step")
     failed: bool = doc("the forward pass raised: every request in `items` failed and nothing was computed")
     error: str | None = doc("failed steps only: the exception's class name", optional=True)
     timing: StepTiming | None = doc("where the step's time went", optional=True)
+    device: str | None = doc("`device/dtype` of the forward pass (`cpu/float32`, `cuda/bfloat16`): step costs "
+                             "are fitted per device and dtype", optional=True)
 
     def to_dict(self) -> dict:
         return {"type": self.type, **super().to_dict()}
@@ -166,13 +188,13 @@ class PolicyEvent(Record):
 
 # ---- the schema, for tests and docs ----
 RECORD_TYPES: dict[str, type[Record]] = {
-    "step": StepRecord, "item": StepItem, "kv": KVState, "timing": StepTiming,
+    "step": StepRecord, "item": StepItem, "stall": StallCause, "kv": KVState, "timing": StepTiming,
     "request": RequestEvent, "policy": PolicyEvent,
 }
 
 
 def record_fields() -> dict[str, tuple[str, ...]]:
-    """Field names per record type ("step", "item", "kv", "timing", "request", "policy"),
+    """Field names per record type ("step", "item", "stall", "kv", "timing", "request", "policy"),
     as they appear on the wire (the top-level types include `type`)."""
     out = {}
     for name, cls in RECORD_TYPES.items():

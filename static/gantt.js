@@ -430,7 +430,8 @@
         if (R.cached(it)) l += " (" + R.cached(it) + " " + BS.t("tip.cached") + ")";
         lines.unshift(head + ": " + (R.completesPrompt(it) ? BS.t("tip.first") : "…"));
         lines.unshift(l);
-      } else if (R.stalled(s).includes(row.rid)) lines.unshift(head + ": " + BS.t("tip.stalled") + " (" + fmtMs(R.dur(s)) + ")");
+      } else if (R.stalled(s).includes(row.rid)) lines.unshift(head + ": " + BS.t("tip.stalled") + " (" + fmtMs(R.dur(s)) + ")" +
+        (BS.stallWhy ? " · " + BS.stallWhy(s, row.rid) : ""));
       else lines.unshift(head);
     }
     showTip(ev, lines);
@@ -508,7 +509,10 @@
     const v = BS.store.version;
     if ((view.mode === "live" && v !== lastVersion) || dirty) {
       lastVersion = v; dirty = false;
-      if (gantt.isConnected) { const win = drawGantt(); drawBar(win); }
+      if (gantt.isConnected) {
+        const win = drawGantt(); drawBar(win);
+        if (BS.afterGantt) BS.afterGantt(gantt.getContext("2d"), view.drawn);   // views that draw over the chart
+      }
       updatePlayUI();
     } else if (v !== lastVersion) {
       lastVersion = v; updatePlayUI();    // paused: the chart holds still, the scrubber grows
@@ -525,6 +529,10 @@
     gantt.addEventListener("mousemove", onGanttMove);
     bar.addEventListener("mousemove", onBarMove);
     for (const c of [gantt, bar]) c.addEventListener("mouseleave", () => { tip.hidden = true; });
+    for (const c of [gantt, bar]) c.addEventListener("click", (ev) => {     // a column picked: views that show one step
+      const s = stepAtX(ev.clientX - c.getBoundingClientRect().left);
+      if (s && BS.onStepClick) BS.onStepClick(s);
+    });
     const on = (id, fn) => { const b = root.querySelector("[data-testid=" + id + "]"); if (b) b.addEventListener("click", fn); };
     on("pause", () => BS.play.pause());
     on("resume", () => BS.play.resume());

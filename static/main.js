@@ -13,6 +13,7 @@
     BS.initGantt(stage);
     BS.initControls(stage);
     BS.initMetrics(stage);
+    BS.initWhy(stage);
     if (!BS.offline) BS.connect();
     return true;
   }
