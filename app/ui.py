@@ -30,7 +30,7 @@ from engine import SamplingParams
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 SCRIPTS = ["record.js", "i18n.js", "palette.js", "socket.js", "gantt.js", "controls.js", "metrics.js",
-           "analysis.js", "why.js", "main.js"]
+           "analysis.js", "kvmap.js", "why.js", "main.js"]
 STATIC_URL = "/static/batchscope"     # Gradio serves its own assets under /static/js, /static/fonts, ...
 MAX_PANELS = len(USERS)
 LESSONS = [("static", "static-vs-continuous"), ("continuous", "long-prompt-interrupts"),

@@ -235,3 +235,29 @@ def cause_time(stream: Iterable[dict]) -> list[dict[str, float]]:
             k = next(i for i, (s0, s1) in enumerate(bounds) if s0 <= p.step <= s1)
             out[k][p.cause] += p.seconds
     return out
+
+
+# ---- the KV cache map ----
+def kv_blocks(stream: Iterable[dict], upto: int | None = None) -> dict[int, tuple[tuple[str, ...], bool]]:
+    """block id -> (holders, sorted; cached) after step `upto` (default: the last), for every block held or cached.
+
+    Rebuilt from each step's `kv_ops`, starting over from a step's `kv_map` where one is sent (a stream that
+    begins mid-run is exact from its first map on).
+    """
+    state: dict[int, tuple[set[str], bool]] = {}
+    for rec in steps(stream):
+        if upto is not None and rec["step"] > upto:
+            break
+        for op in rec.get("kv_ops", ()):
+            b, req = op["block"], op["req"]
+            if op["op"] == "alloc":
+                state[b] = ({req}, False)
+            elif op["op"] == "share":
+                state.setdefault(b, (set(), True))[0].add(req)
+            elif op["op"] == "free":
+                state.get(b, (set(), False))[0].discard(req)
+            elif op["op"] == "commit":
+                state[b] = (state.get(b, ({req}, False))[0], True)
+        if "kv_map" in rec:
+            state = {e["block"]: (set(e["holders"]), e["cached"]) for e in rec["kv_map"]}
+    return {b: (tuple(sorted(h)), c) for b, (h, c) in sorted(state.items()) if h or c}

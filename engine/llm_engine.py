@@ -26,8 +26,8 @@ from engine.detokenizer import Detokenizer
 from engine.loader import resolve_model
 from engine.model_runner import ModelRunner, check_architecture, load_safetensors
 from engine.prompts import eos_ids, tokenize
-from engine.records import (KVState, PolicyEvent, Record, RequestEvent, StallCause, StepItem, StepRecord,
-                            StepTiming)
+from engine.records import (KV_MAP_EVERY, KVState, PolicyEvent, Record, RequestEvent, StallCause, StepItem,
+                            StepRecord, StepTiming, kv_map, kv_ops)
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import Sequence, Status
@@ -59,6 +59,7 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         # ---- scheduling ----
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager.log = []            # block changes, sent with each step record (the KV map)
         self.scheduler = Scheduler(self.block_manager, config.policy, config.max_num_batched_tokens,
                                    config.max_num_seqs, config.max_prefill_chunk)
         # ---- requests, records, counters ----
@@ -198,7 +199,8 @@ class LLMEngine:
                       num_tokens=batch.num_tokens, finished=tuple(finished),
                       preempted=tuple(s.id for s in batch.preempted), stalled=stalled, stall_causes=causes,
                       kv=KVState.of(self.block_manager), waiting=len(sched.waiting), running=len(sched.running),
-                      failed=error is not None, error=error)
+                      failed=error is not None, error=error, kv_ops=kv_ops(self.block_manager),
+                      kv_map=kv_map(self.block_manager, sched.running) if self.step_index % KV_MAP_EVERY == 0 else None)
         timing = StepTiming(schedule=t_sched - t_start, items=t_items - t_sched, forward=t_end - t_items,
                             record=self.clock() - t_end)
         record = StepRecord(**fields, timing=timing, device=self.device_dtype)

@@ -167,3 +167,31 @@
   BS.analysis = { CAUSES, contextRead, stepKind, costPoints, devices, solve, fitCost, predict, median, regime,
     adviseBudget, gapCauses, gapCause, causeTime };
 })();
+
+// the KV map after step `upto` (default: the last): block id -> {holders (sorted), cached}, as engine/analysis.py
+(function () {
+  const BS = window.BS, R = BS.rec;
+  BS.analysis.kvBlocks = function (steps, upto) {
+    let state = new Map();
+    for (const s of steps) {
+      if (upto != null && R.step(s) > upto) break;
+      for (const op of R.kvOps(s)) {
+        const b = R.opBlock(op), req = R.opReq(op), cur = state.get(b);
+        switch (R.opKind(op)) {
+          case "alloc": state.set(b, { holders: new Set([req]), cached: false }); break;
+          case "share": if (cur) cur.holders.add(req); else state.set(b, { holders: new Set([req]), cached: true }); break;
+          case "free": if (cur) cur.holders.delete(req); break;
+          case "commit": if (cur) cur.cached = true; else state.set(b, { holders: new Set([req]), cached: true }); break;
+        }
+      }
+      const map = R.kvMap(s);
+      if (map) state = new Map(map.map((e) => [R.mapBlock(e), { holders: new Set(R.mapHolders(e)), cached: R.mapCached(e) }]));
+    }
+    const out = new Map();
+    for (const b of [...state.keys()].sort((x, y) => x - y)) {
+      const e = state.get(b);
+      if (e.holders.size || e.cached) out.set(b, { holders: [...e.holders].sort(), cached: e.cached });
+    }
+    return out;
+  };
+})();

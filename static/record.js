@@ -31,6 +31,8 @@
     failed: (s) => !!s.failed,
     device: (s) => s.device || "",
     stallCauses: (s) => s.stall_causes || [],
+    kvOps: (s) => s.kv_ops || [],
+    kvMap: (s) => s.kv_map || null,
     // a stretch of steps runs under one setting: policy, token budget, max sequences
     settingKey: (s) => s.policy + "/" + s.token_budget + "/" + s.max_num_seqs,
 
@@ -52,6 +54,14 @@
     scCause: (sc) => sc.cause,
     scBy: (sc) => sc.by,
     scByTokens: (sc) => sc.by_tokens,
+
+    // ---- KV map: a block change (op) and a block of a step's whole map (e) ----
+    opKind: (op) => op.op,
+    opBlock: (op) => op.block,
+    opReq: (op) => op.req,
+    mapBlock: (e) => e.block,
+    mapHolders: (e) => e.holders,
+    mapCached: (e) => e.cached,
 
     // ---- request event ----
     event: (ev) => ev.event,

@@ -299,6 +299,7 @@
 
   BS.initWhy = function (stage) {
     root = stage;
+    BS.initKvMap(stage);
     if (!$("[data-testid=cost-model]")) return;
     $("[data-testid=tbt-target]").addEventListener("input", () => { lastKey = ""; });
     $("[data-testid=apply-budget]").addEventListener("click", () => {

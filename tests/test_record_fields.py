@@ -13,9 +13,9 @@ from engine.records import record_fields
 STATIC = Path(__file__).resolve().parent.parent / "static"
 APP_FIELDS = {"policy": {"step_delay"}}         # added by the app, not the engine
 # record.js names its parameters after what they hold: s step, it item, ev request event, p policy event,
-# sc stall cause
-PARAM_TYPES = {"s": "step", "it": "item", "ev": "request", "p": "policy", "sc": "stall"}
-READ = re.compile(r"\b(s|it|ev|p|sc)\.([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?")
+# sc stall cause, op KV change, e KV map block
+PARAM_TYPES = {"s": "step", "it": "item", "ev": "request", "p": "policy", "sc": "stall", "op": "kv_op", "e": "kv_block"}
+READ = re.compile(r"\b(s|it|ev|p|sc|op|e)\.([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?")
 
 
 def schema() -> dict[str, set[str]]:
@@ -48,7 +48,7 @@ def accessors(js: str) -> set[str]:
 
 # names that only records carry: a view that reads one of these has gone around record.js
 RECORD_ONLY = re.compile(r"(?<!\bR)\.(t_start|t_end|token_budget|num_tokens|prompt_len|completes_prompt|finish_reason|"
-                         r"output_tokens|items|kv|preempted|block_size|stall_causes|by_tokens)\b")
+                         r"output_tokens|items|kv|preempted|block_size|stall_causes|by_tokens|kv_ops|kv_map)\b")
 
 
 STRINGS = re.compile(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'')

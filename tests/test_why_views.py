@@ -171,3 +171,47 @@ def test_views_speak_chinese_and_screenshots(page):
                          ".textContent.includes('在')")
     assert "单步透视" in pg.locator("[data-testid=step-xray] h3").text_content()
     assert "被抢占" in pg.locator("[data-testid=stall-causes]").text_content()
+
+
+def engine_blocks(engine) -> dict:
+    """The engine's block tables as the map shows them: block -> (holders, cached), held or cached blocks only."""
+    holders: dict[int, list[str]] = {}
+    for seq in engine.scheduler.running:
+        for b in seq.block_table:
+            holders.setdefault(b, []).append(seq.id)
+    return {b.id: (sorted(holders.get(b.id, ())), b.hash is not None) for b in engine.block_manager.blocks
+            if b.id in holders or b.hash is not None}
+
+
+def test_kv_map_matches_the_engine_at_paused_steps_through_a_preemption(page):
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", num_kv_blocks=20, block_size=4, seed=0,
+                                    policy="chunked", max_num_batched_tokens=16, cpu_threads=1))
+    stream: list[dict] = []
+    engine.subscribe(stream.append)
+    shared = "You are a helpful assistant who answers in one short sentence. "
+    for name, q in [("Alice", "Why is the sky blue?"), ("Bob", "What is rain?"), ("Carol", "Name a planet."),
+                    ("Dan", "What is a cat?")]:
+        engine.add_request(prompt=shared + q, params=SamplingParams(max_tokens=14, ignore_eos=True), label=name)
+    truth = {}
+    while engine.has_unfinished() and len(truth) < 60:
+        rec = engine.step()
+        truth[rec["step"]] = engine_blocks(engine)
+    recs = metrics.steps(stream)
+    preempted = [r["step"] for r in recs if r["preempted"]]
+    shared_blocks = [s for s, m in truth.items() if any(len(h) > 1 for h, _ in m.values())]
+    assert preempted and shared_blocks, "the workload should share a prefix and preempt"
+    pg = page(stream)
+    for step in sorted({shared_blocks[0], preempted[0], preempted[0] + 1, max(truth)}):
+        want = {b: (tuple(h), c) for b, (h, c) in truth[step].items()}
+        assert analysis.kv_blocks(stream, step) == want
+        pg.evaluate("(n) => BS.play.seek(n)", step)
+        pg.wait_for_function("(n) => document.querySelector('[data-testid=kv-map]').dataset.step == n", arg=step)
+        shown = pg.evaluate("() => BS.kvMapShown()")
+        assert {b: (tuple(h), c) for b, h, c in shown["blocks"]} == want, step
+    # the preemption frees its victim's blocks: none of them is held by it after that step
+    victim = next(r for r in recs if r["preempted"])["preempted"][0]
+    assert all(victim not in h for h, _ in truth[preempted[0]].values())
+    pg.evaluate("(n) => BS.play.seek(n)", preempted[0])
+    pg.wait_for_timeout(500)
+    pg.locator("[data-testid=kv-map]").screenshot(path=str(DOCS / "ui_kv_map.png"))
