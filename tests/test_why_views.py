@@ -160,7 +160,8 @@ def test_a_clicked_chart_column_opens_in_the_xray_and_stalls_link_to_their_cause
 def test_views_speak_chinese_and_screenshots(page):
     objs = trace.load(TRACE)
     pg = page(objs)
-    rec = next(r for r in metrics.steps(objs) if len(r["items"]) >= 3 and any(i["kind"] == "prefill" for i in r["items"]))
+    rec = next(r for r in metrics.steps(objs) if any(i["kind"] == "decode" for i in r["items"])
+               and any(i["kind"] == "prefill" and i["start"] > 0 for i in r["items"]))
     pg.evaluate("(n) => BS.onStepClick(BS.store.steps.find((s) => s.step === n))", rec["step"])
     pg.wait_for_function("(n) => document.querySelector('[data-testid=step-xray]').dataset.step == n", arg=rec["step"])
     pg.wait_for_timeout(600)
