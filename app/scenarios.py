@@ -202,7 +202,29 @@ def shared_system_prompt(users: int = 6, every: int = 8, reply_tokens: int = 32)
         arrivals=arrivals, engine={"max_num_batched_tokens": 256, "max_num_seqs": 16})
 
 
+def budget_shapes(reply_tokens: int = 12) -> Scenario:
+    """One token budget of 16, filled three ways, one after another on the real engine."""
+    # plain prompts of exactly 1, 8 and 4 tokens for the default model's tokenizer (tests/test_budget_lesson.py)
+    first = [Arrival(0, name, reply_tokens, prompt="Hi") for name in ("Alice", "Bob", "Carol", "Dan", "Eve",
+                                                                       "Frank", "Grace", "Heidi")]
+    chunks = [Arrival(1, f"Doc{i}", reply_tokens, prompt=p) for i, p in
+              ((1, "Tell me a short joke about cats please"), (2, "Say something kind to a good friend today"))]
+    more = [Arrival(3, f"Guest{i}", reply_tokens, prompt="Hi") for i in range(1, 7)]
+    fours = [Arrival(4 * reply_tokens, f"Four{i}", 4, prompt=p) for i, p in
+             enumerate(("Tell me a joke", "Name a red fruit", "Tell me a joke", "Name a red fruit"), 1)]
+    return Scenario(
+        name="budget-shapes",
+        description=("A budget of 16 tokens per step fits 16 decodes, or 4 prefills of 4 tokens, or 8 decodes "
+                     "+ 2 chunks of 4. Eight one-token chats start; two 8-token prompts arrive and are prefilled "
+                     "in chunks of 4 beside the 8 decodes; six more chats make 16 decodes; when all are done, "
+                     "four 4-token prompts fill a step with prefill alone. Watch the batch bar's token slots."),
+        arrivals=tuple(first + chunks + more + fours),
+        engine={"policy": "chunked", "max_num_batched_tokens": 16, "max_num_seqs": 16, "max_prefill_chunk": 4},
+    )
+
+
 SCENARIOS = {
+    "budget-shapes": budget_shapes,
     "long-prompt-interrupts": long_prompt_interrupts,
     "static-vs-continuous": static_vs_continuous,
     "bursty": bursty,

@@ -33,7 +33,7 @@ from engine import SamplingParams
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 SCRIPTS = ["record.js", "i18n.js", "palette.js", "socket.js", "layout.js", "draw.js", "interact.js", "controls.js",
-           "metrics.js", "room.js", "main.js", "whatif.js"]
+           "metrics.js", "analysis.js", "kvmap.js", "why.js", "room.js", "main.js", "whatif.js"]
 STATIC_URL = "/static/batchscope"     # Gradio serves its own assets under /static/js, /static/fonts, ...
 MAX_PANELS = len(USERS)
 LESSONS = [("static", "static-vs-continuous"), ("continuous", "long-prompt-interrupts"),
@@ -53,7 +53,7 @@ def head_html() -> str:
 
 def stage_html() -> str:
     """The lecturer's stage: the engine controls, then the chart and the metrics every role shares."""
-    parts = [(STATIC / name).read_text() for name in ("controls.html", "chart.html")]
+    parts = [(STATIC / name).read_text() for name in ("controls.html", "chart.html", "why.html")]
     return '<div class="bs-stage" data-testid="stage" data-role="lecturer">\n' + "".join(parts) + "</div>"
 
 

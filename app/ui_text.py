@@ -89,9 +89,11 @@ TEXT = {
 # scenario buttons: app/scenarios.py name -> button text
 SCENARIO_BUTTONS = {
     "en": {"long-prompt-interrupts": "3 chats + a long document", "static-vs-continuous": "8 requests, 4 slots",
-           "bursty": "a burst of 24 requests", "shared-system-prompt": "shared system prompt (prefix cache)"},
+           "bursty": "a burst of 24 requests", "shared-system-prompt": "shared system prompt (prefix cache)",
+           "budget-shapes": "budget 16: three shapes"},
     "zh": {"long-prompt-interrupts": "3 个聊天 + 一篇长文", "static-vs-continuous": "8 个请求，4 个位置",
-           "bursty": "24 个请求突然涌入", "shared-system-prompt": "共享系统提示词（前缀缓存）"},
+           "bursty": "24 个请求突然涌入", "shared-system-prompt": "共享系统提示词（前缀缓存）",
+           "budget-shapes": "预算 16：三种形状"},
 }
 
 

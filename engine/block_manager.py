@@ -44,6 +44,13 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.num_hit_tokens = 0      # prefix-cache statistics: tokens served to admitted sequences
+        # what changed, for the KV map (None: not kept): (op, block id, request id); op is `alloc` (taken,
+        # its cached content evicted), `share` (a prefix hit), `free` (the request let go), `commit` (now cached)
+        self.log: list[tuple[str, int, str]] | None = None
+
+    def _note(self, op: str, block_id: int, seq: Sequence):
+        if self.log is not None:
+            self.log.append((op, block_id, seq.id))
 
     # ---- sizes ----
     @property
@@ -83,12 +90,15 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need > self.num_free:
             return False
-        seq.block_table.extend(self._take() for _ in range(need))
+        for _ in range(need):
+            seq.block_table.append(self._take())
+            self._note("alloc", seq.block_table[-1], seq)
         return True
 
     def free(self, seq: Sequence):
         for block_id in reversed(seq.block_table):        # tail first: the prefix stays cached longest
             block = self.blocks[block_id]
+            self._note("free", block_id, seq)
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_ids[block_id] = None
@@ -119,6 +129,7 @@ class BlockManager:
             if block.ref_count == 0:
                 del self.free_ids[block_id]
             block.ref_count += 1
+            self._note("share", block_id, seq)
             seq.block_table.append(block_id)
             seq.block_hashes.append(h)
             prev, parent = h, (block_id, block.gen)
@@ -156,3 +167,4 @@ class BlockManager:
                 block.hash, block.token_ids = h, chunk
                 block.parent = (parent.id, parent.gen) if parent else None
                 self.hash_to_block.setdefault(h, block.id)
+                self._note("commit", block.id, seq)

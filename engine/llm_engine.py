@@ -21,12 +21,13 @@ from dataclasses import replace
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import DTYPES, EngineConfig
 from engine.detokenizer import Detokenizer
 from engine.loader import check_architecture, resolve_model
 from engine.model_runner import ModelRunner
 from engine.prompts import eos_ids, tokenize
-from engine.records import KVState, PolicyEvent, Record, RequestEvent, StepItem, StepRecord, StepTiming
+from engine.records import (KV_MAP_EVERY, KVState, PolicyEvent, Record, RequestEvent, StallCause, StepItem,
+                            StepRecord, StepTiming, kv_map, kv_ops)
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import Sequence, Status
@@ -58,6 +59,7 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         # ---- scheduling ----
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager.log = []            # block changes, sent with each step record (the KV map)
         self.scheduler = Scheduler(self.block_manager, config.policy, config.max_num_batched_tokens,
                                    config.max_num_seqs, config.max_prefill_chunk)
         # ---- requests, records, counters ----
@@ -78,6 +80,11 @@ class LLMEngine:
     @property
     def device(self) -> str:
         return str(self.runner.device)
+
+    @property
+    def device_dtype(self) -> str:
+        """`cpu/float32`: what a step's cost depends on besides its shape (the records carry it)."""
+        return f"{self.runner.device.type}/{DTYPES[self.config.dtype]}"
 
     # ---- requests ----
     def add_request(self, prompt: str | None = None, messages: list[dict] | None = None,
@@ -180,6 +187,7 @@ class LLMEngine:
         t_sched = self.clock()
         items = tuple(StepItem.of(seq, n) for seq, n in batch.items)   # before the step moves them on
         stalled = tuple(s.id for s in sched.running if s.is_prefill_done and s not in batch)
+        causes = tuple(StallCause(rid, *batch.left_out[rid]) for rid in stalled)
         for seq in batch.preempted:
             self.counters["preemptions"] += 1
             self._emit_request(seq, "preempted", t=t_sched, step=self.step_index)
@@ -189,12 +197,13 @@ class LLMEngine:
         fields = dict(step=self.step_index, t_start=t_start, t_end=t_end, policy=sched.policy,
                       token_budget=sched.token_budget, max_num_seqs=sched.max_num_seqs, items=items,
                       num_tokens=batch.num_tokens, finished=tuple(finished),
-                      preempted=tuple(s.id for s in batch.preempted), stalled=stalled,
+                      preempted=tuple(s.id for s in batch.preempted), stalled=stalled, stall_causes=causes,
                       kv=KVState.of(self.block_manager), waiting=len(sched.waiting), running=len(sched.running),
-                      failed=error is not None, error=error)
+                      failed=error is not None, error=error, kv_ops=kv_ops(self.block_manager),
+                      kv_map=kv_map(self.block_manager, sched.running) if self.step_index % KV_MAP_EVERY == 0 else None)
         timing = StepTiming(schedule=t_sched - t_start, items=t_items - t_sched, forward=t_end - t_items,
                             record=self.clock() - t_end)
-        record = StepRecord(**fields, timing=timing)
+        record = StepRecord(**fields, timing=timing, device=self.device_dtype)
         self.step_index += 1
         self.counters["steps"] += 1
         self._emit(record)

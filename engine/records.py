@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -89,6 +90,63 @@ class KVState(Record):
         return cls(bm.num_used, bm.num_blocks, bm.num_cached, bm.block_size)
 
 
+def kv_ops(bm: BlockManager) -> tuple[KVOp, ...] | None:
+    """The block manager's changes since the last call (its log emptied), None when none."""
+    if not bm.log:
+        return None
+    ops = tuple(KVOp(*entry) for entry in bm.log)
+    bm.log.clear()
+    return ops
+
+
+def kv_map(bm: BlockManager, seqs: Iterable[Sequence]) -> tuple[KVBlock, ...]:
+    """Every block held by one of seqs (the running ones) or cached, by block id."""
+    holders: dict[int, list[str]] = {}
+    for seq in seqs:
+        for block_id in seq.block_table:
+            holders.setdefault(block_id, []).append(seq.id)
+    return tuple(KVBlock(b.id, tuple(holders.get(b.id, ())), b.hash is not None)
+                 for b in bm.blocks if b.id in holders or b.hash is not None)
+
+
+STALL_CAUSES = ("prefill", "static_batch", "budget", "no_slot")
+
+
+@dataclass(frozen=True)
+class StallCause(Record):
+    req: str = doc("the running request left out of the step (one of the step's `stalled`)")
+    cause: str = doc("why the scheduler left it out: `prefill` (continuous: a whole prompt ran first), "
+                     "`static_batch` (static: the batch's members were still prefilling), "
+                     "`budget` (the token budget was spent) or `no_slot` (`max_num_seqs` reached)")
+    by: str | None = doc("prefill and static_batch: the request whose prompt took the step (its largest chunk)",
+                         optional=True)
+    by_tokens: int | None = doc("prefill and static_batch: that request's tokens in the step", optional=True)
+
+    def __post_init__(self):
+        if self.cause not in STALL_CAUSES:
+            raise ValueError(f"stall cause must be one of {STALL_CAUSES}, got {self.cause!r}")
+
+
+KV_OPS = ("alloc", "share", "free", "commit")
+KV_MAP_EVERY = 32      # a step whose index is a multiple of this carries the whole map (`kv_map`)
+
+
+@dataclass(frozen=True)
+class KVOp(Record):
+    op: str = doc("`alloc` (a free block taken by `req`; any cached content in it is evicted), `share` "
+                  "(a prefix-cache hit: `req` holds it too), `free` (`req` lets go; with no holder left "
+                  "the block is free, and cached if it was committed), `commit` (full: its content is now cached)")
+    block: int = doc("physical block id")
+    req: str = doc("the request")
+
+
+@dataclass(frozen=True)
+class KVBlock(Record):
+    block: int = doc("physical block id")
+    holders: tuple[str, ...] = doc("requests holding it (its ref count is their number; none: free)")
+    cached: bool = doc("it holds committed, reusable content (a free one is evictable)")
+
+
 @dataclass(frozen=True)
 class StepTiming(Record):
     schedule: float = doc("seconds in the scheduler: choosing the batch (and any preemption)")
@@ -112,12 +170,21 @@ class StepRecord(Record):
     finished: tuple[str, ...] = doc("requests that finished in this step (EOS, stop, length)")
     preempted: tuple[str, ...] = doc("requests preempted (KV freed, to be recomputed) while building this step")
     stalled: tuple[str, ...] = doc("running requests that had a reply under way but were left out of this step")
+    stall_causes: tuple[StallCause, ...] = doc("one entry per `stalled` request, in that order: why the scheduler "
+                                               "left it out")
     kv: KVState = doc("paged KV cache after the step")
     waiting: int = doc("requests waiting for admission after the step")
     running: int = doc("requests admitted (holding KV) after the step")
     failed: bool = doc("the forward pass raised: every request in `items` failed and nothing was computed")
     error: str | None = doc("failed steps only: the exception's class name", optional=True)
     timing: StepTiming | None = doc("where the step's time went", optional=True)
+    kv_ops: tuple[KVOp, ...] | None = doc("block changes since the previous step record, in order "
+                                          "(left out when none)", optional=True)
+    kv_map: tuple[KVBlock, ...] | None = doc(f"every {KV_MAP_EVERY}th step: every block held or cached after "
+                                             "the step, so a reader that joins late starts from it",
+                                             optional=True)
+    device: str | None = doc("`device/dtype` of the forward pass (`cpu/float32`, `cuda/bfloat16`): step costs "
+                             "are fitted per device and dtype", optional=True)
 
     def to_dict(self) -> dict:
         return {"type": self.type, **super().to_dict()}
@@ -166,13 +233,14 @@ class PolicyEvent(Record):
 
 # ---- the schema, for tests and docs ----
 RECORD_TYPES: dict[str, type[Record]] = {
-    "step": StepRecord, "item": StepItem, "kv": KVState, "timing": StepTiming,
+    "step": StepRecord, "item": StepItem, "stall": StallCause, "kv": KVState, "kv_op": KVOp, "kv_block": KVBlock, "timing": StepTiming,
     "request": RequestEvent, "policy": PolicyEvent,
 }
 
 
 def record_fields() -> dict[str, tuple[str, ...]]:
-    """Field names per record type ("step", "item", "kv", "timing", "request", "policy"),
+    """Field names per record type ("step", "item", "stall", "kv", "kv_op", "kv_block", "timing",
+    "request", "policy"),
     as they appear on the wire (the top-level types include `type`)."""
     out = {}
     for name, cls in RECORD_TYPES.items():

@@ -43,6 +43,8 @@ from engine.sequence import Sequence, Status
 class Batch:
     items: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # why each running decode was left out, decided where it was left out: seq id -> (cause, by, by_tokens)
+    left_out: dict[str, tuple[str, str | None, int | None]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -157,6 +159,7 @@ class Scheduler:
         if any(not s.is_prefill_done for s, _ in batch.items):
             # a re-admitted request that is really a decode waits with the other decodes
             batch.items = [(s, n) for s, n in batch.items if not s.is_prefill_done]
+            self._prefill_took(batch, "prefill")
         else:
             self._add_decodes(batch)
 
@@ -173,7 +176,9 @@ class Scheduler:
                 tokens += n
         # prefill every member before anyone decodes; then decode until all have finished
         self._add_whole_prefills(batch)
-        if not batch.items:
+        if batch.items:
+            self._prefill_took(batch, "static_batch")
+        else:
             self._add_decodes(batch)
 
     # ---- helpers ----
@@ -200,9 +205,20 @@ class Scheduler:
                        key=lambda s: s.last_scheduled)
         for seq in ready:
             if self._full(batch):
+                cause = "no_slot" if len(batch.items) >= self.max_num_seqs else "budget"
+                for s in ready:
+                    if s in self.running and s not in batch:
+                        batch.left_out.setdefault(s.id, (cause, None, None))
                 break
             if seq in self.running and self._reserve(seq, 1, batch):
                 batch.items.append((seq, 1))
+
+    def _prefill_took(self, batch: Batch, cause: str):
+        """Whole prompts took this step: every ready decode waits, blamed on the largest prefill."""
+        seq, n = max(batch.items, key=lambda item: item[1])
+        for s in self.running:
+            if s.is_prefill_done and s not in batch:
+                batch.left_out.setdefault(s.id, (cause, seq.id, n))
 
     def _chunk(self, seq: Sequence, batch: Batch) -> int:
         n = min(seq.num_uncomputed_tokens, self._budget_left(batch))

@@ -307,6 +307,11 @@
         v = Math.max(v + R.tokens(it), ymax * (bottom - y2) / H);
       }
       const used = R.numTokens(s);
+      if (R.budget(s) <= 32 && wid >= 6 && H / ymax >= 4) {   // a small budget: one slot per token, so a step's shape reads off
+        g.globalAlpha = 0.85; g.fillStyle = C().paper;
+        for (let k = 1; k < Math.max(R.budget(s), used); k++) g.fillRect(x0, Math.round(Y(k)), wid, 1);
+        g.globalAlpha = 1;
+      }
       if (R.budget(s) > used) {
         const yb = Y(R.budget(s)), yu = Math.min(Y(Math.max(used, v)), bottom);
         g.fillStyle = BS.unusedPattern(g); g.fillRect(x0, yb, wid, yu - yb);

@@ -234,4 +234,9 @@
   };
 
   BS.onLang = (fn) => listeners.push(fn);
+
+  // a view file brings its own strings: {en: {...}, zh: {...}}
+  BS.addStrings = function (table) {
+    for (const l in table) STRINGS[l] = Object.assign(STRINGS[l] || {}, table[l]);
+  };
 })();

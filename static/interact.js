@@ -45,10 +45,11 @@
     if (it) {
       let l = head + ": " + t("kind.prefill") + " " + R.tokens(it) + " " + t("tip.tokens") + ", " + R.start(it) + "–" +
         (R.start(it) + R.tokens(it) - 1) + " " + t("tip.of") + " " + R.promptLen(it);
-      if (it.cached) l += " (" + it.cached + " " + t("tip.cached") + ")";
+      if (R.cached(it)) l += " (" + R.cached(it) + " " + t("tip.cached") + ")";
       return [l, head + ": " + (R.completesPrompt(it) ? t("tip.first") : "…")];
     }
-    if (R.stalled(s).includes(row.rid)) return [head + ": " + t("tip.stalled") + " (" + BS.fmtMs(R.dur(s)) + ")"];
+    if (R.stalled(s).includes(row.rid)) return [head + ": " + t("tip.stalled") + " (" + BS.fmtMs(R.dur(s)) + ")" +
+      (BS.stallWhy ? " · " + BS.stallWhy(s, row.rid) : "")];
     return [head];
   }
 
@@ -132,7 +133,10 @@
     const v = BS.store.version;
     if ((view.mode === "live" && v !== lastVersion) || dirty) {
       lastVersion = v; dirty = false;
-      if (gantt.isConnected) BS.draw.bar(bar, BS.draw.gantt(gantt));
+      if (gantt.isConnected) {
+        BS.draw.bar(bar, BS.draw.gantt(gantt));
+        if (BS.afterGantt) BS.afterGantt(gantt.getContext("2d"), view.drawn);   // views that draw over the chart
+      }
       updatePlayUI();
       return true;
     }
@@ -149,6 +153,10 @@
     gantt.addEventListener("mousemove", onGanttMove);
     bar.addEventListener("mousemove", onBarMove);
     for (const c of [gantt, bar]) c.addEventListener("mouseleave", () => { tip.hidden = true; });
+    for (const c of [gantt, bar]) c.addEventListener("click", (ev) => {     // a column picked: views that show one step
+      const d = view.drawn, s = d && d.win ? d.win.at(plotX(c, ev)) : null;
+      if (s && BS.onStepClick) BS.onStepClick(s);
+    });
     const on = (id, fn) => { const b = root.querySelector("[data-testid=" + id + "]"); if (b) b.addEventListener("click", fn); };
     on("pause", () => BS.play.pause());
     on("resume", () => BS.play.resume());

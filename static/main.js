@@ -20,6 +20,8 @@
     }
     BS.metricsFrame(now);
     if (BS.roomFrame) BS.roomFrame(now);
+    if (BS.whyFrame) BS.whyFrame(now);
+    if (BS.kvFrame) BS.kvFrame(now);
     requestAnimationFrame(frame);
   }
 
@@ -35,6 +37,7 @@
     if (stage.querySelector("[data-testid=controls]")) BS.initControls(stage);
     BS.initMetrics(stage);
     BS.initRoom(stage);
+    if (stage.querySelector("[data-testid=why]")) BS.initWhy(stage);   // the lecturer's "why" views
     BS.connect();
     requestAnimationFrame(frame);
     return true;

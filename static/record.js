@@ -3,7 +3,7 @@
 // engine/records.py defines them (docs/step_record.md). Every view reads records
 // through BS.rec, so a renamed field is fixed here once, and
 // tests/test_record_fields.py checks every name read here against the schema
-// (it finds them by these parameter names: s, it, ev, p).
+// (it finds them by these parameter names: s, it, ev, p, and sc for a stall cause).
 (function () {
   const BS = (window.BS = window.BS || {});
 
@@ -25,6 +25,14 @@
     kvUsed: (s) => s.kv.used,
     kvTotal: (s) => s.kv.total,
     kvFill: (s) => (s.kv.total ? s.kv.used / s.kv.total : 0),
+    blockSize: (s) => s.kv.block_size,
+    preempted: (s) => s.preempted || [],
+    finished: (s) => s.finished || [],
+    failed: (s) => !!s.failed,
+    device: (s) => s.device || "",
+    stallCauses: (s) => s.stall_causes || [],
+    kvOps: (s) => s.kv_ops || [],
+    kvMap: (s) => s.kv_map || null,
     // a stretch of steps runs under one setting: policy, token budget, max sequences
     settingKey: (s) => s.policy + "/" + s.token_budget + "/" + s.max_num_seqs,
 
@@ -40,6 +48,20 @@
     completesPrompt: (it) => !!it.completes_prompt,
     // a decode, or the prefill chunk that finishes the prompt, gives the request a token (engine/metrics.py)
     producesToken: (it) => it.kind === "decode" || !!it.completes_prompt,
+
+    // ---- stall cause (one entry of a step's stall_causes) ----
+    scReq: (sc) => sc.req,
+    scCause: (sc) => sc.cause,
+    scBy: (sc) => sc.by,
+    scByTokens: (sc) => sc.by_tokens,
+
+    // ---- KV map: a block change (op) and a block of a step's whole map (e) ----
+    opKind: (op) => op.op,
+    opBlock: (op) => op.block,
+    opReq: (op) => op.req,
+    mapBlock: (e) => e.block,
+    mapHolders: (e) => e.holders,
+    mapCached: (e) => e.cached,
 
     // ---- request event ----
     event: (ev) => ev.event,

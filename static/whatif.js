@@ -159,21 +159,27 @@
     const t = $("whatif-table");
     const cols = [["ttft_s", "TTFT"], ["tbt_p99_s", "TBT p99"], ["longest_stall_s", "longest stall"]];
     const head = ["user", ...result.whatif.map((w, i) => `actual → what-if ${i + 1} (${w.settings.policy || "live"})`)];
-    let html = "<tr>" + head.map((h) => `<th>${h}</th>`).join("") + "</tr>";
+    const cell = (tag, lines) => {                 // text only: labels come from users
+      const c = document.createElement(tag);
+      lines.forEach((l, i) => { if (i) c.append(document.createElement("br")); c.append(l); });
+      return c;
+    };
+    const top = document.createElement("tr");
+    top.append(...head.map((h) => cell("th", [h])));
+    const rows = [top];
     for (const u of result.actual.users) {
-      const cells = result.whatif.map((w) => {
+      const tr = document.createElement("tr");
+      tr.dataset.user = u.label;
+      tr.append(cell("th", [u.label]), ...result.whatif.map((w) => {
         const other = w.users.find((x) => x.label === u.label) || {};
-        return cols.map(([k, name]) => `${name} ${fmt(u[k])} -> ${fmt(other[k])}`).join("<br>");
-      });
-      html += `<tr data-user="${escape(u.label)}"><th>${escape(u.label)}</th>` + cells.map((c) => `<td>${c}</td>`).join("") + "</tr>";
+        return cell("td", cols.map(([k, name]) => `${name} ${fmt(u[k])} -> ${fmt(other[k])}`));
+      }));
+      rows.push(tr);
     }
-    t.innerHTML = html;
+    t.replaceChildren(...rows);
     t.hidden = false;
   }
 
-  function escape(s) {
-    return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
-  }
 
   // ---- downloads: fetched with the key, then saved from a blob ----
   async function download(kind) {

@@ -12,9 +12,10 @@ from engine.records import record_fields
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 APP_FIELDS = {"policy": {"step_delay"}}         # added by the app, not the engine
-# record.js names its parameters after what they hold: s step, it item, ev request event, p policy event
-PARAM_TYPES = {"s": "step", "it": "item", "ev": "request", "p": "policy"}
-READ = re.compile(r"\b(s|it|ev|p)\.([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?")
+# record.js names its parameters after what they hold: s step, it item, ev request event, p policy event,
+# sc stall cause, op KV change, e KV map block
+PARAM_TYPES = {"s": "step", "it": "item", "ev": "request", "p": "policy", "sc": "stall", "op": "kv_op", "e": "kv_block"}
+READ = re.compile(r"\b(s|it|ev|p|sc|op|e)\.([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?")
 
 
 def schema() -> dict[str, set[str]]:
@@ -47,7 +48,7 @@ def accessors(js: str) -> set[str]:
 
 # names that only records carry: a view that reads one of these has gone around record.js
 RECORD_ONLY = re.compile(r"(?<!\bR)\.(t_start|t_end|token_budget|num_tokens|prompt_len|completes_prompt|finish_reason|"
-                         r"output_tokens|items|kv|preempted|block_size)\b")
+                         r"output_tokens|items|kv|preempted|block_size|stall_causes|by_tokens|kv_ops|kv_map)\b")
 
 
 STRINGS = re.compile(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'')
@@ -81,6 +82,7 @@ def test_the_checks_catch_a_bad_read():
     assert unknown_fields("const f = (s) => s.kv.usd;") == [("kv", "usd")]
     assert unknown_fields("const f = (it) => it.prompt_len + it.tokens;") == []
     assert unknown_fields("const f = (p) => p.step_delay;") == []
+    assert unknown_fields("const f = (sc) => sc.by + sc.caus;") == [("stall", "caus")]
     assert direct_reads("const x = rec.t_end - rec.t_start;\nconst y = tk.gap;") == ["const x = rec.t_end - rec.t_start;"]
     assert direct_reads('const k = "metrics.kv", y = R.items(s);') == []
     assert accessors("  BS.rec = {\n    tEnd: (s) => s.t_end,\n    settings(p) {\n") == {"tEnd", "settings"}

@@ -36,7 +36,7 @@ def test_every_field_has_a_meaning_and_the_contract_names_are_kept():
 def step(**over):
     base = dict(step=3, t_start=1.0, t_end=1.5, policy="chunked", token_budget=8, max_num_seqs=2,
                 items=(StepItem("r1", "A", "decode", 1, 9),), num_tokens=1, finished=(), preempted=(),
-                stalled=(), kv=KVState(1, 8, 0, 4), waiting=0, running=1, failed=False)
+                stalled=(), stall_causes=(), kv=KVState(1, 8, 0, 4), waiting=0, running=1, failed=False)
     return StepRecord(**{**base, **over})
 
 

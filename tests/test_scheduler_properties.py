@@ -119,6 +119,7 @@ class Case:
         assert bm.num_hit_tokens == self.hits, "prefix hits counted for admissions that were undone"
         self.check_preemption(batch, newcomers, where)
         self.check_fairness(batch, where)
+        self.check_stall_causes(batch, where)
         self.check_blocks(where)
 
     def check_static_prefill(self, batch: Batch, before: dict, prefills: int, where: str):
@@ -142,6 +143,22 @@ class Case:
         assert not kept, f"preempted {[s.id for s in batch.preempted]} but kept newer {kept}; {where}"
         for s in batch.preempted:
             assert s.status == Status.WAITING and s not in self.sched.running, where
+
+    def check_stall_causes(self, batch: Batch, where: str):
+        """Every running decode left out has its cause, decided by the scheduler, and the cause is true."""
+        sched = self.sched
+        for s in sched.running:
+            if not s.is_prefill_done or s in batch:
+                continue
+            assert s.id in batch.left_out, f"{s.id} left out without a cause; {where}"
+            cause, by, n = batch.left_out[s.id]
+            if cause in ("prefill", "static_batch"):
+                assert cause == ("prefill" if sched.policy == "continuous" else "static_batch"), where
+                assert any(x.id == by and m == n and not x.is_prefill_done for x, m in batch.items), where
+            elif cause == "no_slot":
+                assert len(batch.items) >= sched.max_num_seqs or batch.preempted, where
+            else:
+                assert cause == "budget", where
 
     def check_fairness(self, batch: Batch, where: str):
         """Chunked: every ready decode gets its token at least every ceil(running / slots) steps."""

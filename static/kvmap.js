@@ -1,0 +1,93 @@
+// The KV cache map: every block a cell, rebuilt from the steps' kv_ops and kv_map (BS.analysis.kvBlocks,
+// the twin of engine/analysis.py kv_blocks). Held: the holder's chat colour; shared by a prefix hit: its
+// ref count written on it; cached but free (evictable): a pale cell with a dot; free: an empty outline.
+(function () {
+  const BS = (window.BS = window.BS || {});
+  const R = BS.rec;
+  const CELL = 14, GAP = 2;
+  let box, canvas, tip, shown = null, lastKey = "", lastDraw = 0;
+
+  BS.addStrings({
+    en: {
+      "kv.title": "KV cache map: who holds each block",
+      "kv.caption": "One cell per KV block, in its owner's colour; a number is a prefix shared by that many requests, pale cells are cached but free, and a preemption empties its owner's cells at once.",
+      "kv.block": "block", "kv.free": "free", "kv.cached": "cached (reusable)", "kv.holders": "held by", "kv.refs": "ref count",
+      "kv.step": "after step",
+    },
+    zh: {
+      "kv.title": "KV缓存图：每个块归谁",
+      "kv.caption": "每个格子是一个KV块，颜色是持有它的请求；数字表示被多少请求共享的前缀，浅色格是已缓存但空闲的块，抢占会立刻清空其持有者的格子。",
+      "kv.block": "块", "kv.free": "空闲", "kv.cached": "已缓存（可复用）", "kv.holders": "持有者", "kv.refs": "引用计数",
+      "kv.step": "步之后",
+    },
+  });
+
+  const label = (rid) => { const r = BS.store.reqs.get(rid); return r ? r.label : rid; };
+
+  function draw() {
+    const steps = BS.store.steps, v = BS.view;
+    const upto = v && v.mode !== "live" && v.cursor != null ? v.cursor : null;
+    const last = upto == null ? steps[steps.length - 1] : steps[steps.findLastIndex((s) => R.step(s) <= upto)];
+    const head = box.querySelector("[data-role=head]");
+    if (!last) { shown = null; return; }
+    const blocks = BS.analysis.kvBlocks(steps, R.step(last)), total = R.kvTotal(last);
+    shown = { step: R.step(last), total, blocks };
+    box.dataset.step = R.step(last);
+    const used = [...blocks.values()].filter((b) => b.holders.length).length;
+    head.textContent = BS.t("kv.step") + " " + R.step(last) + " · " + used + " / " + total + " · " +
+      BS.t("kv.cached") + " " + [...blocks.values()].filter((b) => b.cached).length;
+    const dpr = window.devicePixelRatio || 1, w = Math.max(200, Math.round(canvas.getBoundingClientRect().width));
+    const cols = Math.max(1, Math.floor(w / (CELL + GAP))), h = Math.ceil(total / cols) * (CELL + GAP);
+    canvas.style.height = h + "px";
+    if (canvas.width !== w * dpr || canvas.height !== h * dpr) { canvas.width = w * dpr; canvas.height = h * dpr; }
+    const g = canvas.getContext("2d");
+    g.setTransform(dpr, 0, 0, dpr, 0, 0); g.clearRect(0, 0, w, h);
+    g.font = "bold 9px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
+    shown.cols = cols;
+    for (let b = 0; b < total; b++) {
+      const x = (b % cols) * (CELL + GAP), y = Math.floor(b / cols) * (CELL + GAP), e = blocks.get(b);
+      if (!e) { g.strokeStyle = "#c8c8c8"; g.lineWidth = 1; g.strokeRect(x + 0.5, y + 0.5, CELL - 1, CELL - 1); continue; }
+      if (!e.holders.length) {               // cached but free: evictable
+        g.fillStyle = "#e4e4e4"; g.fillRect(x, y, CELL, CELL);
+        g.fillStyle = "#777"; g.beginPath(); g.arc(x + CELL / 2, y + CELL / 2, 2, 0, 2 * Math.PI); g.fill();
+        continue;
+      }
+      const color = BS.colorOf(label(e.holders[0]));
+      g.fillStyle = color; g.fillRect(x, y, CELL, CELL);
+      if (e.holders.length > 1) { g.fillStyle = BS.inkOn(color); g.fillText(String(e.holders.length), x + CELL / 2, y + CELL / 2 + 1); }
+    }
+  }
+
+  function onMove(ev) {
+    if (!shown) return;
+    const r = canvas.getBoundingClientRect();
+    const col = Math.floor((ev.clientX - r.left) / (CELL + GAP)), row = Math.floor((ev.clientY - r.top) / (CELL + GAP));
+    const b = row * shown.cols + col;
+    if (col >= shown.cols || b < 0 || b >= shown.total) { tip.hidden = true; return; }
+    const e = shown.blocks.get(b);
+    const lines = [BS.t("kv.block") + " " + b];
+    if (!e) lines.push(BS.t("kv.free"));
+    else {
+      lines.push(BS.t("kv.refs") + " " + e.holders.length + (e.cached ? " · " + BS.t("kv.cached") : ""));
+      if (e.holders.length) lines.push(BS.t("kv.holders") + ": " + e.holders.map((h) => label(h) + " (" + h + ")").join(", "));
+    }
+    tip.textContent = lines.join(" · ");
+    tip.hidden = false;
+    tip.style.left = (ev.clientX - r.left + 12) + "px"; tip.style.top = (ev.clientY - r.top + 12) + "px";
+  }
+
+  // the map as drawn, for tests: [[block, holders, cached]]
+  BS.kvMapShown = () => (shown ? { step: shown.step, blocks: [...shown.blocks].map(([b, e]) => [b, e.holders, e.cached]) } : null);
+
+  BS.initKvMap = function (stage) {
+    box = stage.querySelector("[data-testid=kv-map]");
+    if (!box) return;
+    canvas = box.querySelector("canvas"); tip = box.querySelector("[data-role=tip]");
+    canvas.addEventListener("mousemove", onMove);
+    canvas.addEventListener("mouseleave", () => { tip.hidden = true; });
+    BS.kvFrame = (now) => {                // called by main.js's one animation loop
+      const v = BS.store.version + ":" + (BS.view ? BS.view.mode + BS.view.cursor : "") + BS.lang();
+      if (v !== lastKey && now - lastDraw > 300) { lastKey = v; lastDraw = now; draw(); }
+    };
+  };
+})();

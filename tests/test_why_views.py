@@ -1,0 +1,218 @@
+"""The "why" views in a real browser: static/analysis.js against engine/analysis.py, and what the views draw.
+
+A recorded trace (tests/data/why_trace.json, `python -m tests.record_why_trace`: every
+stall cause and a preemption, on the default model) and synthetic streams are fed to
+the stage offline, as a trace file would be. The page's fit, advice, gap causes and
+cause table must equal Python's; the X-ray of a picked step must list exactly that
+record's items; each view draws live and while the chart is paused for replay.
+"""
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from demos import trace
+from engine import analysis, metrics
+from tests.test_analysis import linear_stream
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = Path("/usr/bin/chromium")
+TRACE = Path(__file__).parent / "data" / "why_trace.json"
+DOCS = ROOT / "docs"
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium (/usr/bin/chromium) is not "
+                                                                "installed; browser tests need it")]
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+@pytest.fixture(scope="module")
+def page():
+    from playwright.sync_api import sync_playwright
+
+    from app.ui import SCRIPTS
+    html = (ROOT / "static" / "stage.html").read_text()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        pg = browser.new_page(viewport={"width": 1400, "height": 1800})
+        errors = []
+        pg.on("pageerror", lambda e: errors.append(str(e)))
+
+        def load(stream: list[dict]):
+            pg.set_content(f"<html><body>{html}</body></html>")
+            pg.evaluate("window.BS = {offline: true}")
+            pg.add_style_tag(content=(ROOT / "static" / "style.css").read_text())
+            for name in SCRIPTS:
+                pg.add_script_tag(content=(ROOT / "static" / name).read_text())
+            pg.wait_for_function("window.BS && BS.store && BS.analysis")
+            pg.evaluate("(s) => BS.ingestAll(s)", stream)
+            pg.wait_for_function("document.querySelector('[data-testid=cost-model]').dataset.a !== undefined")
+            assert not errors, errors
+            return pg
+
+        yield load
+        browser.close()
+
+
+def close(a, b, rel=1e-9):
+    return (a is None and b is None) or (a is not None and b is not None and math.isclose(a, b, rel_tol=rel,
+                                                                                          abs_tol=1e-12))
+
+
+def page_fit(pg):
+    return pg.evaluate("""() => {
+        const st = BS.store.steps, d = BS.analysis.devices(st)[0];
+        return BS.analysis.fitCost(BS.analysis.costPoints(st, d), d); }""")
+
+
+def check_fit(got, want):
+    assert got["device"] == want.device and got["n"] == want.n and got["terms"] == want.terms
+    for k in ("a", "b", "c", "r2"):
+        assert close(got[k], getattr(want, k), rel=1e-7), (k, got[k], getattr(want, k))
+
+
+def test_recorded_trace_fit_causes_and_table_match_python(page):
+    objs = trace.load(TRACE)
+    pg = page(objs)
+    check_fit(page_fit(pg), analysis.fit_stream(objs)[0])
+    got = pg.evaluate("() => BS.analysis.gapCauses(BS.store.steps).map((g) => ({...g, cause: BS.analysis.gapCause(g)}))")
+    want = analysis.gap_causes(objs)
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        assert (g["req"], g["after"], g["step"], g["cause"]) == (w.req, w.after, w.step, w.cause)
+        assert close(g["seconds"], w.seconds)
+        assert [(p["step"], p["cause"], p["by"], p["byTokens"]) for p in g["parts"]] == \
+               [(p.step, p.cause, p.by, p.by_tokens) for p in w.parts]
+    # the cause table: newest four stretches, one cell per cause, Python's seconds
+    cells = pg.evaluate("""() => [...document.querySelectorAll('[data-testid=stall-causes] tr[data-cause]')].map(
+        (tr) => [tr.dataset.cause, [...tr.querySelectorAll('td')].map((td) => +td.dataset.value)])""")
+    want_cols = analysis.cause_time(objs)[-4:]
+    assert [c for c, _ in cells] == list(analysis.CAUSES)
+    for cause, values in cells:
+        assert len(values) == len(want_cols)
+        assert all(close(v, col[cause]) for v, col in zip(values, want_cols)), cause
+    # the advisor: Python's budget for the page's target and context
+    box = pg.evaluate("() => ({...document.querySelector('[data-testid=cost-model]').dataset})")
+    fit = analysis.fit_stream(objs)[0]
+    ctx = analysis.median([p.context for p in analysis.cost_points(objs, fit.device)])
+    assert close(float(box["context"]), ctx) and box["regime"] == analysis.regime(fit, int(box["budget"]))
+    advice = pg.evaluate("() => document.querySelector('[data-role=advice]').dataset.budget")
+    want_advice = analysis.advise_budget(fit, 0.2, ctx)
+    assert advice == ("" if want_advice is None else str(want_advice))
+
+
+@settings(max_examples=15)
+@given(a=st.floats(0.001, 0.1), b=st.floats(1e-5, 1e-2), c=st.floats(0, 1e-4),
+       shapes=st.lists(st.tuples(st.lists(st.integers(0, 500), max_size=6),
+                                 st.one_of(st.none(), st.tuples(st.integers(0, 300), st.integers(1, 64)))),
+                       min_size=3, max_size=30).filter(lambda s: all(d or c for d, c in s)),
+       noise=st.lists(st.floats(0.0, 0.01), min_size=30, max_size=30))
+def test_random_streams_page_fit_matches_python(page, a, b, c, shapes, noise):
+    stream = linear_stream(a, b, c, shapes)
+    stream = [dict(r, t_end=r["t_end"] + e) for r, e in zip(stream, noise)]
+    check_fit(page_fit(page(stream)), analysis.fit_stream(stream)[0])
+
+
+def xray_rows(pg):
+    return pg.evaluate("""() => [...document.querySelectorAll('[data-testid=step-xray] tbody tr')].map((tr) => ({
+        req: tr.dataset.req, kind: tr.dataset.kind, start: +tr.dataset.start, end: +tr.dataset.end,
+        context: +tr.dataset.context, blocks: +tr.dataset.blocks}))""")
+
+
+def test_xray_of_a_picked_step_lists_exactly_its_items_live_and_paused(page):
+    objs = trace.load(TRACE)
+    pg = page(objs)
+    recs = metrics.steps(objs)
+    mixed = next(r for r in recs if {i["kind"] for i in r["items"]} == {"decode", "prefill"})
+    for rec in (recs[-1], mixed):
+        if rec is mixed:      # a column picked on the chart: the gantt's click hook opens it
+            pg.evaluate("(n) => BS.play.seek(n)", rec["step"])
+            pg.evaluate("(n) => BS.onStepClick(BS.store.steps.find((s) => s.step === n))", rec["step"])
+        pg.wait_for_function("(n) => document.querySelector('[data-testid=step-xray]').dataset.step == n", arg=rec["step"])
+        bs = rec["kv"]["block_size"]
+        want = [{"req": i["req"], "kind": i["kind"], "start": i["start"], "end": i["start"] + i["tokens"] - 1,
+                 "context": i["start"] + i["tokens"], "blocks": -(-(i["start"] + i["tokens"]) // bs)} for i in rec["items"]]
+        assert xray_rows(pg) == want
+    # paused at an earlier step, the cost view fits only the steps up to it
+    n = pg.evaluate("() => +document.querySelector('[data-testid=cost-model]').dataset.n")
+    assert n == len(analysis.cost_points([r for r in objs if r.get("type") != "step" or r["step"] <= mixed["step"]]))
+
+
+def test_a_clicked_chart_column_opens_in_the_xray_and_stalls_link_to_their_cause(page):
+    objs = trace.load(TRACE)
+    pg = page(objs)
+    rec = next(r for r in metrics.steps(objs) if any(c["cause"] == "prefill" for c in r["stall_causes"]))
+    pg.evaluate("(n) => BS.play.seek(n)", rec["step"])
+    pg.wait_for_function("(n) => BS.view.drawn && BS.view.drawn.steps.includes(n)", arg=rec["step"])
+    cell = pg.evaluate("(n) => BS.view.drawn.cells.find((c) => c.step === n && c.kind === 'prefill')", rec["step"])
+    box = pg.locator("[data-testid=gantt]").bounding_box()
+    pg.mouse.click(box["x"] + cell["x"] + cell["w"] / 2, box["y"] + cell["y"] + cell["h"] / 2)
+    pg.wait_for_function("(n) => document.querySelector('[data-testid=step-xray]').dataset.step == n", arg=rec["step"])
+    links = pg.evaluate("() => BS.stallLinks")
+    want = {(rec["step"], c["req"], c["by"]) for c in rec["stall_causes"] if c.get("by")}
+    assert want <= {(x["step"], x["req"], x["by"]) for x in links}
+    head = pg.evaluate("() => document.querySelector('[data-testid=step-xray] [data-role=head]').textContent")
+    assert "Doc" in head and str(rec["stall_causes"][0]["by_tokens"]) in head
+
+
+def test_views_speak_chinese_and_screenshots(page):
+    objs = trace.load(TRACE)
+    pg = page(objs)
+    rec = next(r for r in metrics.steps(objs) if any(i["kind"] == "decode" for i in r["items"])
+               and any(i["kind"] == "prefill" and i["start"] > 0 for i in r["items"]))
+    pg.evaluate("(n) => BS.onStepClick(BS.store.steps.find((s) => s.step === n))", rec["step"])
+    pg.wait_for_function("(n) => document.querySelector('[data-testid=step-xray]').dataset.step == n", arg=rec["step"])
+    pg.wait_for_timeout(600)
+    for name in ("cost-model", "step-xray", "stall-causes"):
+        pg.locator(f"[data-testid={name}]").screenshot(path=str(DOCS / f"ui_{name.replace('-', '_')}.png"))
+    pg.evaluate("() => BS.setLang('zh')")
+    pg.wait_for_function("() => document.querySelector('[data-testid=cost-model] [data-role=caption]')"
+                         ".textContent.includes('在')")
+    assert "单步透视" in pg.locator("[data-testid=step-xray] h3").text_content()
+    assert "被抢占" in pg.locator("[data-testid=stall-causes]").text_content()
+
+
+def engine_blocks(engine) -> dict:
+    """The engine's block tables as the map shows them: block -> (holders, cached), held or cached blocks only."""
+    holders: dict[int, list[str]] = {}
+    for seq in engine.scheduler.running:
+        for b in seq.block_table:
+            holders.setdefault(b, []).append(seq.id)
+    return {b.id: (sorted(holders.get(b.id, ())), b.hash is not None) for b in engine.block_manager.blocks
+            if b.id in holders or b.hash is not None}
+
+
+def test_kv_map_matches_the_engine_at_paused_steps_through_a_preemption(page):
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", num_kv_blocks=20, block_size=4, seed=0,
+                                    policy="chunked", max_num_batched_tokens=16, cpu_threads=1))
+    stream: list[dict] = []
+    engine.subscribe(stream.append)
+    shared = "You are a helpful assistant who answers in one short sentence. "
+    for name, q in [("Alice", "Why is the sky blue?"), ("Bob", "What is rain?"), ("Carol", "Name a planet."),
+                    ("Dan", "What is a cat?")]:
+        engine.add_request(prompt=shared + q, params=SamplingParams(max_tokens=14, ignore_eos=True), label=name)
+    truth = {}
+    while engine.has_unfinished() and len(truth) < 60:
+        rec = engine.step()
+        truth[rec["step"]] = engine_blocks(engine)
+    recs = metrics.steps(stream)
+    preempted = [r["step"] for r in recs if r["preempted"]]
+    shared_blocks = [s for s, m in truth.items() if any(len(h) > 1 for h, _ in m.values())]
+    assert preempted and shared_blocks, "the workload should share a prefix and preempt"
+    pg = page(stream)
+    for step in sorted({shared_blocks[0], preempted[0], preempted[0] + 1, max(truth)}):
+        want = {b: (tuple(h), c) for b, (h, c) in truth[step].items()}
+        assert analysis.kv_blocks(stream, step) == want
+        pg.evaluate("(n) => BS.play.seek(n)", step)
+        pg.wait_for_function("(n) => document.querySelector('[data-testid=kv-map]').dataset.step == n", arg=step)
+        shown = pg.evaluate("() => BS.kvMapShown()")
+        assert {b: (tuple(h), c) for b, h, c in shown["blocks"]} == want, step
+    # the preemption frees its victim's blocks: none of them is held by it after that step
+    victim = next(r for r in recs if r["preempted"])["preempted"][0]
+    assert all(victim not in h for h, _ in truth[preempted[0]].values())
+    pg.evaluate("(n) => BS.play.seek(n)", preempted[0])
+    pg.wait_for_timeout(500)
+    pg.locator("[data-testid=kv-map]").screenshot(path=str(DOCS / "ui_kv_map.png"))
