@@ -28,6 +28,13 @@
   };
   BS.unknownLabels = () => [...unknown];
 
+  // ink that reads on a fill of this colour (text drawn on a cell)
+  BS.inkOn = function (hex) {
+    const n = parseInt(hex.slice(1), 16);
+    const r = (n >> 16) & 255, g = (n >> 8) & 255, b = n & 255;
+    return 0.299 * r + 0.587 * g + 0.114 * b > 150 ? BS.colors.ink : BS.colors.paper;
+  };
+
   BS.colorOf = function (label) {
     const text = String(label || ""), key = text.toLowerCase();
     if (slots.has(text)) return USERS[slots.get(text) % USERS.length][1];
