@@ -19,7 +19,7 @@ COLLAPSE_S = 8
 RUNNER = """
 const fs = require("fs");
 global.window = {};
-eval(fs.readFileSync(process.argv[1], "utf8"));
+for (const file of process.argv.slice(1)) eval(fs.readFileSync(file, "utf8"));   // record.js, then layout.js
 const BS = window.BS, out = [];
 for (const c of JSON.parse(fs.readFileSync(0, "utf8"))) {
   BS.store = { steps: c.steps, reqs: new Map(c.reqs.map((r) => [r.rid, r])), gaps: [] };
@@ -62,7 +62,7 @@ def room(rng: random.Random) -> dict:
 
 def test_rows_under_many_random_rooms():
     cases = [room(random.Random(seed)) for seed in range(300)]
-    done = subprocess.run([NODE, "-e", RUNNER, str(STATIC / "layout.js")], input=json.dumps(cases),
+    done = subprocess.run([NODE, "-e", RUNNER, str(STATIC / "record.js"), str(STATIC / "layout.js")], input=json.dumps(cases),
                           capture_output=True, text=True, timeout=120, check=True)
     for c, got in zip(cases, json.loads(done.stdout)):
         rows, by = got["rows"], {r["rid"]: r for r in c["reqs"]}
