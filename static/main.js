@@ -38,7 +38,7 @@
     BS.initMetrics(stage);
     BS.initRoom(stage);
     if (stage.querySelector("[data-testid=why]")) BS.initWhy(stage);   // the lecturer's "why" views
-    BS.connect();
+    if (!BS.offline) BS.connect();         // offline: a recorded stream is fed by BS.ingestAll
     requestAnimationFrame(frame);
     return true;
   }

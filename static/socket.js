@@ -146,6 +146,8 @@
     store.listeners.forEach((fn) => { try { fn(store); } catch (e) { console.error(e); } });
   };
   BS.onStore = (fn) => store.listeners.push(fn);
+  // a recorded stream (a trace file, a test) taken in at once, as if it had arrived live
+  BS.ingestAll = function (list) { for (const m of list) BS.ingest(m); pending = true; BS.flush(); };
 
   BS.url = function (path) {
     // the page may be mounted under a prefix (e.g. a reverse proxy); keep it

@@ -106,9 +106,9 @@ def _check_page_static_and_chat(url: str):
     with httpx.Client(base_url=url, timeout=120, trust_env=False) as http:
         assert http.get("/healthz").json()["status"] == "ok"
         page = http.get("/")
-        assert page.status_code == 200 and "/static/batchscope/gantt.js" in page.text
-        script = http.get("/static/batchscope/gantt.js")
-        assert script.status_code == 200 and script.text == (ROOT / "static" / "gantt.js").read_text()
+        assert page.status_code == 200 and "/static/batchscope/draw.js" in page.text
+        script = http.get("/static/batchscope/draw.js")
+        assert script.status_code == 200 and script.text == (ROOT / "static" / "draw.js").read_text()
         reply = http.post("/v1/chat/completions", json=CHAT)
         assert reply.status_code == 200, reply.text
         body = reply.json()

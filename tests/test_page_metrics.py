@@ -34,8 +34,8 @@ def stage():
     """A page with the stage loaded offline; call it with a stream, get the table's cells."""
     from playwright.sync_api import sync_playwright
 
-    from app.ui import SCRIPTS
-    html = (ROOT / "static" / "stage.html").read_text()
+    from app.ui import SCRIPTS, stage_html
+    html = stage_html()
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})

@@ -32,8 +32,8 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
 def page():
     from playwright.sync_api import sync_playwright
 
-    from app.ui import SCRIPTS
-    html = (ROOT / "static" / "stage.html").read_text()
+    from app.ui import SCRIPTS, stage_html
+    html = stage_html()
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
         pg = browser.new_page(viewport={"width": 1400, "height": 1800})
