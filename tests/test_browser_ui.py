@@ -102,6 +102,20 @@ def replies_done(pg, n_labels):
             f" return mine.length && mine[mine.length - 1].end != null; }}); }})()")
 
 
+def settle(pg, i, quiet=1.5, timeout=60):
+    """Wait until panel i's chat stops changing: the engine's end reaches the chart through the socket,
+    and Gradio's last update of the reply can come after it."""
+    deadline, last, since = time.time() + timeout, None, time.time()
+    while time.time() < deadline:
+        now = pg.locator(f"#bs-chat-{i}").inner_text()
+        if now != last:
+            last, since = now, time.time()
+        elif time.time() - since >= quiet:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"panel {i} kept changing")
+
+
 def bot_text(pg, i):
     loc = pg.locator(f"#bs-chat-{i} [data-testid=bot]")
     return loc.last.inner_text() if loc.count() else ""
@@ -236,6 +250,7 @@ def test_bad_input_gets_a_friendly_error_and_the_other_panels_carry_on(page, ser
     wait_js(page, "!document.querySelector('#bs-notice-0 [role=alert]')")
     wait_js(page, replies_done(page, ["Alice"]))
     assert bot_text(page, 0)
+    settle(page, 0)
     # the chat's own clear button empties the panel for good: the next reply comes alone
     page.click("#bs-chat-0 button[aria-label=Clear]")
     wait_js(page, "document.querySelectorAll('#bs-chat-0 [data-testid=user]').length === 0")
