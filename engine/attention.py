@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @dataclass
@@ -71,14 +72,23 @@ def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
+# CUDA SDPA kernels without cuDNN's: cuDNN builds an execution plan for every new (q_len, ctx) shape,
+# and a serving engine's prefill chunks bring a new shape nearly every step (on an H200 a 512-token
+# step took 60-100 ms with it, most of it planning)
+CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def sdpa(q, k, v, **kw) -> torch.Tensor:
     """q: (b, heads, q_len, head_dim); k, v: (b, kv_heads, ctx, head_dim)."""
-    if q.is_cuda and k.shape[1] != q.shape[1]:
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+    if k.shape[1] != q.shape[1]:
         # CUDA SDPA honours enable_gqa only in its flash kernel (16-bit, no mask); elsewhere it falls back
         # to the math kernel and its (q_len, ctx) score matrix per head: expanding K/V is far cheaper
         group = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), **kw)
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    with sdpa_kernel(CUDA_SDPA):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
 class TorchAttention:

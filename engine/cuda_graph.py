@@ -81,13 +81,14 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture_all(self):
         pool = None
-        for b in reversed(self.sizes):        # largest first: the smaller graphs reuse its memory pool
-            self._forward(b)                  # warm-up: Triton compiles, cuBLAS picks its kernels
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self._forward(b)
-            pool = graph.pool()
-            self.graphs[b] = graph
+        with self.model.ops.fusing():         # the graphs hold the fused elementwise kernels
+            for b in reversed(self.sizes):    # largest first: the smaller graphs reuse its memory pool
+                self._forward(b)              # warm-up: torch.compile and Triton compile, cuBLAS picks kernels
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    self._forward(b)
+                pool = graph.pool()
+                self.graphs[b] = graph
         torch.cuda.synchronize()
 
     def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:

@@ -277,7 +277,39 @@ def test_fuse_on_cuda_dispatch_and_fallback(monkeypatch):
         return compiled
     monkeypatch.setattr(torch, "compile", failing_compile)
     f = FuseOnCuda(lambda x, y: y + 1)
+    f.active = True                                                  # as inside FusedOps.fusing()
     assert f(torch.zeros(1), 1) == 2 and f.compiled is None          # CPU: never compiled
     on_gpu = SimpleNamespace(is_cuda=True)
     assert f(on_gpu, 1) == 2 and f.compiled is f.fn                  # the compile failed: plain from now on
     assert f(on_gpu, 2) == 3
+    g = FuseOnCuda(lambda x, y: y + 1)                               # outside fusing(): plain, never compiled
+    assert g(on_gpu, 1) == 2 and g.compiled is None
+
+
+def test_fusing_is_on_only_inside_the_block():
+    from engine.models.llama import FusedOps
+    ops = FusedOps()
+    chains = (ops.rms_norm, ops.add_rms_norm, ops.apply_rope, ops.silu_and_mul)
+    with pytest.raises(RuntimeError):
+        with ops.fusing():
+            assert all(f.active for f in chains)
+            raise RuntimeError("a failed capture")
+    assert not any(f.active for f in chains)
+
+
+# ---- the GPU cost-trace recorder, short mode, on CPU ----
+def test_gpu_cost_trace_quick(tmp_path):
+    """The recorder runs end to end and writes a trace the cost model reads: a header naming what
+    produced it, and step records of every phase's shape (decode-only, prefill-only, mixed)."""
+    from engine.analysis import fit_stream
+    out = tmp_path / "trace.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_cost_trace.py"), "--quick", "--device", "cpu",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    objs = json.loads(out.read_text())
+    assert objs[0]["type"] == "trace" and objs[0]["scenario"] == "gpu-cost-sweep"
+    steps = [o for o in objs if o["type"] == "step"]
+    kinds = {frozenset(it["kind"] for it in s["items"]) for s in steps}
+    assert {frozenset({"decode"}), frozenset({"prefill"}), frozenset({"decode", "prefill"})} <= kinds
+    assert not any("kv_map" in s or "kv_ops" in s for s in steps)
+    assert [f.device for f in fit_stream(objs)] == ["cpu/float32"]
