@@ -146,6 +146,8 @@ def test_recorded_trace_every_stall_has_its_recorded_cause_and_every_cause_appea
                 assert any(it["req"] == p.by and it["tokens"] == p.by_tokens for it in rec["items"])
     fits = analysis.fit_stream(objs)
     assert [f.device for f in fits] == ["cpu/float32"] and fits[0].b > 0
+    # a CPU: at the trace's budget of 64 tokens a step costs in proportion to its tokens
+    assert analysis.regime(fits[0], 64) == "proportional"
 
 
 # ---- the KV map: ops and maps rebuild the block manager exactly ----
