@@ -115,7 +115,8 @@
     Object.assign(box.dataset, { device, a: fit.a, b: fit.b, c: fit.c, r2: fit.r2 == null ? "" : fit.r2, n: fit.n,
       terms: fit.terms, regime: A().regime(fit, budget), context: ctx, budget });
     cap.textContent = fill("cost.cap." + A().regime(fit, budget), { dev: device || "?", a: ms(fit.a), b: ms(fit.b) });
-    info.textContent = BS.t("cost.fit") + ": " + ms(fit.a) + " + " + ms(fit.b) + " × tokens + " + ms(fit.c) +
+    const term = (x) => (x < 0 ? " − " : " + ") + ms(Math.abs(x));    // a negative c reads "− 0.21 ms"
+    info.textContent = BS.t("cost.fit") + ": " + ms(fit.a) + term(fit.b) + " × tokens" + term(fit.c) +
       " × context · R² " + (fit.r2 == null ? "–" : fit.r2.toFixed(3)) + " · n " + fit.n + " · " + device;
     // axes
     const L = 52, B = 30, T = 10, Rm = 12;
