@@ -2,7 +2,7 @@
 //   cost-model    each step's wall time against its tokens, the fitted cost line and the budget advisor
 //   step-xray     one step's flat ragged batch: its items, the packed tokens and the attention mask
 //   stall-causes  why replies waited: gap time by cause per setting; the chart links a stall to its cause
-// Numbers come from static/analysis.js (the twin of engine/analysis.py); records are read through record.js.
+// Numbers come from static/analysis.js (the twin of app/analysis.py); records are read through record.js.
 (function () {
   const BS = (window.BS = window.BS || {});
   const R = BS.rec;

@@ -20,7 +20,8 @@ from pathlib import Path
 from app.scenarios import Arrival, Scenario
 from demos import trace
 from demos.runner import engine_meta, run_scenario
-from engine import EngineConfig, LLMEngine, analysis
+from app import analysis
+from engine import EngineConfig, LLMEngine
 
 OUT = Path(__file__).parent / "data" / "why_trace.json"
 CHATS = ("Name three colours.", "Count from one to five.", "What is a cat?", "Say hello in French.")

@@ -1,4 +1,4 @@
-"""engine/analysis.py: the step-cost fit and the stall causes, on streams with known answers and a recorded trace."""
+"""app/analysis.py: the step-cost fit and the stall causes, on streams with known answers and a recorded trace."""
 import math
 from pathlib import Path
 
@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app import analysis
 from demos import trace
-from engine import analysis, metrics
+from engine import metrics
 from engine.records import KV_MAP_EVERY, kv_map, kv_ops
 from tests.test_scheduler_properties import Case
 from tests.test_metrics import arrived, dec, pre, step
