@@ -72,7 +72,8 @@
   });
 
   const fill = (key, vars) => BS.t(key).replace(/\{(\w+)\}/g, (_, k) => vars[k]);
-  const ms = (sec) => (Math.abs(sec) < 0.01 ? (sec * 1000).toFixed(2) : (sec * 1000).toFixed(1)) + " ms";
+  const ms = (sec) => (sec !== 0 && Math.abs(sec) < 1e-5 ? (sec * 1e6).toFixed(2) + " µs"   // a GPU's per-token cost
+    : (Math.abs(sec) < 0.01 ? (sec * 1000).toFixed(2) : (sec * 1000).toFixed(1)) + " ms");
   const $ = (sel) => root.querySelector(sel);
 
   function el(tag, text, attrs) {
