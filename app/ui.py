@@ -36,8 +36,9 @@ SCRIPTS = ["record.js", "i18n.js", "palette.js", "socket.js", "layout.js", "draw
            "metrics.js", "analysis.js", "kvmap.js", "why.js", "room.js", "main.js", "whatif.js"]
 STATIC_URL = "/static/batchscope"     # Gradio serves its own assets under /static/js, /static/fonts, ...
 MAX_PANELS = len(USERS)
+# (policy, scenario) of each numbered lesson; its texts are ui_text's step{k} and step{k}_btn
 LESSONS = [("static", "static-vs-continuous"), ("continuous", "long-prompt-interrupts"),
-           ("chunked", "long-prompt-interrupts")]
+           ("chunked", "long-prompt-interrupts"), ("chunked", "budget-shapes")]
 KEY_JS = "(...a) => [...a.slice(0, -1), (window.sessionStorage && sessionStorage.getItem('batchscope.key')) || '']"
 
 
@@ -204,7 +205,7 @@ def build_ui(service, **options) -> gr.Blocks:
         steps_title = gr.Markdown(t("en", "steps_title"))
         with gr.Row(equal_height=True):
             lesson_md, lesson_btn = [], []
-            for k in range(3):
+            for k in range(len(LESSONS)):
                 with gr.Column(elem_classes="bs-lesson"):
                     lesson_md.append(gr.Markdown(t("en", f"step{k + 1}")))
                     lesson_btn.append(gr.Button(t("en", f"step{k + 1}_btn"), variant="primary",
@@ -271,8 +272,8 @@ def build_ui(service, **options) -> gr.Blocks:
             code = LANGS.get(choice, "en")
             ui.session(request).lang = code
             return ([t(code, "title"), t(code, "subtitle"), gr.update(label=t(code, "lang")), t(code, "steps_title")]
-                    + [t(code, f"step{k + 1}") for k in range(3)]
-                    + [gr.update(value=t(code, f"step{k + 1}_btn")) for k in range(3)]
+                    + [t(code, f"step{k + 1}") for k in range(len(LESSONS))]
+                    + [gr.update(value=t(code, f"step{k + 1}_btn")) for k in range(len(LESSONS))]
                     + [t(code, "scenarios")]
                     + [gr.update(value=SCENARIO_BUTTONS[code].get(n, n)) for n in scen_btn]
                     + [gr.update(value=t(code, w)) for w in ("add", "remove", "clear", "stop")]

@@ -28,7 +28,7 @@ TEXT = {
         "subtitle": ("Each chat panel below is one user. Send messages from several panels at once and watch "
                      "the chart: every column is one forward pass of the model, shared by everyone in it."),
         "lang": "Language",
-        "steps_title": "### Three generations of batching: press a button, then watch the chart",
+        "steps_title": "### Three generations of batching, then the budget that shapes a step: press a button, then watch the chart",
         "step1": ("**1 · Static batching.** A batch is formed, prefilled together, then decoded until its "
                   "*longest* reply is done. Nobody joins mid-batch: short replies finish and their slots sit "
                   "idle, while newcomers wait (dashed *queued* lines)."),
@@ -43,6 +43,12 @@ TEXT = {
                   "steps that still carry everyone's token, so the stall is gone. Flip the **Chunked prefill** "
                   "switch to compare."),
         "step3_btn": "▶ 3 · Run: the same, with chunked prefill",
+        "step4": ("**4 · The token budget.** A step computes at most *budget* tokens, however they are split. "
+                  "At a budget of 16 (prefill chunks of at most 4): 8 replies decode while two new prompts are "
+                  "read in chunks of 4 (8 + 2 × 4), then 16 replies decode at once (16 × 1), then four new "
+                  "4-token prompts fill a step with prefill alone (4 × 4). The batch bar under the chart draws "
+                  "one slot per token: watch the same 16 slots take three shapes."),
+        "step4_btn": "▶ 4 · Run: a budget of 16 tokens, three shapes (chunked)",
         "scenarios": "More scenarios (run under the current settings):",
         "add": "+ Add a user", "remove": "− Remove a user", "clear": "Clear chats", "stop": "■ Stop all",
         "send": "Send", "short": "Short question", "long": "Long document (~1,500 tokens)",
@@ -60,7 +66,7 @@ TEXT = {
         "title": "## batchscope：一步一步看 LLM 引擎如何批处理请求",
         "subtitle": "下面每个聊天面板是一个用户。同时从几个面板发消息，然后看图：每一列是模型的一次前向计算，由其中所有人共享。",
         "lang": "语言",
-        "steps_title": "### 批处理的三代：按下按钮，然后看图",
+        "steps_title": "### 批处理的三代，以及决定每一步形状的预算：按下按钮，然后看图",
         "step1": ("**1 · 静态批处理。** 先组成一批，一起预填充，然后一起解码，直到其中*最长*的回复结束。"
                   "中途谁也加不进来：短回复早早结束，它的位置空着，新来的请求只能排队（虚线表示*排队*）。"),
         "step1_btn": "▶ 1 · 运行：8 个请求，4 个位置（静态）",
@@ -71,6 +77,11 @@ TEXT = {
         "step3": ("**3 · 分块预填充。** 解码优先：每个进行中的回复先拿到下一个 token，剩下的 token 预算再装入新提示词的"
                   "*一块*。长文分几步读完，每一步仍然带着所有人的 token，停顿就消失了。拨动**分块预填充**开关来对比。"),
         "step3_btn": "▶ 3 · 运行：同样的场景，打开分块预填充",
+        "step4": ("**4 · 词元预算。** 一步最多计算*预算*个 token，不管怎么分。预算为 16（每块预填充最多 4 个 token）时："
+                  "先是 8 个回复解码，同时两个新提示词每次读 4 个 token（8 + 2 × 4）；然后 16 个回复一起解码（16 × 1）；"
+                  "最后四个 4-token 的新提示词只用预填充就占满一步（4 × 4）。图下方的批次条每个 token 画一格："
+                  "看同样的 16 格变成三种形状。"),
+        "step4_btn": "▶ 4 · 运行：16 个 token 的预算，三种形状（分块）",
         "scenarios": "更多场景（按当前设置运行）：",
         "add": "+ 添加用户", "remove": "− 移除用户", "clear": "清空聊天", "stop": "■ 全部停止",
         "send": "发送", "short": "短问题", "long": "长文（约 1500 token）",

@@ -26,8 +26,7 @@ from engine.detokenizer import Detokenizer
 from engine.loader import check_architecture, resolve_model
 from engine.model_runner import ModelRunner
 from engine.prompts import eos_ids, tokenize
-from engine.records import (KV_MAP_EVERY, KVState, PolicyEvent, Record, RequestEvent, StallCause, StepItem,
-                            StepRecord, StepTiming, kv_map, kv_ops)
+from engine.records import KVState, Listeners, PolicyEvent, RequestEvent, read_batch, step_record
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import Sequence, Status
@@ -66,7 +65,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}              # live
         self.done: OrderedDict[str, Sequence] = OrderedDict()  # finished or aborted, newest last
         self.max_done = 4096
-        self.listeners: list = []
+        self.listeners = Listeners()
         self.step_index = 0
         self._ids = itertools.count()
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -122,10 +121,7 @@ class LLMEngine:
         seq = self.get_request(request_id)
         if seq.is_finished:
             return False
-        self._end(seq, Status.ABORTED, "abort")
-        seq.error = reason
-        self.counters["requests_aborted"] += 1
-        self._emit_request(seq, "aborted", reason=reason)
+        self._abort(seq, "abort", reason)
         return True
 
     def has_unfinished(self) -> bool:
@@ -141,12 +137,10 @@ class LLMEngine:
         s.set_policy(keep(policy, s.policy), keep(max_num_batched_tokens, s.token_budget),
                      keep(max_num_seqs, s.max_num_seqs),
                      s.max_prefill_chunk if max_prefill_chunk is _UNSET else max_prefill_chunk)
-        self._emit(PolicyEvent(self.step_index, self.clock(), **self.settings()))
+        self.listeners.emit(PolicyEvent(self.step_index, self.clock(), **self.settings()))
 
     def settings(self) -> dict:
-        s = self.scheduler
-        return {"policy": s.policy, "max_num_batched_tokens": s.token_budget, "max_num_seqs": s.max_num_seqs,
-                "max_prefill_chunk": s.max_prefill_chunk}
+        return self.scheduler.settings()
 
     def stats(self) -> dict:
         return {**self.settings(), "model": self.model_name, "device": self.device,
@@ -158,55 +152,35 @@ class LLMEngine:
 
     # ---- listeners: every StepRecord and event goes to each, as a dict of its own ----
     def subscribe(self, fn):
-        self.listeners.append(fn)
+        self.listeners.subscribe(fn)
 
     def unsubscribe(self, fn):
-        if fn in self.listeners:
-            self.listeners.remove(fn)
-
-    def _emit(self, record: Record):
-        for fn in list(self.listeners):
-            try:
-                fn(record.to_dict())        # a new dict each: a listener may add its own fields to it
-            except Exception:
-                log.exception("a step listener failed; it is removed")
-                self.unsubscribe(fn)
+        self.listeners.unsubscribe(fn)
 
     def _emit_request(self, seq: Sequence, event: str, t: float | None = None, **extra):
         if self.listeners:
-            self._emit(RequestEvent(event, seq.id, seq.label, self.clock() if t is None else t, **extra))
+            self.listeners.emit(RequestEvent(event, seq.id, seq.label, self.clock() if t is None else t, **extra))
 
     # ---- the step ----
     def step(self) -> dict | None:
         """Schedule, run one forward pass, update every request in it. None when idle."""
         if not self.scheduler.has_work():
             return None
-        sched = self.scheduler
         t_start = self.clock()
-        batch = sched.schedule()
+        batch = self.scheduler.schedule()
         t_sched = self.clock()
-        items = tuple(StepItem.of(seq, n) for seq, n in batch.items)   # before the step moves them on
-        stalled = tuple(s.id for s in sched.running if s.is_prefill_done and s not in batch)
-        causes = tuple(StallCause(rid, *batch.left_out[rid]) for rid in stalled)
+        before = read_batch(batch, self.scheduler.running)
         for seq in batch.preempted:
             self.counters["preemptions"] += 1
             self._emit_request(seq, "preempted", t=t_sched, step=self.step_index)
         t_items = self.clock()
         finished, error = self._run(batch) if batch.items else ([], None)
         t_end = self.clock()
-        fields = dict(step=self.step_index, t_start=t_start, t_end=t_end, policy=sched.policy,
-                      token_budget=sched.token_budget, max_num_seqs=sched.max_num_seqs, items=items,
-                      num_tokens=batch.num_tokens, finished=tuple(finished),
-                      preempted=tuple(s.id for s in batch.preempted), stalled=stalled, stall_causes=causes,
-                      kv=KVState.of(self.block_manager), waiting=len(sched.waiting), running=len(sched.running),
-                      failed=error is not None, error=error, kv_ops=kv_ops(self.block_manager),
-                      kv_map=kv_map(self.block_manager, sched.running) if self.step_index % KV_MAP_EVERY == 0 else None)
-        timing = StepTiming(schedule=t_sched - t_start, items=t_items - t_sched, forward=t_end - t_items,
-                            record=self.clock() - t_end)
-        record = StepRecord(**fields, timing=timing, device=self.device_dtype)
+        record = step_record(self.step_index, self.scheduler, batch, before, finished, error,
+                             (t_start, t_sched, t_items, t_end), self.clock, self.device_dtype)
         self.step_index += 1
         self.counters["steps"] += 1
-        self._emit(record)
+        self.listeners.emit(record)
         return record.to_dict()
 
     def _run(self, batch: Batch) -> tuple[list[str], str | None]:
@@ -217,28 +191,23 @@ class LLMEngine:
         except Exception as e:
             log.exception("forward pass failed")
             for seq, _ in batch.items:
-                self._fail(seq, f"forward pass failed: {type(e).__name__}: {e}")
+                self._abort(seq, "error", f"forward pass failed: {type(e).__name__}: {e}")
             return [], type(e).__name__
         finished = []
         for seq, token in self.scheduler.update(batch, tokens, self.clock()):
             if token is None:
-                self._fail(seq, "the model produced non-finite logits")
-            elif self._after_token(seq, token):
+                self._abort(seq, "error", "the model produced non-finite logits")
+            elif self._after_token(seq):
                 finished.append(seq.id)
         return finished, None
 
-    def _after_token(self, seq: Sequence, token: int) -> bool:
+    def _after_token(self, seq: Sequence) -> bool:
         """Events and stop conditions for a token just appended; True when it ends the request."""
         self.counters["output_tokens"] += 1
         if seq.num_output_tokens == 1:
             self._emit_request(seq, "first_token", ttft=seq.first_token_time - seq.arrival_time)
-        p, reason = seq.params, None
-        if self.detokenizer.update(seq):
-            reason = "stop"
-        elif (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            reason = "stop"
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
+        stop_string = self.detokenizer.update(seq)     # every token: it also extends the text
+        reason = "stop" if stop_string else seq.stop_reason(self.eos_token_ids, self.max_model_len)
         if reason is None:
             return False
         self.detokenizer.update(seq, final=True)
@@ -247,10 +216,11 @@ class LLMEngine:
         self._emit_request(seq, "finished", finish_reason=reason, output_tokens=seq.num_output_tokens)
         return True
 
-    def _fail(self, seq: Sequence, message: str):
-        self._end(seq, Status.ABORTED, "error")
+    def _abort(self, seq: Sequence, finish_reason: str, message: str):
+        """End seq early: `abort` (a client asked, message is its reason) or `error` (message says what failed)."""
+        self._end(seq, Status.ABORTED, finish_reason)
         seq.error = message
-        self.counters["requests_failed"] += 1
+        self.counters["requests_failed" if finish_reason == "error" else "requests_aborted"] += 1
         self._emit_request(seq, "aborted", reason=message)
 
     def _end(self, seq: Sequence, status: Status, reason: str):
@@ -265,21 +235,15 @@ class LLMEngine:
     def generate(self, prompts: list | None = None, params: SamplingParams | list | None = None,
                  messages: list[list[dict]] | None = None) -> list[dict]:
         """Run a batch to completion. prompts: strings or token-id lists; or messages: chat histories."""
-        inputs = prompts if prompts is not None else messages
-        kinds = "prompt" if prompts is not None else "messages"
+        if prompts is None:
+            inputs = [{"messages": m} for m in messages]
+        else:
+            inputs = [{"prompt_token_ids": x} if isinstance(x, list) else {"prompt": x} for x in prompts]
         params_list = params if isinstance(params, list) else [params] * len(inputs)
-        rids = []
-        for x, p in zip(inputs, params_list):
-            if kinds == "prompt" and isinstance(x, list):
-                rids.append(self.add_request(prompt_token_ids=x, params=p))
-            else:
-                rids.append(self.add_request(**{kinds: x}, params=p))
-        while any(not self.get_request(r).is_finished for r in rids):
+        rids = [self.add_request(**x, params=p) for x, p in zip(inputs, params_list)]
+        while not all(self.get_request(r).is_finished for r in rids):
             self.step()
-        out = []
-        for r in rids:
-            seq = self.get_request(r)
-            out.append({"id": r, "text": seq.output_text, "token_ids": list(seq.output_token_ids),
-                        "finish_reason": seq.finish_reason, "error": seq.error})
-        return out
+        seqs = [self.get_request(r) for r in rids]
+        return [{"id": seq.id, "text": seq.output_text, "token_ids": list(seq.output_token_ids),
+                 "finish_reason": seq.finish_reason, "error": seq.error} for seq in seqs]
 

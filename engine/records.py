@@ -12,13 +12,17 @@ Pure Python: importing this module does not import torch.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from engine.block_manager import BlockManager
+    from engine.scheduler import Batch, Scheduler
     from engine.sequence import Sequence
+
+log = logging.getLogger("batchscope.engine")
 
 
 def doc(meaning: str, default: Any = dataclasses.MISSING, optional: bool = False):
@@ -261,6 +265,63 @@ def schema_markdown() -> str:
             parts.append(f"| `{f.name}` | {f.metadata['doc']}{note} |")
         parts.append("")
     return "\n".join(parts)
+
+
+# ---- building a step's record, and handing records out ----
+Before = tuple[tuple[StepItem, ...], tuple[str, ...], tuple[StallCause, ...]]
+
+
+def read_batch(batch: Batch, running: Iterable[Sequence]) -> Before:
+    """(items, stalled, stall causes) of a batch about to run, read before the step moves its sequences on.
+    stalled: running requests with a reply under way that the scheduler left out of the batch."""
+    items = tuple(StepItem.of(seq, n) for seq, n in batch.items)
+    stalled = tuple(s.id for s in running if s.is_prefill_done and s not in batch)
+    return items, stalled, tuple(StallCause(rid, *batch.left_out[rid]) for rid in stalled)
+
+
+def step_record(step: int, sched: Scheduler, batch: Batch, before: Before, finished: list[str],
+                error: str | None, times: tuple[float, float, float, float], clock: Callable[[], float],
+                device: str) -> StepRecord:
+    """The record of a step that has run. before: read_batch's reading; times: (start, scheduled,
+    items read, end) on `clock`, which also times this assembly (`timing.record`)."""
+    items, stalled, causes = before
+    t_start, t_sched, t_items, t_end = times
+    bm = sched.bm
+    fields = dict(step=step, t_start=t_start, t_end=t_end, policy=sched.policy, token_budget=sched.token_budget,
+                  max_num_seqs=sched.max_num_seqs, items=items, num_tokens=batch.num_tokens,
+                  finished=tuple(finished), preempted=tuple(s.id for s in batch.preempted), stalled=stalled,
+                  stall_causes=causes, kv=KVState.of(bm), waiting=len(sched.waiting), running=len(sched.running),
+                  failed=error is not None, error=error, kv_ops=kv_ops(bm),
+                  kv_map=kv_map(bm, sched.running) if step % KV_MAP_EVERY == 0 else None)
+    timing = StepTiming(schedule=t_sched - t_start, items=t_items - t_sched, forward=t_end - t_items,
+                        record=clock() - t_end)
+    return StepRecord(**fields, timing=timing, device=device)
+
+
+class Listeners:
+    """Who hears the records. Each gets every record as a dict of its own (it may add its own fields);
+    one that raises is logged and removed, so a broken reader cannot stop the engine."""
+
+    def __init__(self):
+        self.fns: list[Callable[[dict], None]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.fns)
+
+    def subscribe(self, fn: Callable[[dict], None]):
+        self.fns.append(fn)
+
+    def unsubscribe(self, fn: Callable[[dict], None]):
+        if fn in self.fns:
+            self.fns.remove(fn)
+
+    def emit(self, record: Record):
+        for fn in list(self.fns):
+            try:
+                fn(record.to_dict())
+            except Exception:
+                log.exception("a step listener failed; it is removed")
+                self.unsubscribe(fn)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,10 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_prefill_chunk = max_prefill_chunk
 
+    def settings(self) -> dict:
+        return {"policy": self.policy, "max_num_batched_tokens": self.token_budget,
+                "max_num_seqs": self.max_num_seqs, "max_prefill_chunk": self.max_prefill_chunk}
+
     # ---- queue changes ----
     def add(self, seq: Sequence):
         self.waiting.append(seq)

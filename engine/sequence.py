@@ -78,6 +78,17 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status in (Status.FINISHED, Status.ABORTED)
 
+    def stop_reason(self, eos_token_ids: set[int], max_model_len: int) -> str | None:
+        """Why the newest token ends the reply: `stop` (an end-of-sequence or stop token), `length`
+        (max_tokens reached, or the model's context is full), None when it goes on. Stop strings
+        are the detokenizer's to find: they need the text."""
+        p, token = self.params, self.output_token_ids[-1]
+        if (not p.ignore_eos and token in eos_token_ids) or token in p.stop_token_ids:
+            return "stop"
+        if self.num_output_tokens >= p.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None
+
     def append_token(self, token: int, now: float):
         self.output_token_ids.append(token)
         self.token_times.append(now)

@@ -1,4 +1,4 @@
-// Step cost and stall causes from the record stream: the twin of engine/analysis.py,
+// Step cost and stall causes from the record stream: the twin of app/analysis.py,
 // by the same definitions (read them there). A browser test replays a recorded trace
 // here and compares every number with Python's.
 //   fit        time ~ a + b*tokens + c*context per device/dtype, least squares; terms dropped
@@ -168,7 +168,7 @@
     adviseBudget, gapCauses, gapCause, causeTime };
 })();
 
-// the KV map after step `upto` (default: the last): block id -> {holders (sorted), cached}, as engine/analysis.py
+// the KV map after step `upto` (default: the last): block id -> {holders (sorted), cached}, as app/analysis.py
 (function () {
   const BS = window.BS, R = BS.rec;
   BS.analysis.kvBlocks = function (steps, upto) {

@@ -1,5 +1,5 @@
 // The KV cache map: every block a cell, rebuilt from the steps' kv_ops and kv_map (BS.analysis.kvBlocks,
-// the twin of engine/analysis.py kv_blocks). Held: the holder's chat colour; shared by a prefix hit: its
+// the twin of app/analysis.py kv_blocks). Held: the holder's chat colour; shared by a prefix hit: its
 // ref count written on it; cached but free (evictable): a pale cell with a dot; free: an empty outline.
 (function () {
   const BS = (window.BS = window.BS || {});

@@ -1,8 +1,9 @@
 // The "why" views, drawn from the record stream alone (live, paused or replayed):
-//   cost-model    each step's wall time against its tokens, the fitted cost line and the budget advisor
+//   cost-model    each step's wall time against its tokens, the fitted cost line and the budget advisor;
+//                 beside it, on request, the same plot of a trace recorded on a GPU (static/data/)
 //   step-xray     one step's flat ragged batch: its items, the packed tokens and the attention mask
 //   stall-causes  why replies waited: gap time by cause per setting; the chart links a stall to its cause
-// Numbers come from static/analysis.js (the twin of engine/analysis.py); records are read through record.js.
+// Numbers come from static/analysis.js (the twin of app/analysis.py); records are read through record.js.
 (function () {
   const BS = (window.BS = window.BS || {});
   const R = BS.rec;
@@ -11,7 +12,9 @@
   const MAX_COLUMNS = 4;
   // kind of step: colour and marker shape both tell it (Okabe-Ito blue, vermillion, bluish green)
   const KIND = { decode: ["#0072B2", "circle"], prefill: ["#D55E00", "square"], mixed: ["#009E73", "triangle"] };
+  const GPU_TRACE = "/static/batchscope/data/gpu_cost_trace.json";   // app/ui.py serves static/ there
   let root, picked = null, lastKey = "", lastDraw = 0;
+  let gpu = null;                            // the recorded GPU trace once loaded: {steps, meta}, or {error}
 
   BS.addStrings({
     en: {
@@ -24,6 +27,9 @@
       "cost.empty": "No computed steps yet.",
       "cost.cap.proportional": "On {dev} a step costs {a} on its own and every token adds {b}: a step costs in proportion to its tokens, so a prefill chunk slows everyone's next token.",
       "cost.cap.flat": "On {dev} a step costs {a} on its own and a token only {b}: a full budget rides almost free, which is why piggybacking decodes on prefill chunks (Sarathi-Serve) works.",
+      "cost.gpu.toggle": "compare with a recorded GPU trace",
+      "cost.gpu.note": "Recorded on an {gpu} ({dev}, budget {budget}) with random weights at {model}'s shapes: a step's time depends on the shapes, not on the weights' values. Hollow markers, dashed fit.",
+      "cost.gpu.loading": "Loading the GPU trace…", "cost.gpu.error": "The GPU trace could not be loaded: {msg}",
       "xray.title": "Step X-ray: what went into one forward pass",
       "xray.caption": "Click a column of the chart. Every row is one sequence in the flat batch; the mask shows which cached tokens each new token read.",
       "xray.pick": "Click a column of the chart to open its step.",
@@ -47,6 +53,9 @@
       "cost.empty": "还没有已计算的步。",
       "cost.cap.proportional": "在 {dev} 上，一步本身耗时 {a}，每个词元再加 {b}：步的代价与词元数成正比，所以一个预填充块会拖慢所有人的下一个词元。",
       "cost.cap.flat": "在 {dev} 上，一步本身耗时 {a}，每个词元只加 {b}：填满预算几乎不增加代价，这就是把解码捎带在预填充块上（Sarathi-Serve）可行的原因。",
+      "cost.gpu.toggle": "与录制的 GPU 轨迹对比",
+      "cost.gpu.note": "在 {gpu}（{dev}，预算 {budget}）上录制，权重是按 {model} 的形状随机生成的：一步的耗时取决于形状，与权重的数值无关。空心标记，虚线拟合。",
+      "cost.gpu.loading": "正在加载 GPU 轨迹……", "cost.gpu.error": "无法加载 GPU 轨迹：{msg}",
       "xray.title": "单步透视：一次前向计算里有什么",
       "xray.caption": "点击图中的一列。每行是扁平批中的一个序列；掩码显示每个新词元读取了哪些缓存的词元。",
       "xray.pick": "点击图中的一列以查看该步。",
@@ -63,7 +72,8 @@
   });
 
   const fill = (key, vars) => BS.t(key).replace(/\{(\w+)\}/g, (_, k) => vars[k]);
-  const ms = (sec) => (Math.abs(sec) < 0.01 ? (sec * 1000).toFixed(2) : (sec * 1000).toFixed(1)) + " ms";
+  const ms = (sec) => (sec !== 0 && Math.abs(sec) < 1e-5 ? (sec * 1e6).toFixed(2) + " µs"   // a GPU's per-token cost
+    : (Math.abs(sec) < 0.01 ? (sec * 1000).toFixed(2) : (sec * 1000).toFixed(1)) + " ms");
   const $ = (sel) => root.querySelector(sel);
 
   function el(tag, text, attrs) {
@@ -109,17 +119,23 @@
     box.dataset.points = pts.length;
     if (!fit) {
       cap.textContent = BS.t("cost.empty"); info.textContent = "";
-      delete box.dataset.a; return;
+      delete box.dataset.a; drawGpu(box); return;
     }
     const budget = R.budget(last), ctx = A().median(pts.map((p) => p.context));
     Object.assign(box.dataset, { device, a: fit.a, b: fit.b, c: fit.c, r2: fit.r2 == null ? "" : fit.r2, n: fit.n,
       terms: fit.terms, regime: A().regime(fit, budget), context: ctx, budget });
     cap.textContent = fill("cost.cap." + A().regime(fit, budget), { dev: device || "?", a: ms(fit.a), b: ms(fit.b) });
-    info.textContent = BS.t("cost.fit") + ": " + ms(fit.a) + " + " + ms(fit.b) + " × tokens + " + ms(fit.c) +
+    const term = (x) => (x < 0 ? " − " : " + ") + ms(Math.abs(x));    // a negative c reads "− 0.21 ms"
+    info.textContent = BS.t("cost.fit") + ": " + ms(fit.a) + term(fit.b) + " × tokens" + term(fit.c) +
       " × context · R² " + (fit.r2 == null ? "–" : fit.r2.toFixed(3)) + " · n " + fit.n + " · " + device;
-    // axes
+    plotCost(g, w, h, pts, fit, ctx, budget, adviceFor(fit, ctx), false);
+    legend(box);
+    drawGpu(box);
+  }
+
+  // one scatter with its fit line at the median context; hollow markers and a dashed line for a recorded trace
+  function plotCost(g, w, h, pts, fit, ctx, budget, advice, hollow) {
     const L = 52, B = 30, T = 10, Rm = 12;
-    const advice = adviceFor(fit, ctx);
     const xMax = Math.max(8, budget, advice || 0, ...pts.map((p) => p.tokens)) * 1.05;
     const yMax = Math.max(...pts.map((p) => p.seconds), A().predict(fit, xMax, ctx)) * 1.1 || 1;
     const X = (t) => L + (t / xMax) * (w - L - Rm), Y = (sec) => h - B - (sec / yMax) * (h - B - T);
@@ -133,18 +149,63 @@
     g.fillText(BS.t("cost.axis.y"), 0, 0); g.restore();
     // points: colour and shape by kind, size by context read
     const cMax = Math.max(1, ...pts.map((p) => p.context));
-    g.globalAlpha = 0.7;
+    g.globalAlpha = hollow ? 0.9 : 0.7; g.lineWidth = 1.5;
     for (const p of pts) {
       const [color, shape] = KIND[p.kind];
-      g.fillStyle = color; marker(g, shape, X(p.tokens), Y(p.seconds), 2.5 + 6 * Math.sqrt(p.context / cMax)); g.fill();
+      marker(g, shape, X(p.tokens), Y(p.seconds), 2.5 + 6 * Math.sqrt(p.context / cMax));
+      if (hollow) { g.strokeStyle = color; g.stroke(); } else { g.fillStyle = color; g.fill(); }
     }
     g.globalAlpha = 1;
     // the fit at the median context, the budget and the advised budget
-    g.strokeStyle = "#111"; g.lineWidth = 2; g.beginPath();
-    g.moveTo(X(0), Y(A().predict(fit, 0, ctx))); g.lineTo(X(xMax), Y(A().predict(fit, xMax, ctx))); g.stroke();
+    g.save(); g.strokeStyle = "#111"; g.lineWidth = 2; if (hollow) g.setLineDash([8, 4]); g.beginPath();
+    g.moveTo(X(0), Y(A().predict(fit, 0, ctx))); g.lineTo(X(xMax), Y(A().predict(fit, xMax, ctx))); g.stroke(); g.restore();
     vline(g, X(budget), T, h - B, "#555", [6, 4], BS.t("bar.budget") + " " + budget);
     if (advice) vline(g, X(advice), T + 14, h - B, "#CC79A7", [2, 3], "→ " + advice);
-    legend(box);
+  }
+
+  // ---- the recorded GPU trace, beside the live fit ----
+  async function loadGpu() {
+    gpu = { loading: true };
+    try {
+      const r = await fetch(BS.url(GPU_TRACE));
+      if (!r.ok) throw new Error("HTTP " + r.status);
+      BS.loadGpuTrace(await r.json());
+    } catch (e) { gpu = { error: String(e.message || e) }; }
+    lastKey = "";
+  }
+
+  // a trace file's objects: its meta line, then records (offline pages and tests hand it over directly)
+  BS.loadGpuTrace = function (objs) {
+    const meta = objs.find((o) => o.type === "trace") || {};
+    gpu = { meta, steps: objs.filter((o) => o.type === "step") };
+    lastKey = "";
+  };
+
+  function drawGpu(box) {
+    const on = box.querySelector("[data-testid=gpu-compare]").checked, part = box.querySelector("[data-role=gpu]");
+    part.hidden = !on;
+    if (!on) return;
+    if (!gpu) { loadGpu(); }
+    const note = part.querySelector("[data-role=gpu-note]"), cap = part.querySelector("[data-role=gpu-caption]");
+    const info = part.querySelector("[data-role=gpu-fit]");
+    if (!gpu || gpu.loading || gpu.error) {
+      note.textContent = gpu && gpu.error ? fill("cost.gpu.error", { msg: gpu.error }) : BS.t("cost.gpu.loading");
+      cap.textContent = info.textContent = ""; return;
+    }
+    const steps = gpu.steps, last = steps[steps.length - 1], device = R.device(last);
+    const pts = A().costPoints(steps, device), fit = A().fitCost(pts, device);
+    const m = gpu.meta;          // the trace's own budget (its meta line), which most of its steps ran under
+    const budget = m.max_num_batched_tokens || R.budget(last), ctx = A().median(pts.map((p) => p.context));
+    note.textContent = fill("cost.gpu.note", { gpu: m.gpu || "?", dev: device, budget,
+      model: (m.model || "").replace(/ shapes.*$/, "") || "?" });
+    Object.assign(part.dataset, { device, a: fit.a, b: fit.b, c: fit.c, r2: fit.r2 == null ? "" : fit.r2, n: fit.n,
+      regime: A().regime(fit, budget), budget });
+    cap.textContent = fill("cost.cap." + A().regime(fit, budget), { dev: device, a: ms(fit.a), b: ms(fit.b) });
+    const term = (x) => (x < 0 ? " − " : " + ") + ms(Math.abs(x));
+    info.textContent = BS.t("cost.fit") + ": " + ms(fit.a) + term(fit.b) + " × tokens" + term(fit.c) +
+      " × context · R² " + (fit.r2 == null ? "–" : fit.r2.toFixed(3)) + " · n " + fit.n + " · " + device;
+    const { g, w, h } = canvas2d(part.querySelector("canvas"), 220);
+    plotCost(g, w, h, pts, fit, ctx, budget, null, true);
   }
 
   function vline(g, x, y0, y1, color, dash, label) {
@@ -302,6 +363,7 @@
     BS.initKvMap(stage);
     if (!$("[data-testid=cost-model]")) return;
     $("[data-testid=tbt-target]").addEventListener("input", () => { lastKey = ""; });
+    $("[data-testid=gpu-compare]").addEventListener("change", () => { lastKey = ""; });
     $("[data-testid=apply-budget]").addEventListener("click", () => {
       const b = parseInt($("[data-role=advice]").dataset.budget, 10);
       if (b >= 1) BS.apply({ max_num_batched_tokens: b });

@@ -1,4 +1,4 @@
-"""engine/analysis.py: the step-cost fit and the stall causes, on streams with known answers and a recorded trace."""
+"""app/analysis.py: the step-cost fit and the stall causes, on streams with known answers and a recorded trace."""
 import math
 from pathlib import Path
 
@@ -6,13 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app import analysis
 from demos import trace
-from engine import analysis, metrics
+from engine import metrics
 from engine.records import KV_MAP_EVERY, kv_map, kv_ops
 from tests.test_scheduler_properties import Case
 from tests.test_metrics import arrived, dec, pre, step
 
 WHY_TRACE = Path(__file__).parent / "data" / "why_trace.json"
+GPU_TRACE = Path(__file__).resolve().parent.parent / "static" / "data" / "gpu_cost_trace.json"
 
 
 def cost_step(i, seconds, items, device="cpu/float32", **extra):
@@ -146,6 +148,8 @@ def test_recorded_trace_every_stall_has_its_recorded_cause_and_every_cause_appea
                 assert any(it["req"] == p.by and it["tokens"] == p.by_tokens for it in rec["items"])
     fits = analysis.fit_stream(objs)
     assert [f.device for f in fits] == ["cpu/float32"] and fits[0].b > 0
+    # a CPU: at the trace's budget of 64 tokens a step costs in proportion to its tokens
+    assert analysis.regime(fits[0], 64) == "proportional"
 
 
 # ---- the KV map: ops and maps rebuild the block manager exactly ----
@@ -192,3 +196,22 @@ def test_kv_map_rebuilt_from_the_records_equals_the_block_manager_every_step():
         case.drive()
         steps += len(case.stream)
     assert steps > 3000
+
+
+def test_recorded_gpu_trace_fit_says_flat_and_cpu_trace_proportional_at_the_same_budgets():
+    """The H200 trace (random weights at SmolLM2-135M's shapes; step time depends on shapes, not values):
+    at its budgets a full budget's tokens cost less than a step's fixed part. The CPU trace: the opposite."""
+    gpu_objs = trace.load(GPU_TRACE)
+    meta = gpu_objs[0]
+    assert meta["type"] == "trace" and meta["device"] == "cuda" and "random weights" in meta["model"]
+    fits = analysis.fit_stream(gpu_objs)
+    assert [f.device for f in fits] == ["cuda/bfloat16"] and fits[0].n == len(metrics.steps(gpu_objs))
+    gpu, cpu = fits[0], analysis.fit_stream(trace.load(WHY_TRACE))[0]
+    budget = meta["max_num_batched_tokens"]          # the budget most of its steps ran under (the page's caption)
+    assert budget == 512 and sum(r["token_budget"] == budget for r in metrics.steps(gpu_objs)) > 0.5 * gpu.n
+    for b in (16, 64, 256, budget):
+        assert analysis.regime(gpu, b) == "flat", b
+    for b in (64, 256, budget):
+        assert analysis.regime(cpu, b) == "proportional", b
+    # a GPU token costs a small fraction of a CPU token (per token, time relative to a step's fixed part)
+    assert gpu.b / gpu.a < 0.1 * cpu.b / cpu.a

@@ -21,3 +21,18 @@ def test_budget_16_runs_as_16_decodes_then_8_decodes_and_2_chunks_then_4_prefill
     assert (0, (4, 4, 4, 4)) in shapes                   # 4 prefills of 4 tokens
     order = [shapes.index(x) for x in ((8, (4, 4)), (16, ()), (0, (4, 4, 4, 4)))]
     assert order == sorted(order), shapes
+
+
+def test_the_budget_example_is_a_numbered_lesson_with_its_caption_in_both_languages():
+    from app.ui import LESSONS
+    from app.ui_text import TEXT
+    k = LESSONS.index(("chunked", "budget-shapes")) + 1
+    sc = get_scenario("budget-shapes")
+    assert sc.engine["max_num_batched_tokens"] == 16 and sc.engine["max_prefill_chunk"] == 4
+    for lang in ("en", "zh"):
+        caption, button = TEXT[lang][f"step{k}"], TEXT[lang][f"step{k}_btn"]
+        assert caption.startswith(f"**{k} · ") and button.startswith(f"▶ {k} · ")
+        for shape in ("8 + 2 × 4", "16 × 1", "4 × 4"):     # the three shapes the test above finds, in its order
+            assert shape in caption, (lang, shape)
+        assert caption.index("8 + 2 × 4") < caption.index("16 × 1") < caption.index("4 × 4")
+    assert all(f"step{i}" in TEXT["en"] and f"step{i}_btn" in TEXT["zh"] for i in range(1, len(LESSONS) + 1))

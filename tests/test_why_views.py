@@ -1,4 +1,4 @@
-"""The "why" views in a real browser: static/analysis.js against engine/analysis.py, and what the views draw.
+"""The "why" views in a real browser: static/analysis.js against app/analysis.py, and what the views draw.
 
 A recorded trace (tests/data/why_trace.json, `python -m tests.record_why_trace`: every
 stall cause and a preemption, on the default model) and synthetic streams are fed to
@@ -13,13 +13,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app import analysis
 from demos import trace
-from engine import analysis, metrics
+from engine import metrics
 from tests.test_analysis import linear_stream
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
 TRACE = Path(__file__).parent / "data" / "why_trace.json"
+GPU_TRACE = ROOT / "static" / "data" / "gpu_cost_trace.json"
 DOCS = ROOT / "docs"
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium (/usr/bin/chromium) is not "
@@ -101,6 +103,32 @@ def test_recorded_trace_fit_causes_and_table_match_python(page):
     advice = pg.evaluate("() => document.querySelector('[data-role=advice]').dataset.budget")
     want_advice = analysis.advise_budget(fit, 0.2, ctx)
     assert advice == ("" if want_advice is None else str(want_advice))
+
+
+def test_gpu_trace_beside_the_live_fit_with_its_own_fit_and_caption(page):
+    objs = trace.load(TRACE)
+    pg = page(objs)
+    part = "[data-testid=cost-model] [data-role=gpu]"
+    assert pg.locator(part).is_hidden()
+    pg.evaluate("(g) => BS.loadGpuTrace(g)", trace.load(GPU_TRACE))
+    pg.check("[data-testid=gpu-compare]")
+    pg.wait_for_function("(sel) => document.querySelector(sel).dataset.a !== undefined", arg=part)
+    got = pg.evaluate("(sel) => ({...document.querySelector(sel).dataset})", part)
+    gpu_objs = trace.load(GPU_TRACE)
+    want = analysis.fit_stream(gpu_objs)[0]
+    assert got["device"] == want.device == "cuda/bfloat16" and int(got["n"]) == want.n
+    for k in ("a", "b", "c", "r2"):
+        assert close(float(got[k]), getattr(want, k), rel=1e-7), k
+    assert got["regime"] == analysis.regime(want, int(got["budget"])) == "flat"
+    text = pg.locator(part).text_content()
+    assert "random weights" in text and "H200" in text and "almost free" in text
+    # the live CPU fit is still there, proportional, on its own plot
+    cpu = pg.evaluate("() => ({...document.querySelector('[data-testid=cost-model]').dataset})")
+    assert cpu["device"] == "cpu/float32" and cpu["regime"] == "proportional"
+    pg.wait_for_timeout(500)
+    pg.locator("[data-testid=cost-model]").screenshot(path=str(DOCS / "ui_cost_model_gpu.png"))
+    pg.uncheck("[data-testid=gpu-compare]")
+    pg.wait_for_function("(sel) => document.querySelector(sel).hidden", arg=part)
 
 
 @settings(max_examples=15)

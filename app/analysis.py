@@ -1,8 +1,9 @@
 """Why, not only what: step cost and stall causes, computed from the record stream alone. Pure Python.
 
-The one definition of the numbers the page's "why" views show (static/cost.js and
-static/stalls.js compute the same numbers the same way; a browser test replays a
-recorded trace into both and compares).
+The one definition of the numbers the page's "why" views show (static/analysis.js
+computes the same numbers the same way; tests/test_why_views.py replays a recorded
+trace into both and compares). Nothing in the engine's own path uses it: it reads
+the records the engine publishes, so it lives with the app that shows them.
 
   step cost    a least-squares fit, per `device` (device/dtype), of each computed
                step's wall time (t_end - t_start) against its shape:
