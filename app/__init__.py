@@ -2,9 +2,18 @@
 
     service = EngineService(EngineConfig(), ServerConfig())
     app = create_app(service)       # FastAPI; the Gradio UI mounts at "/"
-"""
-from app.config import ServerConfig
-from app.server import create_app
-from app.service import EngineService
 
-__all__ = ["EngineService", "ServerConfig", "create_app"]
+The names below load on first use, so that the pure-Python modules of this
+package (analysis, metrics of records, traces) import without the web stack:
+the GPU scripts read them on machines that have no gradio.
+"""
+from importlib import import_module
+
+_LAZY = {"EngineService": "app.service", "ServerConfig": "app.config", "create_app": "app.server"}
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'app' has no attribute {name!r}")

@@ -301,7 +301,7 @@ def test_fusing_is_on_only_inside_the_block():
 def test_gpu_cost_trace_quick(tmp_path):
     """The recorder runs end to end and writes a trace the cost model reads: a header naming what
     produced it, and step records of every phase's shape (decode-only, prefill-only, mixed)."""
-    from engine.analysis import fit_stream
+    from app.analysis import fit_stream
     out = tmp_path / "trace.json"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_cost_trace.py"), "--quick", "--device", "cpu",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -313,3 +313,15 @@ def test_gpu_cost_trace_quick(tmp_path):
     assert {frozenset({"decode"}), frozenset({"prefill"}), frozenset({"decode", "prefill"})} <= kinds
     assert not any("kv_map" in s or "kv_ops" in s for s in steps)
     assert [f.device for f in fit_stream(objs)] == ["cpu/float32"]
+
+
+def test_gpu_scripts_import_without_the_web_stack():
+    """A GPU machine may have torch and transformers but no gradio or fastapi: the scripts' imports
+    (engine/, app.analysis, app.scenarios' data) must not pull the web stack in."""
+    code = ("import sys, runpy; sys.argv = ['x', '--help']\n"
+            "for s in ('scripts/gpu_cost_trace.py', 'scripts/gpu_check.py'):\n"
+            "    try:\n        runpy.run_path(s, run_name='__main__')\n    except SystemExit:\n        pass\n"
+            "bad = {'gradio', 'fastapi', 'uvicorn'} & set(sys.modules)\n"
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
