@@ -318,8 +318,11 @@
     const table = $("[data-testid=stall-causes] table");
     const cols = A().causeTime(steps).slice(-MAX_COLUMNS);
     const head = el("tr"); head.append(el("th", ""));
-    for (const col of cols) head.append(el("th", BS.t("policy." + col.policy) + " · " + col.budget + " tok · " + col.maxSeqs,
-      { "data-policy": col.policy }));
+    for (const col of cols) {       // the setting on two lines: policy, then budget and sequence slots
+      const th = el("th", BS.t("policy." + col.policy), { "data-policy": col.policy });
+      th.append(el("br"), col.budget + " tok · " + col.maxSeqs);
+      head.append(th);
+    }
     const body = A().CAUSES.map((cause) => {
       const tr = el("tr", null, { "data-cause": cause }); tr.append(el("th", BS.t("cause." + cause)));
       for (const col of cols) tr.append(el("td", col.time[cause] ? ms(col.time[cause]) : "0", { "data-value": col.time[cause] }));
