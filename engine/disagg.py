@@ -21,8 +21,10 @@ processes, each an LLMEngine with its own share of the cores and its own KV cach
                   worker's go on.
 
 Both workers run the `chunked` scheduler; their step records say `policy:
-"disaggregated"` and carry `worker`. Each numbers its own steps; each worker's clock
-is set to the router's at start, so all times lie on one time line. A `kv_transfer`
+"disaggregated"` and carry `worker`. The router numbers the records of both in the
+order it relays them (`step`, unique as under one engine; `worker_step` is the
+worker's own count), and each worker's clock is set to the router's at start, so
+all times lie on one time line. A `kv_transfer`
 request event tells each hand-over (blocks, bytes, seconds).
 
 step() is the pump of a driver loop: it relays what the workers published and
@@ -78,6 +80,8 @@ class Worker:
                  wall0: float, commands: mp.Queue, results: mp.Queue):
         self.name, self.commands, self.results = name, commands, results
         self.engine = e = LLMEngine(config)
+        import torch
+        self.threads = torch.get_num_threads()
         e.t0 = time.perf_counter() - (time.time() - wall0)      # e.clock() now reads the router's clock
         self.shm, self.staging = staging.attach()
         self.free_slots = deque(s for s in range(staging.shape[0]) if s not in set(busy_slots))  # prefill
@@ -91,13 +95,12 @@ class Worker:
         if obj["type"] == "policy" or (obj["type"] == "request" and obj["event"] == "arrived"):
             return                           # the router publishes these, once for both workers
         if obj["type"] == "step":
-            obj["worker"], obj["policy"] = self.name, "disaggregated"
+            obj["worker"], obj["policy"], obj["threads"] = self.name, "disaggregated", self.threads
         self.out.append(obj)
 
     def run(self):
-        import torch
         e = self.engine
-        self.results.put(("ready", {"pid": os.getpid(), "threads": torch.get_num_threads(),
+        self.results.put(("ready", {"pid": os.getpid(), "threads": self.threads,
                                     "num_blocks": e.block_manager.num_blocks, "max_model_len": e.max_model_len,
                                     "device": e.device, "attention_backend": e.runner.backend.name,
                                     "bytes_per_block": e.runner.bytes_per_block}))
@@ -106,6 +109,7 @@ class Worker:
             cmd = self._next(block=not e.scheduler.has_work())
             while cmd is not None:
                 if cmd[0] == "stop":
+                    self.results.cancel_join_thread()    # exit now, whether or not the router reads on
                     return
                 getattr(self, "do_" + cmd[0])(*cmd[1:])
                 cmd = self._next(block=False)
@@ -369,7 +373,8 @@ class DisaggregatedEngine:
             if rid in self.requests:
                 self._apply(self.requests[rid], update)
         for obj in objs:
-            if obj["type"] == "step":
+            if obj["type"] == "step":        # one step numbering for both workers: every reader's `step`
+                obj["worker_step"], obj["step"] = obj["step"], self.step_index
                 w.last = obj
                 self.step_index += 1
                 self.counters["steps"] += 1
@@ -546,7 +551,7 @@ class DisaggregatedEngine:
             kv = [kv[0] + last["used"], kv[1] + last["total"], kv[2] + last["cached"]]
             workers[name] = {"pid": w.process.pid, "loading": w.info is None, "restarts": w.restarts,
                              "threads": (w.info or {}).get("threads"), "kv": last,
-                             "steps": w.last["step"] + 1 if w.last else 0}
+                             "steps": w.last["worker_step"] + 1 if w.last else 0}
         last = lambda name, k: (self.workers[name].last or {}).get(k, 0)
         return {**self.settings(), "model": self.model_name, "device": self.device, "dtype": self.config.dtype,
                 "attention_backend": (self.workers["decode"].info or {}).get("attention_backend"),

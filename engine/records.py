@@ -185,9 +185,13 @@ class StepRecord(Record):
                                              optional=True)
     device: str | None = doc("`device/dtype` of the forward pass (`cpu/float32`, `cuda/bfloat16`): step costs "
                              "are fitted per device and dtype", optional=True)
-    worker: str | None = doc("`disaggregated` only: the worker process that ran the step, `prefill` or `decode`; "
-                             "each worker numbers its own steps (`step`), on one clock (`t_start`, `t_end`)",
-                             optional=True)
+    worker: str | None = doc("`disaggregated` only: the worker process that ran the step, `prefill` or `decode` "
+                             "(both on one clock; `step` numbers the two workers' steps together, in the order "
+                             "the router relayed them)", optional=True)
+    worker_step: int | None = doc("`disaggregated` only: the step's index among its own worker's steps",
+                                  optional=True)
+    threads: int | None = doc("`disaggregated` only: torch threads of the worker that ran the step (its share "
+                              "of the cores)", optional=True)
 
     def to_dict(self) -> dict:
         return {"type": self.type, **super().to_dict()}
