@@ -168,3 +168,19 @@ class BlockManager:
                 block.parent = (parent.id, parent.gen) if parent else None
                 self.hash_to_block.setdefault(h, block.id)
                 self._note("commit", block.id, seq)
+
+    # ---- disaggregation: a sequence's KV leaves one engine and joins another (engine/disagg.py) ----
+    def export_blocks(self, seq: Sequence) -> list[int]:
+        """The blocks holding seq's computed tokens, in table order: copy them out, then free(seq)."""
+        return seq.block_table[:-(-seq.num_computed_tokens // self.block_size)]
+
+    def import_blocks(self, seq: Sequence, num_tokens: int) -> list[int] | None:
+        """Fresh blocks for a sequence whose first num_tokens tokens were computed elsewhere: its table
+        (copy the KV in), or None when the cache lacks room (nothing taken). Full blocks are published
+        to the prefix cache, as if computed here."""
+        assert not seq.block_table, "an imported sequence arrives without blocks"
+        if not self.allocate(seq, num_tokens):
+            return None
+        seq.num_computed_tokens = num_tokens
+        self.commit_full_blocks(seq)
+        return seq.block_table

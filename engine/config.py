@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POLICIES = ("static", "continuous", "chunked")
+SCHEDULER_POLICIES = ("static", "continuous", "chunked")     # one engine, one scheduler
+POLICIES = (*SCHEDULER_POLICIES, "disaggregated")             # + two engines (engine/disagg.py)
 BACKENDS = ("auto", "torch", "triton", "flash_attn")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",   # accepted name -> torch dtype name
           "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
@@ -19,7 +20,7 @@ class EngineConfig:
     model: str | None = None            # local folder or Hub id; None = embedded SmolLM2-135M-Instruct
     device: str = "auto"                # "auto" -> cuda if available, else cpu
     dtype: str = "auto"                 # "auto" -> bf16 on CUDA and on CPUs with AMX, else fp32
-    policy: str = "chunked"             # static | continuous | chunked
+    policy: str = "chunked"             # static | continuous | chunked | disaggregated (engine/disagg.py)
     max_num_batched_tokens: int = 256   # token budget of one step
     max_num_seqs: int = 16              # most sequences in one step
     max_prefill_chunk: int | None = None  # optional cap on one request's chunk (chunked policy)
@@ -60,6 +61,15 @@ class EngineConfig:
     def torch_dtype(self):
         import torch
         return getattr(torch, DTYPES[self.dtype])
+
+
+def check_scheduler_policy(policy: str):
+    """A policy one scheduler can run; `disaggregated` is two engines, not a scheduling rule."""
+    if policy == "disaggregated":
+        raise ValueError("`disaggregated` runs a prefill engine and a decode engine in two processes: "
+                         "build an engine.disagg.DisaggregatedEngine, not an LLMEngine")
+    if policy not in SCHEDULER_POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
 
 
 def check_budgets(max_num_batched_tokens: int, max_num_seqs: int, max_prefill_chunk: int | None):

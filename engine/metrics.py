@@ -32,6 +32,11 @@ trace and a GPU run give the same numbers.
   output tokens/s   all output tokens / (last token time - first arrival).
   budget fill  step num_tokens / token_budget (above 1 when a whole prompt
                longer than the budget runs in one step).
+  KV transfer  disaggregated: a request's KV handed from the prefill worker to
+               the decode worker (its `kv_transfer` event): seconds from the
+               export's start to the import's end, and bytes. A stretch's
+               transfers are those whose import ended (event `t`) between the
+               stretch's first t_start and its last t_end.
 
     from engine import metrics
     metrics.summarize(stream)                    # the numbers of docs/results.md
@@ -204,7 +209,15 @@ def summarize(stream: Iterable[dict], reqs: Iterable[str] | None = None) -> dict
         "idle_slots_while_waiting": sum(waiting_slots),
         "cached_prompt_tokens": sum(i.get("cached", 0) for r in recs for i in r["items"]),
     })
+    out.update({"kv_" + k: v for k, v in transfer_summary(events(stream, "kv_transfer")).items()})
     return out
+
+
+def transfer_summary(transfers: list[dict]) -> dict:
+    """Count, p50/p99 seconds and summed bytes of some kv_transfer events."""
+    secs = [e["seconds"] for e in transfers]
+    return {"transfers": len(transfers), "transfer_p50_s": percentile(secs, 50),
+            "transfer_p99_s": percentile(secs, 99), "transfer_bytes": sum(e["bytes"] for e in transfers)}
 
 
 def focus_summary(stream: Iterable[dict], focus_req: str) -> dict:
@@ -264,10 +277,11 @@ def stretches(stream: Iterable[dict]) -> list[dict]:
             runs[-1].append(rec)
         else:
             runs.append([rec])
-    return [_stretch(run, arr, toks) for run in runs]
+    moved = events(stream, "kv_transfer")
+    return [_stretch(run, arr, toks, moved) for run in runs]
 
 
-def _stretch(run: list[dict], arr: dict[str, float], toks: dict[str, list[Token]]) -> dict:
+def _stretch(run: list[dict], arr: dict[str, float], toks: dict[str, list[Token]], moved: list[dict]) -> dict:
     s0, s1 = run[0]["step"], run[-1]["step"]
     ttft = [tks[0].t - arr[req] for req, tks in toks.items() if s0 <= tks[0].step <= s1 and req in arr]
     mine = [tk for tks in toks.values() for tk in tks if s0 <= tk.step <= s1]
@@ -286,4 +300,5 @@ def _stretch(run: list[dict], arr: dict[str, float], toks: dict[str, list[Token]
         "kv_used_max": max(r["kv"]["used"] / r["kv"]["total"] if r["kv"]["total"] else 0.0 for r in run),
         "waiting_max": max(r["waiting"] for r in run),
         "busy_s": sum(r["t_end"] - r["t_start"] for r in run),
+        **transfer_summary([e for e in moved if run[0]["t_start"] <= e["t"] <= run[-1]["t_end"]]),
     }

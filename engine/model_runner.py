@@ -151,6 +151,16 @@ class ModelRunner:
                                f"{free_at_start * config.gpu_memory_utilization / 2**30:.1f} GiB allowed)")
         return int(budget // self.bytes_per_block) - 1    # one block is the scratch block
 
+    # ---- KV hand-over between engines (engine/disagg.py) ----
+    def copy_blocks_out(self, block_ids: list[int], staging: torch.Tensor, slots: list[int]):
+        """Block by block, cache -> staging[slot]. staging: (slots, layers, 2, block_size, kv_heads, head_dim)."""
+        for block, slot in zip(block_ids, slots, strict=True):
+            staging[slot].copy_(self.kv_cache[:, :, block])
+
+    def copy_blocks_in(self, staging: torch.Tensor, slots: list[int], block_ids: list[int]):
+        for slot, block in zip(slots, block_ids, strict=True):
+            self.kv_cache[:, :, block].copy_(staging[slot])
+
     # ---- one step ----
     def prepare(self, batch: Batch) -> StepInputs:
         """The step's flat inputs, on the host."""

@@ -166,7 +166,7 @@ class StepRecord(Record):
     t_start: float = doc("when the step began (before scheduling)")
     t_end: float = doc("when its forward pass, sampling and bookkeeping ended: "
                        "`t_end - t_start` = `timing.schedule + timing.items + timing.forward`")
-    policy: str = doc("`static`, `continuous` or `chunked`: the policy that built this step")
+    policy: str = doc("`static`, `continuous`, `chunked` or `disaggregated`: the policy that built this step")
     token_budget: int = doc("`max_num_batched_tokens` in force for this step")
     max_num_seqs: int = doc("most sequences allowed in one step")
     items: tuple[StepItem, ...] = doc("one entry per sequence in the forward pass, decodes first")
@@ -189,19 +189,27 @@ class StepRecord(Record):
                                              optional=True)
     device: str | None = doc("`device/dtype` of the forward pass (`cpu/float32`, `cuda/bfloat16`): step costs "
                              "are fitted per device and dtype", optional=True)
+    worker: str | None = doc("`disaggregated` only: the worker process that ran the step, `prefill` or `decode` "
+                             "(both on one clock; `step` numbers the two workers' steps together, in the order "
+                             "the router relayed them)", optional=True)
+    worker_step: int | None = doc("`disaggregated` only: the step's index among its own worker's steps",
+                                  optional=True)
+    threads: int | None = doc("`disaggregated` only: torch threads of the worker that ran the step (its share "
+                              "of the cores)", optional=True)
 
     def to_dict(self) -> dict:
         return {"type": self.type, **super().to_dict()}
 
 
 # ---- events ----
-REQUEST_EVENTS = ("arrived", "first_token", "finished", "aborted", "preempted")
+REQUEST_EVENTS = ("arrived", "first_token", "finished", "aborted", "preempted", "kv_transfer")
 
 
 @dataclass(frozen=True)
 class RequestEvent(Record):
     type: ClassVar[str] = "request"
-    event: str = doc("`arrived`, `first_token`, `finished`, `aborted` or `preempted`")
+    event: str = doc("`arrived`, `first_token`, `finished`, `aborted`, `preempted` or `kv_transfer` "
+                     "(`disaggregated`: the request's KV moved from the prefill worker to the decode worker)")
     req: str = doc("request id")
     label: str = doc("the request's display label")
     t: float = doc("when it happened")
@@ -212,6 +220,12 @@ class RequestEvent(Record):
     output_tokens: int | None = doc("finished: reply tokens", optional=True)
     reason: str | None = doc("aborted: why (the client's reason, or the error that failed it)", optional=True)
     step: int | None = doc("preempted: the step being built when it was preempted", optional=True)
+    blocks: int | None = doc("kv_transfer: KV blocks moved", optional=True)
+    bytes: int | None = doc("kv_transfer: bytes of KV moved (keys and values of every layer)", optional=True)
+    seconds: float | None = doc("kv_transfer: from the start of the export on the sending worker to the end of "
+                                "the import on the receiving one (`t` is that end)", optional=True)
+    from_worker: str | None = doc("kv_transfer: the worker that computed the prompt (`prefill`)", optional=True)
+    to_worker: str | None = doc("kv_transfer: the worker that decodes the reply (`decode`)", optional=True)
 
     def __post_init__(self):
         if self.event not in REQUEST_EVENTS:
@@ -226,7 +240,7 @@ class PolicyEvent(Record):
     type: ClassVar[str] = "policy"
     step: int = doc("the first step built with these settings")
     t: float = doc("when the settings changed")
-    policy: str = doc("`static`, `continuous` or `chunked`")
+    policy: str = doc("`static`, `continuous`, `chunked` or `disaggregated`")
     max_num_batched_tokens: int = doc("token budget of one step")
     max_num_seqs: int = doc("most sequences in one step")
     max_prefill_chunk: int | None = doc("cap on one request's prefill chunk; null: no cap")

@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.config import POLICIES, check_budgets
+from engine.config import check_budgets, check_scheduler_policy
 from engine.sequence import Sequence, Status
 
 
@@ -68,8 +68,7 @@ class Scheduler:
 
     def set_policy(self, policy: str, max_num_batched_tokens: int, max_num_seqs: int,
                    max_prefill_chunk: int | None):
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        check_scheduler_policy(policy)
         check_budgets(max_num_batched_tokens, max_num_seqs, max_prefill_chunk)
         self.policy = policy
         self.token_budget = max_num_batched_tokens
