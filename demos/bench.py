@@ -84,6 +84,25 @@ def record_fraction(stream: list[dict]) -> dict:
                 [r["timing"]["record"] for r in recs], 50) or 0) * 1e6}
 
 
+def cpu_facts() -> dict:
+    """What the CPU offers the kernels (read at run time) and how busy the machine was."""
+    flags = set()
+    try:
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+    return {"cpu_flags": [f for f in wanted if f in flags], "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "load_average_1min": _loadavg()}
+
+
+def _loadavg() -> float | None:
+    try:
+        return float(open("/proc/loadavg").read().split()[0])
+    except OSError:
+        return None
+
+
 # ---- decode step against the bandwidth floor ----
 def copy_bandwidth(mb: int = 256, repeats: int = 5) -> float:
     """Bytes moved per second (read + write) copying a large buffer, best of `repeats`."""
@@ -103,14 +122,19 @@ def _timed(fn) -> float:
 def ours_decode_step(engine: LLMEngine, batch: int, context: int, repeats: int) -> dict:
     """Median step (and forward) time of `repeats` decode steps of `batch` sequences at ~`context` tokens."""
     rng = random.Random(1)
+    # the first prompts decode while the last ones prefill: replies long enough to still run when all have
+    prefill_steps = -(-batch * context // engine.scheduler.token_budget)
     rids = [engine.add_request(prompt_token_ids=[rng.randrange(1000, engine.vocab_size) for _ in range(context - 1)],
-                               params=SamplingParams(max_tokens=repeats + 3, ignore_eos=True)) for _ in range(batch)]
+                               params=SamplingParams(max_tokens=prefill_steps + repeats + 3, ignore_eos=True))
+            for _ in range(batch)]
     recs = []
     while not all(engine.get_request(r).is_finished for r in rids):
         rec = engine.step()
         if all(i["kind"] == "decode" for i in rec["items"]) and len(rec["items"]) == batch:
             recs.append(rec)
-    recs = recs[1:]         # the first full decode step may still pay one-off costs
+    recs = recs[1:repeats + 1]   # the first full decode step may still pay one-off costs
+    if not recs:
+        raise RuntimeError(f"no decode step ran all {batch} sequences together (KV cache too small?)")
     return {"step_ms": statistics.median(r["t_end"] - r["t_start"] for r in recs) * 1e3,
             "forward_ms": statistics.median(r["timing"]["forward"] for r in recs) * 1e3, "samples": len(recs)}
 
@@ -150,6 +174,8 @@ def decode_part(args, cfg: dict, folder, hf, skip: set, log) -> dict:
     if "llamacpp" not in skip and (args.model is None):
         from engine.loader import default_gguf
         try:
+            import llama_cpp
+            d["llamacpp_version"] = llama_cpp.__version__
             d["llamacpp_batch1_step_ms"] = llamacpp_decode_step(default_gguf(), ctx, args.decode_repeats,
                                                                 hf_config.vocab_size, torch.get_num_threads())["step_ms"]
         except ImportError:
@@ -201,7 +227,7 @@ def main(argv: list[str] | None = None):
     probe = LLMEngine(EngineConfig(**cfg, num_kv_blocks=64))
     workload = make_workload(args.requests, prange, orange, probe.vocab_size, args.seed)
     folder = resolve_model(args.model)
-    out = {"machine": machine(), "model": probe.model_name, "dtype": args.dtype, "device": probe.device,
+    out = {"machine": {**machine(), **cpu_facts()}, "model": probe.model_name, "dtype": args.dtype, "device": probe.device,
            "weight_bytes": probe.runner.weight_bytes,
            "workload": {"requests": args.requests, "prompt_range": prange, "output_range": orange,
                         "prompt_tokens": sum(len(p) for p, _ in workload),
@@ -255,6 +281,7 @@ def main(argv: list[str] | None = None):
     if "decode" not in skip:
         out["decode"] = decode_part(args, cfg, folder, hf, skip, log)
     out["wall_s"] = time.perf_counter() - t_all
+    out["machine"]["load_average_1min_at_end"] = _loadavg()
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2))
     print_summary(out)
@@ -268,7 +295,9 @@ def markdown(out: dict) -> str:
     """The run as markdown tables (docs/results.md is pasted from this)."""
     m = out["machine"]
     w = out["workload"]
-    lines = [f"Measured {m['date']} on {m['cpu']} ({m['cpu_count']} cores, {m['torch_threads']} torch thread(s)), "
+    lines = [f"Measured {m['date']} on {m['cpu']} ({m['cpu_count']} cores, {m['torch_threads']} torch thread(s); "
+             f"flags {', '.join(m.get('cpu_flags', [])) or '?'}; torch kernels {m.get('torch_cpu_capability', '?')}; "
+             f"load average {m.get('load_average_1min')} at start, {m.get('load_average_1min_at_end')} at end), "
              f"torch {m['torch']}, transformers {m.get('transformers', '?')}; {out['model']}, {out['dtype']}, "
              f"{out['device']}. Workload: {w['requests']} requests at t=0, prompts {w['prompt_range'][0]}-"
              f"{w['prompt_range'][1]} tokens ({w['prompt_tokens']} in all), replies {w['output_range'][0]}-"
@@ -331,7 +360,7 @@ def decode_lines(d: dict) -> list[str]:
                          f"| {o['step_over_floor']:.2f} | {o['weight_plus_kv_floor_ms']:.1f} "
                          f"| {r.get('hf_forward_ms', float('nan')):.1f} |")
     if "llamacpp_batch1_step_ms" in d:
-        lines.append(f"| 1 | llama.cpp (GGUF Q4_1) | {d['llamacpp_batch1_step_ms']:.1f} | | | | | |")
+        lines.append(f"| 1 | llama.cpp {d.get('llamacpp_version', '')} (GGUF Q4_1) | {d['llamacpp_batch1_step_ms']:.1f} | | | | | |")
     lines.append("")
     if "int8_speedup_batch1" in d:
         lines.append(f"int8 / fp32 batch-1 step speed-up: {d['int8_speedup_batch1']:.2f}x")

@@ -8,7 +8,7 @@ Two measures, both on the engine itself:
                      first reply token where greedy decoding differs from fp32
                      (None: the first --max-tokens agree);
   perplexity         exp(mean negative log-likelihood) of a held-out text (the
-                     first --ppl-tokens tokens of demos/data/lighthouse_report.txt,
+                     first --ppl-tokens tokens of app/data/lighthouse_report.txt,
                      written for this project, so no model saw it in training).
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ PROMPTS = [
     "What is the difference between weather and climate?",
     "Name four planets of the solar system.",
 ]
-HELD_OUT = Path(__file__).parent / "data" / "lighthouse_report.txt"
+HELD_OUT = Path(__file__).parent.parent / "app" / "data" / "lighthouse_report.txt"
 
 
 def greedy_replies(engine: LLMEngine, max_tokens: int) -> list[list[int]]:

@@ -10,16 +10,20 @@ times slower than fp32 there (docs/results.md).
 
 One scale for all of a step's activations is what breaks small models: a few
 input channels are 100x larger than the rest and take the whole range
-(perplexity 30 -> 72). So, as in SmoothQuant, each quantised linear's input
-channels are divided by s_j = amax_j^0.7 / wmax_j^0.3 (amax from a calibration
-text, wmax of the weight's column) and its weight columns multiplied by s_j.
-The division is free: it folds into the RMSNorm weight that produces the input.
-That covers the linears that read a norm: q/k/v, gate/up and the logits head
-(73% of the fp32 bytes a step reads). o_proj and down_proj read no norm: fp32.
+(perplexity 30 -> 72). So, as in SmoothQuant, each linear's input channels
+are divided by s_j = amax_j^0.7 / wmax_j^0.3 (amax from a calibration text,
+wmax of the weight's column) and its weight columns multiplied by s_j. The
+division is free: it folds into whatever makes the input. For q/k/v, gate/up
+and the logits head that is the RMSNorm weight before them; for o_proj the
+v rows of qkv_proj (attention mixes v over tokens, channel by channel).
+down_proj stays fp32: its input, silu(gate) * up, has channels up to 4,000x
+the median that neither smoothing nor keeping the 32 largest in fp32 tames
+(perplexity 27.6 -> 33-38), and even fp16 weights cost +2.4% perplexity
+(docs/results.md). int8 covers 80% of the fp32 bytes a decode step reads.
 
 Quantised once (engine.loader prepares it for the default model) and cached
-beside the fp32 safetensors as int8/model.safetensors, stamped with the fp32
-files' sizes and mtimes so new weights rebuild it.
+beside the fp32 safetensors as INT8_FILE, stamped with the scheme and the fp32
+files' sizes and mtimes so new weights (or a new scheme) rebuild it.
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-INT8_FILE = "int8/model.safetensors"   # a subfolder: loaders that read every *.safetensors never see it
+INT8_FILE = "int8/linears.safetensors"   # a subfolder: loaders that read every *.safetensors never see it
+SCHEME = "norms+v-rows"   # in the stamp: a cache made by another scheme is rebuilt, never misread
 ALPHA = 0.7          # smoothing strength: 0 leaves the activations alone, 1 moves all their range to the weights
 # calibration input: everyday English, not the text demos.quality measures perplexity on
 CALIBRATION_TEXT = (
@@ -73,23 +78,26 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
-def norm_fed(model: nn.Module) -> list[tuple[str, str]]:
-    """(RMSNorm, the linear that reads its output) pairs to quantise; 'head' is the logits matrix."""
+def smoothed(model: nn.Module) -> list[tuple[str, str]]:
+    """(where a linear's smoothing division folds, the linear) for each int8 linear and the head. The fold
+    is the RMSNorm weight before it, or for o_proj the v rows of qkv_proj: attention's output channel
+    (head, d) is a mix over tokens of v's channel (the head's kv head, d)."""
     pairs = [("norm", "head")]
     for i in range(len(model.layers)):
-        pairs += [(f"layers.{i}.input_layernorm", f"layers.{i}.self_attn.qkv_proj"),
-                  (f"layers.{i}.post_attention_layernorm", f"layers.{i}.mlp.gate_up_proj")]
+        p = f"layers.{i}."
+        pairs += [(p + "input_layernorm", p + "self_attn.qkv_proj"), (p + "self_attn.qkv_proj:v", p + "self_attn.o_proj"),
+                  (p + "post_attention_layernorm", p + "mlp.gate_up_proj")]
     return pairs
 
 
 @torch.inference_mode()
 def input_absmax(model: nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
-    """Per input channel, the largest |activation| each norm-fed linear sees over one prefill of `ids`."""
+    """Per input channel, the largest |activation| each linear sees over one prefill of `ids`, by linear name."""
     from engine.attention import AttentionMetadata, PrefillChunk, TorchAttention, set_metadata
     from engine.loader import rope_table
     n, amax, hooks = len(ids), {}, []
-    for norm, name in norm_fed(model)[1:]:    # the layers' linears; the head's input is the model's output
-        def hook(mod, inp, name=norm):
+    for _, name in smoothed(model)[1:]:    # the layers' linears; the head's input is the model's output
+        def hook(mod, inp, name=name):
             amax[name] = inp[0].detach().abs().amax(0)
         hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
     saved = [(a.backend, a.k_cache, a.v_cache) for a in (layer.self_attn for layer in model.layers)]
@@ -104,7 +112,7 @@ def input_absmax(model: nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
         set_metadata(AttentionMetadata(slot_mapping=pos, context_lens=torch.tensor([n]),
                                        block_tables=torch.zeros(1, 1, dtype=torch.long),
                                        prefills=[PrefillChunk(0, n, n, torch.zeros(1, dtype=torch.long), None)]))
-        amax["norm"] = model(torch.tensor(ids), cos[:, None], sin[:, None]).abs().amax(0)
+        amax["head"] = model(torch.tensor(ids), cos[:, None], sin[:, None]).abs().amax(0)
     finally:
         set_metadata(None)
         for h in hooks:
@@ -114,27 +122,64 @@ def input_absmax(model: nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
     return amax
 
 
+def smoothing(amax: torch.Tensor, w: torch.Tensor, heads: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """s_j = amax_j^ALPHA / wmax_j^(1 - ALPHA) for each input channel j of w: (out, in). heads (o_proj):
+    (kv_heads, group, head_dim), the layout of its input; one v channel feeds a whole group of heads,
+    so the maxima are taken over the group and s is the same across it."""
+    wmax = w.abs().amax(0)
+    if heads:
+        amax, wmax = (t.view(heads).amax(1, keepdim=True) for t in (amax, wmax))
+    s = amax.clamp(min=1e-5) ** ALPHA / wmax.clamp(min=1e-5) ** (1 - ALPHA)
+    return s.expand(heads).flatten() if heads else s
+
+
+def smooth(model: nn.Module, amax: dict[str, torch.Tensor]) -> tuple[dict, dict, dict]:
+    """The smoothed fp32 weights and biases of each int8 linear, and the norm weights that feed them
+    (all by name), from the activation maxima. A linear's input channels are divided by its s where
+    they are made (the norm's weight, or v's rows of qkv_proj) and its weight columns multiplied by s:
+    every product is unchanged, the activations' range moves into the weights."""
+    attn = model.layers[0].self_attn
+    heads = (attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, attn.head_dim)   # o_proj's input layout
+    v_rows = slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
+    weights = {name: (model.head_weight() if name == "head" else model.get_submodule(name).weight).float().clone()
+               for _, name in smoothed(model)}
+    biases = {name: None if name == "head" or model.get_submodule(name).bias is None
+              else model.get_submodule(name).bias.float().clone() for _, name in smoothed(model)}
+    norms = {}
+    for fold, name in smoothed(model):      # in forward order: qkv_proj's s is taken before its v rows change
+        o_proj = fold.endswith(":v")
+        s = smoothing(amax[name], weights[name], heads if o_proj else None)
+        weights[name] *= s                                       # columns
+        if not o_proj:
+            norms[fold] = model.get_submodule(fold).weight / s
+            continue
+        qkv = fold.removesuffix(":v")
+        s = s.view(heads)[:, 0].flatten()                        # one factor per v channel: (kv_heads * head_dim,)
+        weights[qkv][v_rows] /= s[:, None]
+        if biases[qkv] is not None:
+            biases[qkv][v_rows] /= s
+    return weights, biases, norms
+
+
 def quantize_model(model: nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
-    """The int8 tensors of a loaded fp32 model: per norm-fed linear '<linear>.q', '.scale' (and '.bias'),
-    and the smoothed '<norm>.weight' of the norm that feeds it."""
-    amax, out = input_absmax(model, ids), {}
-    for norm, name in norm_fed(model):
-        w = model.head_weight() if name == "head" else model.get_submodule(name).weight
-        s = (amax[norm].clamp(min=1e-5) ** ALPHA / w.abs().amax(0).clamp(min=1e-5) ** (1 - ALPHA))
-        out[f"{norm}.weight"] = model.get_submodule(norm).weight / s
-        out[f"{name}.q"], out[f"{name}.scale"] = quantize_per_channel(w * s)
-        bias = None if name == "head" else model.get_submodule(name).bias
-        if bias is not None:
-            out[f"{name}.bias"] = bias.float().contiguous()
+    """The int8 tensors of a loaded fp32 model, calibrated on `ids`: per int8 linear '<linear>.q', '.scale'
+    (and '.bias'), and the smoothed '<norm>.weight' of each norm that feeds one."""
+    weights, biases, norms = smooth(model, input_absmax(model, ids))
+    out = {f"{norm}.weight": w for norm, w in norms.items()}
+    for name, w in weights.items():
+        out[f"{name}.q"], out[f"{name}.scale"] = quantize_per_channel(w)
+        if biases[name] is not None:
+            out[f"{name}.bias"] = biases[name].contiguous()
     return out
 
 
 def apply_int8(model: nn.Module, tensors: dict[str, torch.Tensor]):
-    """Swap each norm-fed nn.Linear for its Int8Linear (the head: model.int8_head), smoothed norms in."""
-    for norm, name in norm_fed(model):
+    """Swap each smoothed nn.Linear for its Int8Linear (the head: model.int8_head), smoothed norms in."""
+    for fold, name in smoothed(model):
         if f"{name}.q" not in tensors:
             raise ValueError(f"int8 weights have no entry for {name!r}: delete {INT8_FILE} to rebuild it")
-        model.get_submodule(norm).weight.copy_(tensors[f"{norm}.weight"])
+        if not fold.endswith(":v"):
+            model.get_submodule(fold).weight.copy_(tensors[f"{fold}.weight"])
         layer = Int8Linear(tensors[f"{name}.q"], tensors[f"{name}.scale"], tensors.get(f"{name}.bias"))
         if name == "head":
             model.int8_head = layer
@@ -172,4 +217,5 @@ def load_or_make_int8(model: nn.Module, folder: Path) -> Path | None:
 
 def _stamp(folder: Path) -> str:
     """Sizes and mtimes of the fp32 weight files the int8 cache was made from."""
-    return ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(folder.glob("*.safetensors")))
+    files = ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(folder.glob("*.safetensors")))
+    return f"{SCHEME};alpha={ALPHA};{files}"

@@ -97,6 +97,56 @@ def test_int8_linear_close_to_fp32():
     assert lin.nbytes == 48 * 64 + 48 * 4 * 2
 
 
+@settings(max_examples=6, deadline=None)
+@given(arch=st.sampled_from(["llama", "qwen2", "llama-tied-scaled"]), seed=st.integers(0, 999),
+       outlier=st.floats(1.0, 1e3))
+def test_smoothing_leaves_the_model_unchanged(tmp_path_factory, arch, seed, outlier):
+    """Dividing each linear's input channels by s where they are made (a norm's weight; for o_proj the v
+    rows of qkv_proj, shared by a group of heads) and multiplying its weight columns by s is exact in
+    real numbers: without the int8 rounding the model's logits stay those of fp32, for any maxima."""
+    from engine.quant import smooth, smoothed
+    folder = save_tiny_model(arch, tmp_path_factory.mktemp(arch))
+    eng = LLMEngine(EngineConfig(model=str(folder), dtype="float32", block_size=8, num_kv_blocks=32))
+    model = eng.runner.model
+    ids = list(range(200, 240))
+    before = _prefill_logits(eng, ids)
+    g = torch.Generator().manual_seed(seed)
+    amax = {name: torch.rand(model.cfg.hidden_size if name == "head" else model.get_submodule(name).in_features,
+                             generator=g) + 0.01 for _, name in smoothed(model)}
+    for a in amax.values():
+        a[torch.randint(0, a.numel(), (2,), generator=g)] *= outlier       # a few large channels
+    weights, biases, norms = smooth(model, amax)
+    if model.tie_word_embeddings:           # the head is the embedding table: leave both it and its norm fp32
+        del norms["norm"], weights["head"]
+    with torch.no_grad():
+        for norm, w in norms.items():
+            model.get_submodule(norm).weight.copy_(w)
+        for name, w in weights.items():
+            lin = model.lm_head if name == "head" else model.get_submodule(name)
+            lin.weight.copy_(w)
+            if biases[name] is not None:
+                lin.bias.copy_(biases[name])
+    after = _prefill_logits(eng, ids)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4 * before.abs().max().item())
+
+
+def _prefill_logits(eng, ids):
+    from engine.attention import set_metadata
+    from engine.scheduler import Batch
+    from engine.sequence import Sequence
+    runner = eng.runner
+    seq = Sequence("s", "s", ids, SamplingParams(max_tokens=1), 0.0)
+    assert eng.block_manager.allocate(seq, len(ids))
+    with torch.inference_mode():
+        input_ids, positions, _, meta = runner.upload(runner.prepare(Batch(items=[(seq, len(ids))])))
+        set_metadata(meta)
+        hidden = runner.model(input_ids, runner.cos[positions].unsqueeze(1), runner.sin[positions].unsqueeze(1))
+        set_metadata(None)
+        logits = runner.model.compute_logits(hidden)
+    eng.block_manager.free(seq)
+    return logits
+
+
 def _greedy(eng, prompts, n=8):
     rids = [eng.add_request(prompt_token_ids=p, params=SamplingParams(max_tokens=n, ignore_eos=True)) for p in prompts]
     while eng.has_unfinished():
@@ -113,6 +163,7 @@ def test_int8_engine_caches_its_weights_and_rebuilds_them_for_new_ones(tmp_path)
     eng = LLMEngine(EngineConfig(**kw))
     assert (folder / INT8_FILE).exists()
     assert isinstance(eng.runner.model.layers[0].self_attn.qkv_proj, Int8Linear)
+    assert isinstance(eng.runner.model.layers[0].self_attn.o_proj, Int8Linear)         # smoothed through v
     assert isinstance(eng.runner.model.layers[0].mlp.down_proj, torch.nn.Linear)      # reads no norm: fp32
     fp32 = LLMEngine(EngineConfig(**{**kw, "dtype": "float32"}))
     assert eng.runner.weight_bytes < 0.6 * fp32.runner.weight_bytes
