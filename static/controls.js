@@ -29,6 +29,7 @@
     sw.setAttribute("aria-checked", on ? "true" : "false");
     sw.classList.toggle("bs-on", on);
     $("chunked-state").textContent = BS.t(on ? "ctl.on" : "ctl.off");
+    $("disagg-note").hidden = p !== "disaggregated";
     for (const input of root.querySelectorAll("input[data-setting]")) {
       const v = state[input.dataset.setting];
       if (v != null && document.activeElement !== input) input.value = v;
