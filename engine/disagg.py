@@ -227,6 +227,7 @@ class Worker:
 
 def _worker_main(*args):
     Worker(*args).run()
+    os._exit(0)      # nothing left to flush; skips seconds of interpreter teardown of torch and the model
 
 
 # ================= the router, in the caller's process =================
@@ -383,6 +384,8 @@ class DisaggregatedEngine:
                 self._steps.append(obj)
             elif obj["req"] in self.router.ended:
                 continue                             # the router told this request's end already
+            elif "step" in obj:
+                obj["step"] = self.step_index         # preempted: while the next relayed step was built
             elif obj["event"] == "preempted":
                 self.counters["preemptions"] += 1
             self._emit(obj)
@@ -529,16 +532,17 @@ class DisaggregatedEngine:
     def worker_kv(self, timeout: float = 30.0) -> dict[str, dict]:
         """Each worker's KV blocks (free, total), staging slots and queues, asked after every command sent
         before this call (so after any abort): what the tests check that nothing leaks."""
-        keys = {name: next(self._keys) for name in WORKERS}
-        for name, key in keys.items():
+        out, deadline = {}, time.monotonic() + timeout
+        for name in ("decode", "prefill"):          # decode first: the slots it gives back reach prefill first
+            key = next(self._keys)
             self._send(name, "ask", key)
-        deadline = time.monotonic() + timeout
-        while any(k not in self._replies for k in keys.values()):
-            if time.monotonic() > deadline:
-                raise TimeoutError("a worker did not answer")
-            self._pump(0.1)
-            self._watch()
-        return {name: self._replies.pop(key) for name, key in keys.items()}
+            while key not in self._replies:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the {name} worker did not answer")
+                self._pump(0.1)
+                self._watch()
+            out[name] = self._replies.pop(key)
+        return out
 
     def pause_worker(self, name: str, seconds: float):
         """Hold one worker for a while (tests use it to catch a request in the middle of a hand-over)."""
@@ -558,7 +562,7 @@ class DisaggregatedEngine:
                 "max_model_len": self.max_model_len,
                 "kv": KVState(kv[0], kv[1], kv[2], self.config.block_size).to_dict(),
                 "waiting": last("prefill", "waiting"), "running": last("prefill", "running") + last("decode", "running"),
-                "live_requests": len(self.requests), "step": self.step_index, "prefix_cache_hit_tokens": 0,
+                "live_requests": len(self.requests), "step": self.step_index,
                 "workers": workers, "in_transfer": len(self.router.transfers), **self.counters}
 
     # ---- listeners ----

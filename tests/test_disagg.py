@@ -1,0 +1,177 @@
+"""Disaggregated prefill/decode (engine/disagg.py) on the real default model: the same greedy tokens as
+transformers, prompts only on the prefill worker and replies only on the decode worker, every block
+given back on both workers after aborts at any moment, and a killed worker restarted."""
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from engine import EngineConfig, SamplingParams
+from engine.disagg import DisaggregatedEngine
+from tests.helpers import CHAT_PROMPTS, hf_greedy
+
+pytestmark = pytest.mark.model
+MAX_NEW = 16
+BLOCK = 16
+CONFIG = dict(dtype="float32", kv_cache_gb=0.1, max_model_len=1024, block_size=BLOCK)
+
+
+def document_ids(engine, n: int, seed: int = 0) -> list[int]:
+    """A prompt of n real-text tokens (a report), shifted by seed so no two share a prefix."""
+    from app.scenarios import load_text
+    ids = engine.tokenizer(load_text("lighthouse_report"))["input_ids"]
+    return ids[seed:seed + n]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with DisaggregatedEngine(EngineConfig(**CONFIG)) as eng:
+        yield eng
+
+
+def drive(eng, until, timeout: float = 120.0) -> list[dict]:
+    """Step the router until until() holds; the step records seen."""
+    records, deadline = [], time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, "timed out"
+        rec = eng.step(timeout=1.0)
+        if rec is not None:
+            records.append(rec)
+    return records
+
+
+def assert_nothing_held(eng):
+    kv = eng.worker_kv()
+    for name, w in kv.items():
+        assert w["free"] == w["total"], f"{name} worker still holds {w['total'] - w['free']} blocks"
+        assert (w["live"], w["inbox"], w["outbox"]) == (0, 0, 0), f"{name}: {w}"
+    assert kv["prefill"]["staging_free"] == eng.staging.shape[0], "staging slots not given back"
+    assert not eng.router.transfers and not eng.router.holder
+
+
+def test_greedy_replies_match_transformers(engine, hf_default_model):
+    eng = engine
+    prompts = [eng.tokenize(messages=[{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    prompts.append(document_ids(eng, 300))                 # 19 blocks to hand over
+    refs = [hf_greedy(hf_default_model, ids, MAX_NEW) for ids in prompts]
+    events = []
+    eng.subscribe(events.append)
+    try:
+        eng.set_policy(max_num_batched_tokens=32, max_num_seqs=4)    # prompts in chunks, beside decodes
+        rids = []
+        for ids in prompts:                                   # staggered: some arrive while others decode
+            rids.append(eng.add_request(prompt_token_ids=ids, params=SamplingParams(max_tokens=MAX_NEW)))
+            drive(eng, lambda: True)
+            eng.step(timeout=1.0)
+        drive(eng, lambda: not eng.has_unfinished())
+    finally:
+        eng.unsubscribe(events.append)
+    for ids, ref, rid in zip(prompts, refs, rids):
+        assert eng.get_request(rid).output_token_ids == ref, f"prompt of {len(ids)} tokens diverged"
+    steps = [e for e in events if e["type"] == "step"]
+    assert {s["policy"] for s in steps} == {"disaggregated"}
+    assert all(i["kind"] == "prefill" for s in steps if s["worker"] == "prefill" for i in s["items"])
+    assert all(i["kind"] == "decode" for s in steps if s["worker"] == "decode" for i in s["items"])
+    transfers = {e["req"]: e for e in events if e.get("event") == "kv_transfer"}
+    for ids, rid in zip(prompts, rids):
+        t = transfers[rid]
+        assert t["blocks"] == -(-len(ids) // BLOCK) and t["bytes"] == t["blocks"] * 2 * 30 * BLOCK * 3 * 64 * 4
+        assert t["seconds"] > 0 and (t["from_worker"], t["to_worker"]) == ("prefill", "decode")
+        first = next(e for e in events if e.get("event") == "first_token" and e["req"] == rid)
+        first_decode = min(s["t_start"] for s in steps if s["worker"] == "decode"
+                           for i in s["items"] if i["req"] == rid)
+        assert first["t"] <= t["t"] <= first_decode          # one clock: prefill, hand-over, decode
+    assert_nothing_held(eng)
+
+
+def test_aborts_in_prefill_transfer_and_decode_free_every_block(engine):
+    eng = engine
+    eng.set_policy(max_num_batched_tokens=16, max_num_seqs=4)
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    # during prefill: a 20-chunk prompt, stopped after its first chunk
+    rid = eng.add_request(prompt_token_ids=document_ids(eng, 320, 1), params=params)
+    drive(eng, lambda: eng.get_request(rid).num_computed_tokens or eng.workers["prefill"].last)
+    assert eng.router.holder[rid] == "prefill"
+    assert eng.abort(rid, "student closed the tab")
+    assert_nothing_held(eng)
+    # during the hand-over: the decode worker is held, so the KV waits in the staging area
+    eng.pause_worker("decode", 3.0)
+    rid = eng.add_request(prompt_token_ids=document_ids(eng, 40, 2), params=params)
+    drive(eng, lambda: rid in eng.router.transfers)
+    assert eng.abort(rid, "student closed the tab")
+    assert_nothing_held(eng)
+    # during decode
+    rid = eng.add_request(prompt_token_ids=document_ids(eng, 40, 3), params=params)
+    drive(eng, lambda: eng.get_request(rid).num_output_tokens >= 3)
+    assert eng.router.holder[rid] == "decode"
+    assert eng.abort(rid, "student closed the tab")
+    assert eng.get_request(rid).error == "student closed the tab"
+    assert_nothing_held(eng)
+
+
+def test_aborts_at_random_moments_free_every_block(engine):
+    """Many requests, each aborted (or not) after a random number of pump calls: nothing leaks."""
+    eng, rng = engine, random.Random(16)
+    eng.set_policy(max_num_batched_tokens=24, max_num_seqs=4)
+    for round_ in range(4):
+        rids = [eng.add_request(prompt_token_ids=document_ids(eng, rng.randint(5, 120), rng.randint(0, 50)),
+                                params=SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True))
+                for _ in range(rng.randint(2, 5))]
+        doomed = {r: rng.randint(0, 12) for r in rids if rng.random() < 0.7}
+        calls = 0
+        while eng.has_unfinished():
+            for r, at in doomed.items():
+                if at == calls:
+                    eng.abort(r, "gone")
+            eng.step(timeout=1.0)
+            calls += 1
+        assert_nothing_held(eng)
+        for r in rids:
+            seq = eng.get_request(r)
+            assert seq.finish_reason in ("length", "abort"), seq.finish_reason
+            if seq.finish_reason == "length":
+                assert seq.num_output_tokens == seq.params.max_tokens
+
+
+@pytest.mark.parametrize("victim", ["decode", "prefill"])
+def test_a_killed_worker_is_restarted_and_only_its_requests_fail(victim, default_engine_fp32):
+    with DisaggregatedEngine(EngineConfig(**CONFIG, max_num_batched_tokens=16)) as eng:
+        decoding = eng.add_request(prompt_token_ids=document_ids(eng, 30, 4),
+                                   params=SamplingParams(max_tokens=100, ignore_eos=True))
+        drive(eng, lambda: eng.get_request(decoding).num_output_tokens >= 2)
+        prompt = document_ids(eng, 400, 5)                   # 25 chunks of 16
+        prefilling = eng.add_request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=8))
+        drive(eng, lambda: eng.workers["prefill"].last and eng.workers["prefill"].last["worker_step"] >= 1)
+        assert eng.router.holder == {decoding: "decode", prefilling: "prefill"}
+        os.kill(eng.workers[victim].process.pid, signal.SIGKILL)
+        drive(eng, lambda: not eng.has_unfinished(), timeout=300)
+        dead, alive = (decoding, prefilling) if victim == "decode" else (prefilling, decoding)
+        assert eng.get_request(dead).finish_reason == "error"
+        assert f"the {victim} worker process died (exit code -9)" in eng.get_request(dead).error
+        survivor = eng.get_request(alive)
+        assert survivor.error is None and survivor.finish_reason == "length"
+        want = default_engine_fp32.generate([survivor.prompt_token_ids], SamplingParams(
+            max_tokens=survivor.params.max_tokens, ignore_eos=survivor.params.ignore_eos))[0]["token_ids"]
+        assert survivor.output_token_ids == want
+        assert eng.workers[victim].restarts == 1 and eng.stats()["worker_restarts"] == 1
+        # the new worker serves again
+        rid = eng.add_request(prompt_token_ids=prompt[:50], params=SamplingParams(max_tokens=4, ignore_eos=True))
+        drive(eng, lambda: not eng.has_unfinished(), timeout=300)
+        assert eng.get_request(rid).finish_reason == "length"
+        assert_nothing_held(eng)
+
+
+def test_settings_and_refusals(engine):
+    with pytest.raises(ValueError, match="disaggregated"):
+        engine.set_policy("chunked")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine.set_policy(max_num_seqs=0)
+    assert engine.settings()["policy"] == "disaggregated"
+    stats = engine.stats()
+    assert stats["policy"] == "disaggregated" and set(stats["workers"]) == {"prefill", "decode"}
+    assert all(w["threads"] == max(1, (os.cpu_count() or 2) // 2) for w in stats["workers"].values())
+    from engine import LLMEngine
+    with pytest.raises(ValueError, match="DisaggregatedEngine"):
+        LLMEngine(EngineConfig(policy="disaggregated"))
