@@ -11,6 +11,13 @@ gained since the last push (Sequence.output_text only ever grows), one
 call_soon_threadsafe per event loop per step, and wakes the viewers once.
 An exception in a step fails the requests in flight and the loop carries on
 with the same engine.
+
+The fourth setting, `disaggregated`, runs on a second engine: a DisaggregatedEngine
+(engine/disagg.py, two worker processes, each loading its own copy of the model).
+It starts on a helper thread the first time the setting is chosen; until it is
+ready new requests keep going to the single engine. Then new requests go to the
+engine of the setting in force, and requests in flight finish on the engine they
+started on. Both engines' step records reach the viewers numbered as one stream.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from app.broadcast import Broadcaster
 from app.request_stream import Delta, RequestStream, ServiceUnavailable, collect_deltas, deliver
@@ -39,7 +47,13 @@ class EngineLoop:
         self.engine_config, self.broadcaster = engine_config, broadcaster
         self.on_load, self.on_record, self.between_steps = on_load, on_record, between_steps
         self.step_delay = step_delay            # seconds of pause after each step; set on the engine thread
-        self.engine: LLMEngine | None = None    # engine thread only, once loaded
+        self.engine: LLMEngine | None = None    # engine thread only, once loaded: the one new requests go to
+        self.single: LLMEngine | None = None    # static, continuous, chunked
+        self.pair = None                        # disaggregated: a DisaggregatedEngine, once started and ready
+        self.pair_state: str | None = None      # None (never chosen), "starting", "ready" or "failed: <why>"
+        self.want_pair = False                  # the presenter's latest choice is `disaggregated`
+        self.owner: dict[str, object] = {}      # live request id -> the engine it runs on
+        self.steps_published = 0                # one step numbering over both engines
         self.streams: dict[str, RequestStream] = {}   # live requests that somebody is reading
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
@@ -129,13 +143,77 @@ class EngineLoop:
         seq = self.engine.get_request(rid)
         stream.id, stream.label, stream.prompt_tokens = rid, seq.label, seq.prompt_len
         self.streams[rid] = stream
+        self.owner[rid] = self.engine
         return stream
+
+    def get_request(self, rid: str):
+        """The request on whichever engine runs it (engine thread)."""
+        return self.owner.get(rid, self.engine).get_request(rid)
+
+    @property
+    def engines(self) -> list:
+        return [e for e in (self.single, self.pair) if e is not None]
+
+    def _publish(self, obj: dict):
+        """Every record of either engine, to on_record; step numbers run on across engines (identical to
+        the engine's own while only one has ever run)."""
+        if obj["type"] == "step":
+            obj["step"] = self.steps_published
+            self.steps_published += 1
+        elif obj["type"] == "policy" or "step" in obj:
+            obj["step"] = self.steps_published         # the next step to come
+        self.on_record(obj)
+
+    # ---- the setting: which engine takes new requests ----
+    def select(self, policy: str | None, **budgets) -> dict:
+        """Engine thread: apply the presenter's settings to the engine of that setting; new requests go there.
+        `disaggregated` the first time starts the pair on a helper thread and answers at once."""
+        if policy == "disaggregated" or (policy is None and self.want_pair):
+            self.want_pair = True
+            if self.pair is None:
+                self.single.set_policy(None, **budgets)     # checks and keeps the budgets for the pair
+                if self.pair_state is None or self.pair_state.startswith("failed"):
+                    self.pair_state = "starting"
+                    threading.Thread(target=self._start_pair, name="batchscope-disagg-start", daemon=True).start()
+            else:
+                self.pair.set_policy(None, **budgets)
+                self.engine = self.pair
+        else:
+            self.single.set_policy(policy, **budgets)
+            self.want_pair, self.engine = False, self.single
+        return {**self.engine.settings(), "disaggregated": self.pair_state}
+
+    def _start_pair(self):
+        """Helper thread: two worker processes, each loading the model (seconds to a minute)."""
+        from engine.disagg import DisaggregatedEngine
+        try:
+            pair = DisaggregatedEngine(replace(self.engine_config, policy="disaggregated"))
+        except Exception as e:
+            log.exception("the disaggregated workers did not start")
+            self.post(lambda: setattr(self, "pair_state", f"failed: {type(e).__name__}: {e}"))
+            return
+        if self.stopping:
+            pair.close()                        # the server ended while the workers were loading
+        else:
+            self.post(lambda: self._pair_ready(pair))
+
+    def _pair_ready(self, pair):
+        pair.subscribe(self._publish)
+        self.pair, self.pair_state = pair, "ready"
+        if self.want_pair:
+            s = self.single.settings()
+            self.select("disaggregated", **{k: s[k] for k in ("max_num_batched_tokens", "max_num_seqs",
+                                                              "max_prefill_chunk")})
 
     def _main(self):
         try:
-            self.engine = LLMEngine(self.engine_config)
-            self.engine.subscribe(self.on_record)
+            disaggregated = self.engine_config.policy == "disaggregated"
+            config = replace(self.engine_config, policy="chunked") if disaggregated else self.engine_config
+            self.engine = self.single = LLMEngine(config)
+            self.engine.subscribe(self._publish)
             self.on_load(self.engine)
+            if disaggregated:
+                self.select("disaggregated")
         except BaseException as e:
             log.exception("could not load the model")
             self.load_error = e
@@ -153,6 +231,8 @@ class EngineLoop:
                 self._sleep(min(0.05 * 2 ** failures, 2.0))   # back off if it keeps failing
         self._drain()                           # answer whatever was asked before the end
         self._abort_all("server shutting down")
+        if self.pair is not None:
+            self.pair.close()
 
     def _loop_once(self):
         self._wake.clear()                      # before draining: a command posted after this still wakes us
@@ -160,14 +240,16 @@ class EngineLoop:
             self._push_deltas()
         if self.stopping:
             return
-        if not self.engine.has_unfinished():
+        busy = [e for e in self.engines if e.has_unfinished()]
+        if not busy:
             pause = self.between_steps()
             if pause is None:
                 self._wake.wait()               # idle: sleep until a command arrives
             elif pause > 0:
                 self._wake.wait(pause)
             return
-        record = self.engine.step()
+        for engine in busy:                     # the pair's step relays its workers' records (0.05 s at most)
+            record = engine.step() if engine is self.single else engine.step(timeout=0.05)
         self._push_deltas()
         self.between_steps()                    # side work takes one step per live step
         if record is not None and not record["items"]:
@@ -193,12 +275,17 @@ class EngineLoop:
 
     def _push_deltas(self):
         """After a step or commands: new text to its readers, new records to the viewers."""
-        deliver(collect_deltas(self.engine, self.streams))
+        for engine in self.engines:
+            mine = {rid: s for rid, s in self.streams.items() if self.owner.get(rid) is engine}
+            live = set(mine)
+            deliver(collect_deltas(engine, mine))       # takes the ended requests out of `mine`
+            for rid in live - mine.keys():
+                del self.streams[rid], self.owner[rid]
         self.broadcaster.flush()
 
     def _abort(self, rid: str, reason: str):
         try:
-            self.engine.abort(rid, reason)
+            self.owner.get(rid, self.engine).abort(rid, reason)
         except KeyError:
             pass                                # long finished and forgotten
 
@@ -219,11 +306,12 @@ class EngineLoop:
         for rid, stream in list(self.streams.items()):
             tokens = stream.completion_tokens
             try:
-                self.engine.abort(rid, message)
-                tokens = self.engine.get_request(rid).num_output_tokens
+                self.owner.get(rid, self.engine).abort(rid, message)
+                tokens = self.get_request(rid).num_output_tokens
             except Exception:
                 log.exception("could not abort %s after the engine error", rid)
             del self.streams[rid]
+            self.owner.pop(rid, None)
             by_loop.setdefault(stream.loop, []).append((stream, Delta("", tokens, "error", message)))
         deliver(by_loop)
         self.broadcaster.flush()

@@ -333,7 +333,7 @@ def warm_up_steps(engine, tokens: int | None = None) -> Iterator[None]:
     kernel selection) that would otherwise land on whichever request comes
     first; a prompt as long as the scenario's longest warms the same shapes.
     """
-    n = min(max(tokens or 0, engine.scheduler.token_budget), engine.max_model_len - 8)
+    n = min(max(tokens or 0, engine.settings()["max_num_batched_tokens"]), engine.max_model_len - 8)
     ids = [(7919 * i + 13) % engine.vocab_size for i in range(n)]   # no real text: never a prefix-cache hit
     rid = engine.add_request(prompt_token_ids=ids, params=SamplingParams(max_tokens=4, ignore_eos=True),
                              label="warm-up")

@@ -162,17 +162,18 @@ class EngineService:
             old_delay = self.loop.step_delay
             if step_delay is not None:
                 self.loop.step_delay = float(step_delay)    # first, so the policy event carries it
-            try:
-                self.engine.set_policy(policy, max_num_batched_tokens, max_num_seqs, **chunk)
+            try:   # `disaggregated` moves new requests to the two-worker engine (app/engine_loop.py)
+                settings = self.loop.select(policy, max_num_batched_tokens=max_num_batched_tokens,
+                                            max_num_seqs=max_num_seqs, **chunk)
             except Exception:
                 self.loop.step_delay = old_delay            # a rejected change changes nothing
                 raise
-            return {**self.engine.settings(), "step_delay": self.loop.step_delay}
+            return {**settings, "step_delay": self.loop.step_delay}
         return await self.loop.call(apply)
 
     async def engine_state(self) -> dict:
         def read():
-            return {**self.engine.stats(), "step_delay": self.loop.step_delay}
+            return {**self.engine.stats(), "step_delay": self.loop.step_delay, "disaggregated": self.loop.pair_state}
         return await self.loop.call(read, timeout=10.0)
 
     async def call(self, fn: Callable, timeout: float | None = None):
@@ -185,7 +186,7 @@ class EngineService:
         self.model_name = Path(name).name if Path(name).is_dir() else name   # never show a machine path
         self.device, self.dtype, self.max_model_len = engine.device, engine.config.dtype, engine.max_model_len
         self.settings = engine.settings()
-        self.metrics.attach(engine, self.model_name)
+        self.metrics.attach(self.loop, self.model_name)      # finds a request on whichever engine runs it
 
     def _whatif_slice(self) -> float | None:
         """One step of a what-if replay, if one is running (engine thread). None when there is none."""

@@ -3,11 +3,16 @@
     python -m demos.compare --scenario long-prompt-interrupts \\
         --policies static,continuous,chunked --out out/report.html --json out/metrics.json
     python -m demos.compare --trace saved.json --policies static,chunked    # a live session, replayed
+    python -m demos.compare --scenario long-prompt-interrupts --policies chunked,disaggregated
 
 --trace takes an arrival log saved from the server (GET /api/whatif/log, presenter
 key): the class's own requests, replayed at the steps they arrived under each
 policy, as the server's what-if replay does (app/whatif.py); the report also
 shows what actually happened live.
+
+`disaggregated` runs on a DisaggregatedEngine (engine/disagg.py): a prefill worker and
+a decode worker, each with half the threads; its numbers add the KV hand-overs
+(kv_transfers, kv_transfer_p50_s, kv_transfer_p99_s, kv_transfer_bytes).
 
 Writes a self-contained HTML report (demos/report.py) and a JSON file with, per
 policy, the numbers of engine.metrics.summarize (ttft_p50_s, ttft_p99_s,
@@ -37,6 +42,7 @@ from app.arrival_log import from_saved
 from app.scenarios import SCENARIOS, Scenario, get_scenario
 from app.whatif import Replayed, to_scenario
 from engine import EngineConfig, LLMEngine
+from engine.disagg import DisaggregatedEngine
 
 
 def machine() -> dict:
@@ -70,10 +76,10 @@ def torch_threads() -> int:
 
 def run_policy(scenario: Scenario, policy: str, engine_kwargs: dict, warmup: bool = True,
                progress: bool = True) -> Run:
-    """A fresh engine with the scenario's budgets (engine_kwargs override them), warmed up, then the scenario."""
-    engine = LLMEngine(EngineConfig(**{**scenario.engine, **engine_kwargs, "policy": policy}))
-    if warmup:
-        warm_up(engine, longest_prompt(engine, scenario))
+    """A fresh engine with the scenario's budgets (engine_kwargs override them), warmed up, then the scenario.
+    `disaggregated`: a fresh pair of worker processes, closed after the run."""
+    config = EngineConfig(**{**scenario.engine, **engine_kwargs, "policy": policy})
+    engine = DisaggregatedEngine(config) if policy == "disaggregated" else LLMEngine(config)
     bar = tqdm(total=scenario.total_output_tokens, desc=f"{scenario.name} / {policy}", unit="tok",
                disable=not progress, file=sys.stderr, leave=True)
 
@@ -81,9 +87,13 @@ def run_policy(scenario: Scenario, policy: str, engine_kwargs: dict, warmup: boo
         if obj.get("type") == "step":
             bar.update(sum(metrics.produces_token(i) for i in obj["items"]))
     try:
+        if warmup:
+            warm_up(engine, longest_prompt(engine, scenario))
         return run_scenario(engine, scenario, on_record=tick)
     finally:
         bar.close()
+        if isinstance(engine, DisaggregatedEngine):
+            engine.close()
 
 
 def summarize_run(run: Run) -> dict:
@@ -148,6 +158,9 @@ def print_table(summaries: dict[str, dict], out=sys.stdout):
     rows = [("output tokens/s", "output_tokens_per_s", 1), ("TTFT p50 ms", "ttft_p50_s", 1e3),
             ("TTFT p99 ms", "ttft_p99_s", 1e3), ("TBT p50 ms", "tbt_p50_s", 1e3), ("TBT p99 ms", "tbt_p99_s", 1e3),
             ("TBT max ms", "tbt_max_s", 1e3), ("steps", "num_steps", None), ("preemptions", "num_preemptions", None)]
+    if any(s.get("kv_transfers") for s in summaries.values()):     # disaggregated: the hand-overs
+        rows += [("KV transfers", "kv_transfers", None), ("KV transfer p50 ms", "kv_transfer_p50_s", 1e3),
+                 ("KV transfer p99 ms", "kv_transfer_p99_s", 1e3), ("KV MB moved", "kv_transfer_bytes", 1e-6)]
     focus = [("victims TBT p99 ms", "tbt_p99_s", 1e3), ("victims TBT max ms", "tbt_max_s", 1e3),
              ("victims longest stall ms", "stall_max_s", 1e3)]
     print(f"{'':28}" + "".join(f"{p:>14}" for p in summaries), file=out)
@@ -166,6 +179,9 @@ def markdown(doc: dict) -> str:
             ("TTFT p99 (ms)", "ttft_p99_s", 1e3, 0), ("TBT p50 (ms)", "tbt_p50_s", 1e3, 0),
             ("TBT p99 (ms)", "tbt_p99_s", 1e3, 0), ("TBT max (ms)", "tbt_max_s", 1e3, 0),
             ("steps", "num_steps", 1, 0), ("preemptions", "num_preemptions", 1, 0)]
+    if any(s.get("kv_transfers") for s in pols.values()):
+        rows += [("KV transfers", "kv_transfers", 1, 0), ("KV transfer p50 (ms)", "kv_transfer_p50_s", 1e3, 0),
+                 ("KV transfer p99 (ms)", "kv_transfer_p99_s", 1e3, 0), ("KV moved (MB)", "kv_transfer_bytes", 1e-6, 1)]
     focus = [("their TBT p99 (ms)", "tbt_p99_s", 1e3, 0), ("their longest gap (ms)", "tbt_max_s", 1e3, 0),
              ("their longest stall (ms)", "stall_max_s", 1e3, 0), ("TTFT of the newcomer (ms)", "focus_ttft_s", 1e3, 0)]
 

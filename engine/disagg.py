@@ -436,7 +436,7 @@ class DisaggregatedEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        rid = request_id or f"r{next(self._ids)}"
+        rid = request_id or f"d{next(self._ids)}"     # d0, d1...: never an id of the single engine (r0, r1...)
         if rid in self.requests or rid in self.done:
             raise ValueError(f"request id {rid!r} is already in use")
         seq = Sequence(rid, str(label) if label is not None else rid, ids, params, self.clock())
