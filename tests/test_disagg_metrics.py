@@ -62,3 +62,24 @@ def test_each_transfer_counts_once_in_the_stretch_whose_span_holds_its_end(s):
         else:
             assert p["transfer_p50_s"] is None
     assert sum(p["transfers"] for p in parts) <= metrics.summarize(s)["kv_transfers"] == len(events)
+
+
+def test_recorded_disaggregated_trace():
+    """tests/data/disagg_trace.json (python -m tests.record_disagg_trace, the real engine): prefill steps
+    and decode steps overlap in time on their two workers, one hand-over per request that decoded,
+    each stretch's transfers within its time span, steps numbered as one stream."""
+    from pathlib import Path
+    from demos import trace
+    objs = trace.load(Path(__file__).parent / "data" / "disagg_trace.json")
+    steps = metrics.steps(objs)
+    assert [s["step"] for s in steps] == list(range(steps[0]["step"], steps[0]["step"] + len(steps)))
+    lanes = {w: [s for s in steps if s["worker"] == w] for w in ("prefill", "decode")}
+    assert all(i["kind"] == "prefill" for s in lanes["prefill"] for i in s["items"])
+    assert all(i["kind"] == "decode" for s in lanes["decode"] for i in s["items"])
+    assert any(a["t_start"] < b["t_end"] and b["t_start"] < a["t_end"] for a in lanes["prefill"] for b in lanes["decode"])
+    decoded = {i["req"] for s in lanes["decode"] for i in s["items"]}
+    moved = metrics.events(objs, "kv_transfer")
+    assert sorted(e["req"] for e in moved) == sorted(decoded)
+    parts = metrics.stretches(objs)
+    assert len(parts) == 2 and all(p["transfers"] > 0 for p in parts)
+    assert sum(p["transfers"] for p in parts) == metrics.summarize(objs)["kv_transfers"] == len(moved)
