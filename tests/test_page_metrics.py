@@ -128,6 +128,14 @@ def test_recorded_trace_page_table_matches_python(stage):
     check(stage(objs), objs)
 
 
+def test_recorded_disaggregated_trace_page_table_matches_python(stage):
+    """A real disaggregated run (tests/data/disagg_trace.json, `python -m tests.record_disagg_trace`):
+    two stretches with KV hand-overs, the transfer line in both."""
+    objs = trace.load(Path(__file__).parent / "data" / "disagg_trace.json")
+    assert all(m["transfers"] for m in metrics.stretches(objs)) and len(metrics.stretches(objs)) == 2
+    check(stage(objs), objs)
+
+
 def test_preemption_stream_page_table_matches_python(stage):
     """The case the two old stall definitions disagreed on: a's wait after its preemption."""
     from tests.test_metrics import arrived, dec, pre, step
