@@ -129,7 +129,7 @@
   BS.laneTitle = function (lane) {
     const steps = BS.store.steps;
     let threads = null;
-    for (let i = steps.length - 1; i >= 0 && threads == null; i--) if (R.worker(steps[i]) === lane) threads = R.threads(steps[i]);
+    for (let i = steps.length - 1; i >= 0 && threads == null && lane !== "engine"; i--) if (R.worker(steps[i]) === lane) threads = R.threads(steps[i]);
     const name = BS.t("lane." + lane);
     return threads == null ? name : name + " · " + threads + " " + BS.t(threads === 1 ? "lane.thread" : "lane.threads");
   };
@@ -162,7 +162,7 @@
   function drawQueued(g, win, shown, rowIndex, rowH, plotW) {
     g.save(); g.setLineDash([4, 4]); g.strokeStyle = C().queued; g.lineWidth = 2;
     for (const r of shown) {
-      if (r.arrived == null || r.header || (r.lane && r.lane !== BS.layout.LANES[0])) continue;   // a prompt queues for the prefill worker
+      if (r.arrived == null || r.header || (r.lane && r.lane !== BS.layout.queueLane(win))) continue;   // a prompt queues for the prefill worker
       const req = BS.store.reqs.get(r.rid), y = TOP + rowIndex.get(r.key) * rowH + rowH / 2;
       let xa = win.xOfTime(r.arrived);
       if (xa == null) continue;
@@ -175,13 +175,13 @@
   }
 
   function drawCells(g, win, rowIndex, rowH, quietRids) {
-    const cells = [];
+    const cells = [], lanes = BS.layout.lanesOf(win);
     g.textAlign = "center"; g.textBaseline = "middle";
     for (const s of win.steps) {
       const x = LABEL_W + win.x(s), cw = win.w(s);
       if (x + cw < LABEL_W) continue;
       const x0 = Math.max(LABEL_W, x), wid = Math.max(1, cw - (cw > 5 ? 1 : 0) - (x0 - x));
-      const lane = R.worker(s);
+      const lane = lanes ? BS.layout.laneOf(s) : null;
       for (const it of R.items(s)) {
         const i = rowIndex.get(BS.layout.rowKey(lane, R.req(it)));
         if (i === undefined) continue;
@@ -360,7 +360,7 @@
     else {
       const lh = (h - 4) / lanes.length;
       lanes.forEach((lane, i) => {
-        const steps = win.steps.filter((s) => R.worker(s) === lane);
+        const steps = win.steps.filter((s) => BS.layout.laneOf(s) === lane);
         if (steps.length) drawBarLane(g, win, steps, steps[steps.length - 1], i * lh + 16, (i + 1) * lh - 4, lane);
         if (i > 0) { g.fillStyle = C().ink; g.fillRect(0, i * lh, w, 1); }
       });

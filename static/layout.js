@@ -88,7 +88,7 @@
       // lane: a worker's steps only (two workers run steps at the same time)
       at: (px, lane) => {
         const t = t0 + px / k;
-        return px < 0 ? null : inView.find((s) => R.tStart(s) <= t && t <= R.tEnd(s) && (!lane || R.worker(s) === lane)) || null;
+        return px < 0 ? null : inView.find((s) => R.tStart(s) <= t && t <= R.tEnd(s) && (!lane || laneOf(s) === lane)) || null;
       },
       xOfTime: (t) => (t - t0) * k,
       ticks() {
@@ -110,11 +110,16 @@
   const byArrival = (a, b) => (a.arrived ?? 1e18) - (b.arrived ?? 1e18) || ridNum(a.rid) - ridNum(b.rid);
   const GROUPS = ["running", "queued", "finished"];
 
-  const LANES = ["prefill", "decode"];
-  // the workers' lanes when the window holds disaggregated steps, else null (one engine: no lanes)
+  const LANES = ["prefill", "decode"], ENGINE = "engine";
+  // the workers' lanes when the window holds disaggregated steps, else null (one engine: no lanes);
+  // a window across a switch also holds the single engine's steps: they get a lane of their own, on top
   function lanesOf(win) {
-    return win.steps.some((s) => R.worker(s)) ? LANES : null;
+    if (!win.steps.some((s) => R.worker(s))) return null;
+    return win.steps.some((s) => !R.worker(s)) ? [ENGINE, ...LANES] : LANES;
   }
+  const laneOf = (s) => R.worker(s) || ENGINE;           // in lanes mode: the lane a step's cells go to
+  // where a prompt queues: the prefill worker once the newest step is the pair's, else the one engine
+  const queueLane = (win) => (R.worker(win.last) ? LANES[0] : ENGINE);
   // the row a request's cell goes to: the request in its worker's lane, or the request alone
   const rowKey = (lane, rid) => (lane ? lane + ":" + rid : rid);
 
@@ -124,11 +129,11 @@
     const seen = new Map();
     const add = (rid) => { if (!seen.has(rid)) seen.set(rid, BS.store.reqs.get(rid)); };
     for (const s of win.steps) {
-      if (lane && R.worker(s) !== lane) continue;
+      if (lane && laneOf(s) !== lane) continue;
       for (const it of R.items(s)) add(R.req(it));
       for (const rid of s.stalled || []) add(rid);
     }
-    if (lane && lane !== LANES[0]) return [...seen.values()].filter(Boolean);
+    if (lane && lane !== queueLane(win)) return [...seen.values()].filter(Boolean);
     const tEnd = R.tEnd(win.last), tStart = win.steps.length ? R.tStart(win.steps[0]) : tEnd;
     for (const r of BS.store.reqs.values()) {
       if (r.arrived != null && r.arrived <= tEnd && (r.firstStep == null || r.firstStep > win.last.step) &&
@@ -193,5 +198,5 @@
     return { rows: shown, more: kept.length - shown.length, collapsed };
   }
 
-  BS.layout = { windowOf, rowsOf, lanesOf, rowKey, stepRec, findIndex, cursorIndex, GROUPS, LANES };
+  BS.layout = { windowOf, rowsOf, lanesOf, laneOf, queueLane, rowKey, stepRec, findIndex, cursorIndex, GROUPS, LANES };
 })();

@@ -81,10 +81,12 @@ def drawn_lanes(pg) -> dict:
 def check_lanes(drawn: dict, threads: dict[str, int], label: str, blocks: int):
     """Two lanes headed by their worker and its real thread count; prefill cells on one, decode cells on the
     other, some at the same time; the hand-over of `label` drawn downwards with its size."""
-    assert drawn["axis"] == "time" and drawn["heads"] == ["prefill", "decode"]
-    for lane, title in zip(("prefill", "decode"), drawn["titles"]):
-        n = threads[lane]
-        assert title == f"{lane} worker · {n} thread" + ("s" if n != 1 else "")
+    # across the switch the single engine's steps keep a lane of their own, on top
+    assert drawn["axis"] == "time" and drawn["heads"] in (["prefill", "decode"], ["engine", "prefill", "decode"])
+    for lane, title in zip(drawn["heads"], drawn["titles"]):
+        n = threads.get(lane)
+        assert title == ("one engine (before the switch)" if lane == "engine" else
+                         f"{lane} worker · {n} thread" + ("s" if n != 1 else ""))
     pre = [c for c in drawn["cells"] if c["lane"] == "prefill"]
     dec = [c for c in drawn["cells"] if c["lane"] == "decode"]
     assert pre and dec and {c["kind"] for c in pre} == {"prefill"} and {c["kind"] for c in dec} == {"decode"}
