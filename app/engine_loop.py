@@ -187,7 +187,7 @@ class EngineLoop:
         """Helper thread: two worker processes, each loading the model (seconds to a minute)."""
         from engine.disagg import DisaggregatedEngine
         try:
-            pair = DisaggregatedEngine(replace(self.engine_config, policy="disaggregated"))
+            pair = DisaggregatedEngine(replace(self.engine_config, policy="disaggregated"), t0=self.single.t0)
         except Exception as e:
             log.exception("the disaggregated workers did not start")
             self.post(lambda: setattr(self, "pair_state", f"failed: {type(e).__name__}: {e}"))

@@ -35,7 +35,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -151,6 +151,19 @@ def long_prompt_interrupts(users: int = 3, reply_tokens: int = 64, doc_at: int =
         focus="Doc")
 
 
+def split_prefill_decode(**params) -> Scenario:
+    """The long-document case again, for chunked prefill against disaggregated prefill and decode."""
+    return replace(
+        long_prompt_interrupts(**params), name="split-prefill-decode",
+        description=("The long-document case, for the fourth setting: run it under chunked, then under "
+                     "disaggregated. Chunked keeps one engine and one KV pool: the document is read in chunks "
+                     "that share steps with everyone's next token, so every reply slows a little per chunk. "
+                     "Disaggregated runs a prefill worker and a decode worker side by side, each with its own "
+                     "share of the cores: the document never touches a decode step, but its KV blocks must be "
+                     "handed over to the decode worker (the arrow: blocks, bytes, time), and each worker has "
+                     "only part of the machine, so both prefill and decode run slower than on all of it."))
+
+
 def static_vs_continuous(reply_tokens: tuple[int, ...] = (8, 96, 16, 64, 24, 128, 12, 48),
                          max_num_seqs: int = 4) -> Scenario:
     """Eight requests with very different reply lengths, four slots."""
@@ -226,6 +239,7 @@ def budget_shapes(reply_tokens: int = 12) -> Scenario:
 SCENARIOS = {
     "budget-shapes": budget_shapes,
     "long-prompt-interrupts": long_prompt_interrupts,
+    "split-prefill-decode": split_prefill_decode,
     "static-vs-continuous": static_vs_continuous,
     "bursty": bursty,
     "shared-system-prompt": shared_system_prompt,

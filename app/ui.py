@@ -36,9 +36,11 @@ SCRIPTS = ["record.js", "i18n.js", "palette.js", "socket.js", "layout.js", "draw
            "metrics.js", "analysis.js", "kvmap.js", "why.js", "room.js", "main.js", "whatif.js"]
 STATIC_URL = "/static/batchscope"     # Gradio serves its own assets under /static/js, /static/fonts, ...
 MAX_PANELS = len(USERS)
-# (policy, scenario) of each numbered lesson; its texts are ui_text's step{k} and step{k}_btn
-LESSONS = [("static", "static-vs-continuous"), ("continuous", "long-prompt-interrupts"),
-           ("chunked", "long-prompt-interrupts"), ("chunked", "budget-shapes")]
+# (the policies a lesson runs its scenario under, one pass each, in order; the scenario);
+# its texts are ui_text's step{k} and step{k}_btn
+LESSONS = [(("static",), "static-vs-continuous"), (("continuous",), "long-prompt-interrupts"),
+           (("chunked",), "long-prompt-interrupts"), (("chunked",), "budget-shapes"),
+           (("chunked", "disaggregated"), "split-prefill-decode")]
 KEY_JS = "(...a) => [...a.slice(0, -1), (window.sessionStorage && sessionStorage.getItem('batchscope.key')) || '']"
 
 
@@ -158,23 +160,44 @@ class UI:
             yield self.render_all(s, columns=False) + ["" if clear else gr.skip()]
             clear = False
 
-    async def run_scenario(self, name: str, policy: str | None, key: str, request: gr.Request):
+    async def run_scenario(self, name: str, policies: tuple[str, ...] | str | None, key: str, request: gr.Request):
+        """Play the scenario once per policy, one after the other (none: once, under the current settings)."""
+        policies = (policies,) if isinstance(policies, str) else tuple(policies or ())
         s = self.session(request)
         scenario = get_scenario(name, **self.scenario_params.get(name, {}))
-        note = ""
-        if self.authorised(key):
-            change = dict(scenario.engine)
-            if policy:
-                change["policy"] = policy
-            await self.service.set_policy(**change)
-        elif policy:
-            note = t(s.lang, "locked")
-        changed = asyncio.Event()
-        job = ui_scenarios.play(self.service, s, scenario, changed, s.lang)
+        allowed = self.authorised(key)
+        note = "" if allowed or not policies else t(s.lang, "locked")
         first = True
-        async for _ in stream_all([job], changed, lambda: None):
-            yield self.render_all(s, columns=first) + [note]
-            first = False
+        for policy in (policies if allowed and policies else (None,)):
+            if allowed:
+                change = dict(scenario.engine)
+                if policy:
+                    change["policy"] = policy
+                await self.service.set_policy(**change)
+                if policy == "disaggregated":
+                    yield self.render_all(s, columns=first) + [t(s.lang, "pair_starting")]
+                    first = False
+                    if problem := await self.pair_ready(s.lang):
+                        yield self.render_all(s, columns=False) + [problem]
+                        return
+            changed = asyncio.Event()
+            job = ui_scenarios.play(self.service, s, scenario, changed, s.lang)
+            async for _ in stream_all([job], changed, lambda: None):
+                yield self.render_all(s, columns=first) + [note]
+                first = False
+
+    async def pair_ready(self, lang: str, timeout: float = 600.0) -> str | None:
+        """Wait until the prefill and decode workers are loaded and in force (the first switch starts
+        them: two model copies); None when they are, else a note saying why not."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while asyncio.get_running_loop().time() < deadline:
+            state = await self.service.engine_state()
+            if state.get("policy") == "disaggregated":
+                return None
+            if str(state.get("disaggregated") or "").startswith("failed"):
+                return t(lang, "pair_failed", why=state["disaggregated"])
+            await asyncio.sleep(0.5)
+        return t(lang, "pair_failed", why=f"not ready after {timeout:.0f} s")
 
     # ---- panel management ----
     def resize(self, delta: int, request: gr.Request):
@@ -249,11 +272,11 @@ def build_ui(service, **options) -> gr.Blocks:
             streaming.append(alls[i].click(_typed_send_all(ui, i), [boxes[i]],
                                            chats + notices + cols + [mine, boxes[i]], **every))
         everyone = chats + notices + cols + [mine, note]
-        for k, (policy, name) in enumerate(LESSONS):
-            streaming.append(lesson_btn[k].click(_typed_scenario(ui, name, policy), [key], everyone,
+        for k, (policies, name) in enumerate(LESSONS):
+            streaming.append(lesson_btn[k].click(_typed_scenario(ui, name, policies), [key], everyone,
                                                  js=KEY_JS, **every))
         for name, btn in scen_btn.items():
-            streaming.append(btn.click(_typed_scenario(ui, name, None), [key], everyone, js=KEY_JS, **every))
+            streaming.append(btn.click(_typed_scenario(ui, name, ()), [key], everyone, js=KEY_JS, **every))
 
         def add(request: gr.Request):
             return ui.resize(1, request)
@@ -338,9 +361,9 @@ def _typed_send_all(ui: UI, i: int):
     return handler
 
 
-def _typed_scenario(ui: UI, name: str, policy: str | None):
+def _typed_scenario(ui: UI, name: str, policies: tuple[str, ...]):
     async def handler(key: str | None, request: gr.Request):
-        async for out in ui.run_scenario(name, policy, key, request):
+        async for out in ui.run_scenario(name, policies, key, request):
             yield out
     return handler
 

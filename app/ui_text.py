@@ -28,7 +28,7 @@ TEXT = {
         "subtitle": ("Each chat panel below is one user. Send messages from several panels at once and watch "
                      "the chart: every column is one forward pass of the model, shared by everyone in it."),
         "lang": "Language",
-        "steps_title": "### Three generations of batching, then the budget that shapes a step: press a button, then watch the chart",
+        "steps_title": "### Three generations of batching, the budget that shapes a step, and a fourth generation that stops sharing: press a button, then watch the chart",
         "step1": ("**1 · Static batching.** A batch is formed, prefilled together, then decoded until its "
                   "*longest* reply is done. Nobody joins mid-batch: short replies finish and their slots sit "
                   "idle, while newcomers wait (dashed *queued* lines)."),
@@ -49,11 +49,22 @@ TEXT = {
                   "4-token prompts fill a step with prefill alone (4 × 4). The batch bar under the chart draws "
                   "one slot per token: watch the same 16 slots take three shapes."),
         "step4_btn": "▶ 4 · Run: a budget of 16 tokens, three shapes (chunked)",
+        "step5": ("**5 · Disaggregated prefill and decode.** Stop sharing: a *prefill worker* reads prompts and a "
+                  "*decode worker* writes replies, two processes side by side, so the chart gets one lane each. "
+                  "When a prompt is read, its KV blocks are handed over (the black arrow: blocks, bytes, time). "
+                  "This runs the long document twice, chunked then disaggregated. Chunked keeps one pool and slows "
+                  "everyone a little per chunk; disaggregated never lets a prompt touch a decode step, at the price "
+                  "of a KV transfer and of splitting the machine in two: the lane headers show each worker's "
+                  "threads (on a 2-core CPU, one core each), and both load a copy of the model."),
+        "step5_btn": "▶ 5 · Run: the long document, chunked then disaggregated",
         "scenarios": "More scenarios (run under the current settings):",
         "add": "+ Add a user", "remove": "− Remove a user", "clear": "Clear chats", "stop": "■ Stop all",
         "send": "Send", "short": "Short question", "long": "Long document (~1,500 tokens)",
         "all": "Send to all", "placeholder": "Type a message for {name}...",
         "locked": "Settings are locked (presenter key), so this ran under the current policy.",
+        "pair_starting": ("Switching to disaggregated: waiting for the prefill and decode workers (two processes, "
+                          "a model copy each; the first time takes a while)…"),
+        "pair_failed": "The prefill and decode workers did not start ({why}), so the disaggregated run was left out.",
         "err_empty": "The message is empty: type something first.",
         "err_chars": "That message is too long ({n:,} characters; the limit is {limit:,}).",
         "err_long": "That message is too long for the model: {msg}",
@@ -66,7 +77,7 @@ TEXT = {
         "title": "## batchscope：一步一步看 LLM 引擎如何批处理请求",
         "subtitle": "下面每个聊天面板是一个用户。同时从几个面板发消息，然后看图：每一列是模型的一次前向计算，由其中所有人共享。",
         "lang": "语言",
-        "steps_title": "### 批处理的三代，以及决定每一步形状的预算：按下按钮，然后看图",
+        "steps_title": "### 批处理的三代、决定每一步形状的预算，以及不再共享的第四代：按下按钮，然后看图",
         "step1": ("**1 · 静态批处理。** 先组成一批，一起预填充，然后一起解码，直到其中*最长*的回复结束。"
                   "中途谁也加不进来：短回复早早结束，它的位置空着，新来的请求只能排队（虚线表示*排队*）。"),
         "step1_btn": "▶ 1 · 运行：8 个请求，4 个位置（静态）",
@@ -82,11 +93,19 @@ TEXT = {
                   "最后四个 4-token 的新提示词只用预填充就占满一步（4 × 4）。图下方的批次条每个 token 画一格："
                   "看同样的 16 格变成三种形状。"),
         "step4_btn": "▶ 4 · 运行：16 个 token 的预算，三种形状（分块）",
+        "step5": ("**5 · 预填充与解码分离。** 不再共享：*预填充 worker* 读提示词，*解码 worker* 写回复，两个进程同时运行，"
+                  "所以图上每个 worker 一条泳道。提示词读完后，它的 KV 块交给解码 worker（黑色箭头：块数、字节、耗时）。"
+                  "这里把长文场景跑两遍：先分块，再分离。分块只有一个 KV 池，每一块都让所有人慢一点；分离式从不让提示词进入"
+                  "解码步，代价是一次 KV 传输，以及把机器一分为二：泳道标题显示每个 worker 的线程数（2 核 CPU 上各一个核），"
+                  "而且两个 worker 各加载一份模型。"),
+        "step5_btn": "▶ 5 · 运行：长文，先分块再分离",
         "scenarios": "更多场景（按当前设置运行）：",
         "add": "+ 添加用户", "remove": "− 移除用户", "clear": "清空聊天", "stop": "■ 全部停止",
         "send": "发送", "short": "短问题", "long": "长文（约 1500 token）",
         "all": "发给所有人", "placeholder": "给 {name} 输入消息……",
         "locked": "设置已锁定（演示者密钥），所以按当前策略运行。",
+        "pair_starting": "切换到分离式：等待预填充和解码 worker 启动（两个进程，各一份模型；第一次需要一些时间）……",
+        "pair_failed": "预填充和解码 worker 没有启动（{why}），所以没有运行分离式这一遍。",
         "err_empty": "消息是空的：请先输入内容。",
         "err_chars": "消息太长（{n:,} 个字符；上限是 {limit:,}）。",
         "err_long": "消息对模型来说太长：{msg}",
@@ -101,10 +120,10 @@ TEXT = {
 SCENARIO_BUTTONS = {
     "en": {"long-prompt-interrupts": "3 chats + a long document", "static-vs-continuous": "8 requests, 4 slots",
            "bursty": "a burst of 24 requests", "shared-system-prompt": "shared system prompt (prefix cache)",
-           "budget-shapes": "budget 16: three shapes"},
+           "budget-shapes": "budget 16: three shapes", "split-prefill-decode": "a long document (for disaggregated)"},
     "zh": {"long-prompt-interrupts": "3 个聊天 + 一篇长文", "static-vs-continuous": "8 个请求，4 个位置",
            "bursty": "24 个请求突然涌入", "shared-system-prompt": "共享系统提示词（前缀缓存）",
-           "budget-shapes": "预算 16：三种形状"},
+           "budget-shapes": "预算 16：三种形状", "split-prefill-decode": "一篇长文（用于分离式）"},
 }
 
 

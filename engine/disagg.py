@@ -258,7 +258,7 @@ class _Router:
 
 class DisaggregatedEngine:
     def __init__(self, config: EngineConfig | None = None, transfer_blocks: int | None = None,
-                 load_timeout: float = 300.0, **overrides):
+                 load_timeout: float = 300.0, t0: float | None = None, **overrides):
         config = replace(config, **overrides) if config else EngineConfig(**overrides)
         self.config = config = replace(config, policy="disaggregated")
         from transformers import AutoConfig, AutoTokenizer
@@ -297,7 +297,7 @@ class DisaggregatedEngine:
                              preemptions=0, prompt_tokens=0, output_tokens=0, kv_transfers=0, worker_restarts=0)
         self.closed = False
         # ---- start both workers; they load the model side by side ----
-        self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter() if t0 is None else t0     # t0: another engine's, to share its clock
         self._ctx = mp.get_context("spawn")
         self.workers = {name: self._spawn(name, []) for name in WORKERS}
         self._wait_ready(load_timeout)

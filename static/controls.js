@@ -4,7 +4,7 @@
 // (kept in this tab's sessionStorage only).
 (function () {
   const BS = (window.BS = window.BS || {});
-  let root, state = {}, locked = false, busy = false;
+  let root, state = {}, locked = false, busy = false, polling = null;
 
   const $ = (id) => root.querySelector("[data-testid=" + id + "]");
 
@@ -29,6 +29,7 @@
     sw.setAttribute("aria-checked", on ? "true" : "false");
     sw.classList.toggle("bs-on", on);
     $("chunked-state").textContent = BS.t(on ? "ctl.on" : "ctl.off");
+    renderPair();
     for (const input of root.querySelectorAll("input[data-setting]")) {
       const v = state[input.dataset.setting];
       if (v != null && document.activeElement !== input) input.value = v;
@@ -42,6 +43,18 @@
     $("key-box").hidden = !state.presenter_key_required;
   }
 
+  // the prefill/decode pair: `disaggregated` in /api/engine is null (never chosen), "starting" (loading
+  // two model copies; requests still go to the one engine), "ready" or "failed: <why>"
+  function renderPair() {
+    const pair = state.disaggregated || "", starting = pair === "starting" && state.policy !== "disaggregated";
+    const note = $("disagg-note"), key = starting ? "ctl.disagg_starting" : "ctl.disagg_note";
+    note.hidden = !(starting || state.policy === "disaggregated");
+    note.dataset.i18n = key; note.textContent = BS.t(key);
+    root.querySelector("[data-policy=disaggregated]").classList.toggle("bs-pending", starting);
+    if (pair.startsWith("failed")) status(BS.t("ctl.failed") + ": " + pair, true);
+    if (starting && !polling) polling = setTimeout(() => { polling = null; load(); }, 2000);   // until ready or failed
+  }
+
   function absorb(obj) {
     if (!obj || typeof obj !== "object") return;
     const s = obj.settings || obj.engine || obj;
@@ -49,6 +62,8 @@
       if (s[k] !== undefined) state[k] = s[k];
       else if (obj[k] !== undefined) state[k] = obj[k];
     }
+    if (obj.disaggregated !== undefined) state.disaggregated = obj.disaggregated;
+    if (state.policy === "disaggregated") state.disaggregated = "ready";    // a policy event: the pair is in force
     const server = obj.server || {};
     if (server.presenter_key_required !== undefined) state.presenter_key_required = server.presenter_key_required;
     locked = !!state.presenter_key_required;

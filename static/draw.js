@@ -72,7 +72,7 @@
     const avail = h - TOP - AXIS;
     const rowH = Math.max(grouped ? READABLE_ROW_H : MIN_ROW_H, Math.min(ROW_H, Math.floor(avail / Math.max(1, all))));
     const { rows: shown, more, collapsed } = BS.layout.rowsOf(win, Math.floor(avail / rowH), grouped);
-    const rowIndex = new Map(shown.map((r, i) => [r.rid, i]));
+    const rowIndex = new Map(shown.map((r, i) => [r.key, i]));   // key: the request, or the request in a lane
     const quiet = BS.role === "student" && shown.some((r) => r.mine);
     drawRowLabels(g, shown, rowH, plotW);
     const notes = [];
@@ -81,11 +81,15 @@
     setNote(gantt, notes.join(" · "));
     drawQueued(g, win, shown, rowIndex, rowH, plotW);
     const cells = drawCells(g, win, rowIndex, rowH, quiet ? new Set(shown.filter((r) => !r.mine).map((r) => r.rid)) : null);
+    const handovers = drawHandovers(g, win, rowIndex, rowH, plotW);
+    const legend = document.querySelector("[data-testid=legend-handover]");
+    if (legend) legend.hidden = !BS.layout.lanesOf(win);
     if (win.axis === "step") { drawGaps(g, win, avail); labelLongSteps(g, win); }
     const markers = drawMarkers(g, win, TOP - 20, h - AXIS, true);
     drawAxis(g, win, h - AXIS, plotW);
-    BS.view.drawn = { steps: win.steps.map((s) => R.step(s)), rows: shown.map((r) => ({ rid: r.rid, label: r.label, mine: r.mine, group: r.group })),
-                      cells, markers, rowH, win };
+    BS.view.drawn = { steps: win.steps.map((s) => R.step(s)),
+                      rows: shown.map((r) => ({ rid: r.rid, label: r.label, mine: r.mine, group: r.group, lane: r.lane, header: !!r.header })),
+                      cells, markers, handovers, rowH, win };
     syncRowLabels(gantt, shown);
     return win;
   }
@@ -95,9 +99,10 @@
     g.textBaseline = "middle";
     shown.forEach((r, i) => {
       const y = TOP + i * rowH;
+      if (r.header) return drawLaneHeader(g, r.lane, y, rowH, plotW, i > 0);
       if (r.mine) { g.fillStyle = C().mineBand; g.fillRect(0, y, LABEL_W + plotW, rowH); }
       else if (i % 2) { g.fillStyle = C().stripe; g.fillRect(LABEL_W, y, plotW, rowH); }
-      if (i > 0 && shown[i - 1].group !== r.group && BS.role !== "lecturer") {
+      if (i > 0 && !shown[i - 1].header && shown[i - 1].group !== r.group && BS.role !== "lecturer") {
         g.fillStyle = C().rule; g.fillRect(0, y, LABEL_W + plotW, 1);
       }
       BS.drawLabelSwatch(g, r.label, 4, y + 3, 10, rowH - 6);
@@ -111,6 +116,24 @@
     });
   }
 
+  // a worker's lane starts with a band naming the worker and its share of the machine
+  function drawLaneHeader(g, lane, y, rowH, plotW, rule) {
+    g.fillStyle = C().laneBand; g.fillRect(0, y, LABEL_W + plotW, rowH);
+    if (rule) { g.fillStyle = C().ink; g.fillRect(0, y, LABEL_W + plotW, 2); }
+    g.fillStyle = C().ink; g.textAlign = "left"; g.textBaseline = "middle";
+    g.font = "bold " + (rowH >= 18 ? 14 : 11) + "px sans-serif";
+    g.fillText(BS.laneTitle(lane), 6, y + rowH / 2);
+  }
+
+  // "prefill worker · 1 thread": the thread count from the newest step of that worker
+  BS.laneTitle = function (lane) {
+    const steps = BS.store.steps;
+    let threads = null;
+    for (let i = steps.length - 1; i >= 0 && threads == null && lane !== "engine"; i--) if (R.worker(steps[i]) === lane) threads = R.threads(steps[i]);
+    const name = BS.t("lane." + lane);
+    return threads == null ? name : name + " · " + threads + " " + BS.t(threads === 1 ? "lane.thread" : "lane.threads");
+  };
+
   // rows left out or collapsed: said above the chart, in the page (the canvas top holds step labels)
   function setNote(gantt, text) {
     const el = gantt.parentElement && gantt.parentElement.querySelector("[data-testid=rows-note]");
@@ -121,11 +144,13 @@
   function syncRowLabels(gantt, shown) {
     const list = gantt.parentElement && gantt.parentElement.querySelector("[data-testid=row-labels]");
     if (!list) return;
-    const key = BS.lang() + "|" + shown.map((r) => r.rid + (r.mine ? "*" : "") + r.group).join(",");
+    const key = BS.lang() + "|" + shown.map((r) => r.key + (r.mine ? "*" : "") + r.group).join(",");
     if (key === rowKey) return;
     rowKey = key;
     list.replaceChildren(...shown.map((r) => {
       const li = document.createElement("li");
+      if (r.header) { li.textContent = BS.laneTitle(r.lane); li.dataset.lane = r.lane; li.dataset.header = "true"; return li; }
+      if (r.lane) li.dataset.lane = r.lane;
       li.textContent = (r.mine ? BS.t("row.you") + ": " : "") + r.label + " (" + r.rid + ", " + BS.t("group." + r.group) + ")";
       li.dataset.label = r.label; li.dataset.rid = r.rid; li.dataset.group = r.group;
       if (r.mine) li.dataset.mine = "true";
@@ -137,8 +162,8 @@
   function drawQueued(g, win, shown, rowIndex, rowH, plotW) {
     g.save(); g.setLineDash([4, 4]); g.strokeStyle = C().queued; g.lineWidth = 2;
     for (const r of shown) {
-      if (r.arrived == null) continue;
-      const req = BS.store.reqs.get(r.rid), y = TOP + rowIndex.get(r.rid) * rowH + rowH / 2;
+      if (r.arrived == null || r.header || (r.lane && r.lane !== BS.layout.queueLane(win))) continue;   // a prompt queues for the prefill worker
+      const req = BS.store.reqs.get(r.rid), y = TOP + rowIndex.get(r.key) * rowH + rowH / 2;
       let xa = win.xOfTime(r.arrived);
       if (xa == null) continue;
       const fs = req.firstStep != null && req.firstStep <= win.last.step ? BS.layout.stepRec(req.firstStep) : null;
@@ -150,32 +175,80 @@
   }
 
   function drawCells(g, win, rowIndex, rowH, quietRids) {
-    const cells = [];
+    const cells = [], lanes = BS.layout.lanesOf(win);
     g.textAlign = "center"; g.textBaseline = "middle";
     for (const s of win.steps) {
       const x = LABEL_W + win.x(s), cw = win.w(s);
       if (x + cw < LABEL_W) continue;
       const x0 = Math.max(LABEL_W, x), wid = Math.max(1, cw - (cw > 5 ? 1 : 0) - (x0 - x));
+      const lane = lanes ? BS.layout.laneOf(s) : null;
       for (const it of R.items(s)) {
-        const i = rowIndex.get(R.req(it));
+        const i = rowIndex.get(BS.layout.rowKey(lane, R.req(it)));
         if (i === undefined) continue;
         const y = TOP + i * rowH + 2, hh = rowH - 4;
         g.globalAlpha = quietRids && quietRids.has(R.req(it)) ? QUIET : 1;
         drawItem(g, it, win.axis, x0, y, wid, hh);
         g.globalAlpha = 1;
-        cells.push({ step: R.step(s), req: R.req(it), label: R.label(it), kind: R.kind(it), tokens: R.tokens(it), x: x0, y, w: wid, h: hh });
+        cells.push({ step: R.step(s), req: R.req(it), label: R.label(it), kind: R.kind(it), tokens: R.tokens(it), x: x0, y, w: wid, h: hh,
+                     lane, t0: R.tStart(s), t1: R.tEnd(s) });
       }
       for (const rid of s.stalled || []) {
-        const i = rowIndex.get(rid);
+        const i = rowIndex.get(BS.layout.rowKey(lane, rid));
         if (i === undefined) continue;
         const y = TOP + i * rowH + 2, hh = rowH - 4;
         drawStall(g, s, x0, y, wid, hh);
         const req = BS.store.reqs.get(rid);
-        cells.push({ step: R.step(s), req: rid, label: req ? req.label : rid, kind: "stall", tokens: 0, x: x0, y, w: wid, h: hh });
+        cells.push({ step: R.step(s), req: rid, label: req ? req.label : rid, kind: "stall", tokens: 0, x: x0, y, w: wid, h: hh,
+                     lane, t0: R.tStart(s), t1: R.tEnd(s) });
       }
     }
     return cells;
   }
+
+  // a KV hand-over: an arrow from the request's prefill row, where the export starts (t0), to its
+  // decode row, where the import is done (t), labelled with its size and time where there is room
+  function drawHandovers(g, win, rowIndex, rowH, plotW) {
+    const out = [], t0 = win.steps.length ? R.tStart(win.steps[0]) : R.tEnd(win.last), t1 = R.tEnd(win.last);
+    const S = BS.chartScale, taken = [];          // label boxes placed so far: a label that would cover one moves or is left out
+    for (const x of BS.store.transfers) {
+      if (x.t < t0 || x.t0 > t1) continue;
+      const a = rowIndex.get(BS.layout.rowKey(x.from, x.rid)), b = rowIndex.get(BS.layout.rowKey(x.to, x.rid));
+      if (a === undefined || b === undefined) continue;
+      let xa = win.xOfTime(x.t0), xb = win.xOfTime(x.t);
+      if (xa == null || xb == null) continue;
+      xa = LABEL_W + Math.max(0, Math.min(plotW, xa)); xb = LABEL_W + Math.max(0, Math.min(plotW, xb));
+      const down = b > a, ya = TOP + a * rowH + (down ? rowH - 3 : 3), yb = TOP + b * rowH + (down ? 3 : rowH - 3);
+      g.save();
+      g.strokeStyle = C().paper; g.lineWidth = 5.5;                // a white halo keeps it readable over any cell
+      g.beginPath(); g.moveTo(xa, ya); g.lineTo(xb, yb); g.stroke();
+      g.strokeStyle = C().handover; g.fillStyle = C().handover; g.lineWidth = 2.5;
+      g.beginPath(); g.moveTo(xa, ya); g.lineTo(xb, yb); g.stroke();
+      const ang = Math.atan2(yb - ya, xb - xa), hl = 9;           // arrowhead at the decode row
+      g.beginPath(); g.moveTo(xb, yb);
+      g.lineTo(xb - hl * Math.cos(ang - 0.45), yb - hl * Math.sin(ang - 0.45));
+      g.lineTo(xb - hl * Math.cos(ang + 0.45), yb - hl * Math.sin(ang + 0.45));
+      g.closePath(); g.fill();
+      g.beginPath(); g.arc(xa, ya, 3.5, 0, 2 * Math.PI); g.fill();  // export starts here
+      const text = BS.handoverText(x);
+      g.font = "bold 11px sans-serif"; g.textAlign = "left"; g.textBaseline = "middle";
+      const tw = g.measureText(text).width + 8, xm = Math.min(Math.max(xa, xb) + 6, LABEL_W + plotW - tw);
+      const ym = [0, 18, -18, 36].map((d) => (ya + yb) / 2 + d)
+        .find((y) => !taken.some(([x, yy]) => Math.abs(y - yy) < 17 && xm < x + tw + 4 && x < xm + tw + 4));
+      if (Math.abs(yb - ya) >= 14 && ym !== undefined) {
+        taken.push([xm, ym]);
+        g.fillStyle = C().paper; g.fillRect(xm, ym - 8, tw, 16);
+        g.strokeStyle = C().handover; g.lineWidth = 1; g.strokeRect(xm + 0.5, ym - 7.5, tw - 1, 15);
+        g.fillStyle = C().ink; g.fillText(text, xm + 4, ym + 0.5);
+      }
+      g.restore();
+      out.push({ req: x.rid, label: x.label, x0: xa * S, x1: xb * S, y0: ya * S, y1: yb * S, blocks: x.blocks, bytes: x.bytes, seconds: x.seconds, text });
+    }
+    return out;
+  }
+
+  const fmtBytes = (BS.fmtBytes = (n) => (n >= 1e6 ? (n / 1e6).toFixed(1) + " MB" : n >= 1e3 ? (n / 1e3).toFixed(0) + " kB" : n + " B"));
+  // "KV 12 blocks · 1.4 MB · 3 ms"
+  BS.handoverText = (x) => BS.t("handover.kv") + " " + x.blocks + " " + BS.t("handover.blocks") + " · " + fmtBytes(x.bytes) + " · " + fmtMs(x.seconds);
 
   function drawItem(g, it, axis, x0, y, wid, hh) {
     const color = BS.colorOf(R.label(it));
@@ -277,24 +350,40 @@
     g.textAlign = "left"; g.fillText(BS.t(win.axis === "step" ? "axis.step" : "axis.time"), 4, y + 5);
   }
 
+  // one bar chart, or with workers one per lane (stacked, prefill on top), each against its own budget
   function drawBar(bar, win) {
     const { g, w, h } = fit(bar);
     g.clearRect(0, 0, w, h);
     if (!win) return;
-    const top = 16, bottom = h - 4, H = bottom - top;
+    const lanes = BS.layout.lanesOf(win);
+    if (!lanes) drawBarLane(g, win, win.steps, win.last, 16, h - 4, null);
+    else {
+      const lh = (h - 4) / lanes.length;
+      lanes.forEach((lane, i) => {
+        const steps = win.steps.filter((s) => BS.layout.laneOf(s) === lane);
+        if (steps.length) drawBarLane(g, win, steps, steps[steps.length - 1], i * lh + 16, (i + 1) * lh - 4, lane);
+        if (i > 0) { g.fillStyle = C().ink; g.fillRect(0, i * lh, w, 1); }
+      });
+    }
+    drawMarkers(g, win, 0, h, false);
+  }
+
+  function drawBarLane(g, win, steps, last, top, bottom, lane) {
+    const H = bottom - top;
     let ymax = 1;
-    for (const s of win.steps) ymax = Math.max(ymax, R.budget(s), R.numTokens(s));
-    const budgetNow = R.budget(win.last);
+    for (const s of steps) ymax = Math.max(ymax, R.budget(s), R.numTokens(s));
+    const budgetNow = R.budget(last);
     ymax = Math.min(ymax, budgetNow * 2.5) * 1.04;
     const Y = (v) => bottom - Math.min(v, ymax) / ymax * H;
 
     g.font = "11px sans-serif"; g.fillStyle = C().soft; g.textAlign = "right"; g.textBaseline = "middle";
     g.fillText("0", LABEL_W - 6, bottom - 4);
     g.fillText(BS.t("bar.budget") + " " + budgetNow, LABEL_W - 6, Y(budgetNow));
-    g.textAlign = "left"; g.textBaseline = "top"; g.fillText(BS.t("bar.axis"), 4, 2);
+    g.textAlign = "left"; g.textBaseline = "top";
+    g.fillText(lane ? BS.t("lane." + lane) + ": " + BS.t("bar.axis") : BS.t("bar.axis"), 4, top - 14);
 
     g.textAlign = "center";
-    for (const s of win.steps) {
+    for (const s of steps) {
       const x = LABEL_W + win.x(s), cw = win.w(s);
       if (x + cw < LABEL_W) continue;
       const x0 = Math.max(LABEL_W, x), wid = Math.max(1, cw - (cw > 5 ? 1 : 0) - (x0 - x));
@@ -328,13 +417,12 @@
     g.save(); g.setLineDash([6, 4]); g.strokeStyle = C().ink; g.lineWidth = 1.5;
     g.beginPath();
     let started = false;
-    for (const s of win.steps) {
+    for (const s of steps) {
       const x = Math.max(LABEL_W, LABEL_W + win.x(s)), y = Math.round(Y(R.budget(s))) + 0.5;
       if (!started) { g.moveTo(x, y); started = true; } else g.lineTo(x, y);
       g.lineTo(LABEL_W + win.x(s) + win.w(s), y);
     }
     g.stroke(); g.restore();
-    drawMarkers(g, win, 0, h, false);
   }
 
   BS.draw = { gantt: drawGantt, bar: drawBar, LABEL_W, TOP };

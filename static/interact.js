@@ -6,7 +6,7 @@
   const R = BS.rec;                    // record fields are read through record.js
   const REPLAY_RATE = 8;      // steps per second while replaying
   const view = BS.view;
-  let gantt, bar, tip, dirty = true, lastVersion = -1, replayAcc = 0, lastFrame = 0;
+  let gantt, bar, tip, dirty = true, lastVersion = -1, replayAcc = 0, lastFrame = 0, sawWorkers = false;
 
   // ---- hover ----
   const plotX = (canvas, ev) => (ev.clientX - canvas.getBoundingClientRect().left) / BS.chartScale - BS.draw.LABEL_W;
@@ -30,7 +30,8 @@
     const t = BS.t, decodes = R.items(s).filter((i) => R.isDecode(i)).length;
     const prefill = R.items(s).filter((i) => !R.isDecode(i)).reduce((a, i) => a + R.tokens(i), 0);
     return [
-      t("tip.step") + " " + R.step(s) + " · " + t("policy." + R.policy(s)) + " · " + t("tip.dur") + " " + BS.fmtMs(R.dur(s)),
+      t("tip.step") + " " + R.step(s) + " · " + t("policy." + R.policy(s)) + (R.worker(s) ? " · " + t("lane." + R.worker(s)) : "") +
+        " · " + t("tip.dur") + " " + BS.fmtMs(R.dur(s)),
       t("tip.batch") + ": " + R.numTokens(s) + " / " + R.budget(s) + " " + t("tip.tokens") + " (" + decodes + " " + t("kind.decode") +
         ", " + prefill + " " + t("kind.prefill") + ")",
       (s.stalled && s.stalled.length ? t("tip.stalls") + ": " + s.stalled.length + " · " : "") +
@@ -40,7 +41,9 @@
 
   function rowLines(s, row) {
     const t = BS.t, it = R.items(s).find((i) => R.req(i) === row.rid);
-    const head = row.label + " (" + row.rid + ")";
+    if (row.header) return [BS.laneTitle(row.lane)];
+    const head = row.label + " (" + row.rid + ")", req = BS.store.reqs.get(row.rid);
+    if (row.lane && req && req.transfer) return [...rowLines(s, { ...row, lane: null }), t("tip.handover") + ": " + BS.handoverText(req.transfer)];
     if (it && R.isDecode(it)) return [head + ": " + t("kind.decode") + ", " + t("tip.one") + ", " + t("tip.position") + " " + R.start(it)];
     if (it) {
       let l = head + ": " + t("kind.prefill") + " " + R.tokens(it) + " " + t("tip.tokens") + ", " + R.start(it) + "–" +
@@ -54,10 +57,12 @@
   }
 
   function onGanttMove(ev) {
-    const d = view.drawn, s = d && d.win ? d.win.at(plotX(gantt, ev)) : null;
-    if (!s) return showTip(ev, null);
+    const d = view.drawn;
+    if (!d || !d.win) return showTip(ev, null);
     const py = (ev.clientY - gantt.getBoundingClientRect().top) / BS.chartScale;
     const row = d.rows[Math.floor((py - BS.draw.TOP) / d.rowH)];
+    const s = d.win.at(plotX(gantt, ev), row && row.lane);     // in a worker's lane: that worker's step
+    if (!s) return showTip(ev, null);
     showTip(ev, row ? [...rowLines(s, row), ...stepLines(s)] : stepLines(s));
   }
 
@@ -131,6 +136,7 @@
     lastFrame = now;
     tickReplay(dt);
     const v = BS.store.version;
+    if (!sawWorkers && v !== lastVersion) followWorkers();
     if ((view.mode === "live" && v !== lastVersion) || dirty) {
       lastVersion = v; dirty = false;
       if (gantt.isConnected) {
@@ -143,6 +149,17 @@
     if (v !== lastVersion) { lastVersion = v; updatePlayUI(); }    // paused: the chart holds still, the scrubber grows
     return false;
   };
+
+  // the first disaggregated steps switch the x axis to wall time, once: two workers run steps at
+  // the same time, and only a time axis shows their lanes side by side (the radio switches back)
+  function followWorkers() {
+    const steps = BS.store.steps;
+    if (!steps.length || !R.worker(steps[steps.length - 1])) return;
+    sawWorkers = true;
+    if (view.axis === "time") return;
+    BS.play.setAxis("time");
+    document.querySelectorAll("input[name=bs-axis]").forEach((r) => { r.checked = r.value === "time"; });
+  }
 
   BS.redrawChart = () => { dirty = true; };
 

@@ -1,6 +1,8 @@
 // The KV cache map: every block a cell, rebuilt from the steps' kv_ops and kv_map (BS.analysis.kvBlocks,
 // the twin of app/analysis.py kv_blocks). Held: the holder's chat colour; shared by a prefix hit: its
 // ref count written on it; cached but free (evictable): a pale cell with a dot; free: an empty outline.
+// Disaggregated steps come from two workers with a pool each: then one map per worker, prefill first,
+// each rebuilt from its own worker's steps (so a hand-over empties cells above and fills cells below).
 (function () {
   const BS = (window.BS = window.BS || {});
   const R = BS.rec;
@@ -24,28 +26,51 @@
 
   const label = (rid) => { const r = BS.store.reqs.get(rid); return r ? r.label : rid; };
 
+  // the pools to draw after step `upto`: one engine's, or each worker's; {lane, step, total, blocks}
+  function pools(steps, last) {
+    const lanes = R.worker(last) ? BS.layout.LANES : [null];
+    return lanes.map((lane) => {
+      const own = steps.filter((s) => R.worker(s) === lane && R.step(s) <= R.step(last));
+      const end = own[own.length - 1];
+      return end ? { lane, step: R.step(end), total: R.kvTotal(end), blocks: BS.analysis.kvBlocks(own, R.step(end)) } : null;
+    }).filter(Boolean);
+  }
+
   function draw() {
     const steps = BS.store.steps, v = BS.view;
     const upto = v && v.mode !== "live" && v.cursor != null ? v.cursor : null;
     const last = upto == null ? steps[steps.length - 1] : steps[steps.findLastIndex((s) => R.step(s) <= upto)];
     const head = box.querySelector("[data-role=head]");
     if (!last) { shown = null; return; }
-    const blocks = BS.analysis.kvBlocks(steps, R.step(last)), total = R.kvTotal(last);
-    shown = { step: R.step(last), total, blocks };
-    box.dataset.step = R.step(last);
-    const used = [...blocks.values()].filter((b) => b.holders.length).length;
-    head.textContent = BS.t("kv.step") + " " + R.step(last) + " · " + used + " / " + total + " · " +
-      BS.t("kv.cached") + " " + [...blocks.values()].filter((b) => b.cached).length;
     const dpr = window.devicePixelRatio || 1, w = Math.max(200, Math.round(canvas.getBoundingClientRect().width));
-    const cols = Math.max(1, Math.floor(w / (CELL + GAP))), h = Math.ceil(total / cols) * (CELL + GAP);
+    const cols = Math.max(1, Math.floor(w / (CELL + GAP)));
+    const sections = pools(steps, last), TITLE = sections.length > 1 ? 18 : 0;
+    let h = 0;
+    for (const p of sections) { p.y0 = h + TITLE; h = p.y0 + Math.ceil(p.total / cols) * (CELL + GAP) + (TITLE ? 6 : 0); }
+    shown = { step: R.step(last), cols, sections, total: sections[0].total, blocks: sections[0].blocks };
+    box.dataset.step = R.step(last);
+    const count = (p) => [...p.blocks.values()].filter((b) => b.holders.length).length + " / " + p.total + " · " +
+      BS.t("kv.cached") + " " + [...p.blocks.values()].filter((b) => b.cached).length;
+    head.textContent = BS.t("kv.step") + " " + R.step(last) + " · " +
+      sections.map((p) => (p.lane ? BS.t("lane." + p.lane) + " " : "") + count(p)).join(" · ");
     canvas.style.height = h + "px";
     if (canvas.width !== w * dpr || canvas.height !== h * dpr) { canvas.width = w * dpr; canvas.height = h * dpr; }
     const g = canvas.getContext("2d");
     g.setTransform(dpr, 0, 0, dpr, 0, 0); g.clearRect(0, 0, w, h);
+    for (const p of sections) {
+      if (TITLE) {
+        g.font = "bold 13px sans-serif"; g.textAlign = "left"; g.textBaseline = "middle"; g.fillStyle = BS.colors.ink;
+        g.fillText(BS.laneTitle(p.lane), 0, p.y0 - TITLE / 2);
+      }
+      drawPool(g, p, cols);
+    }
+  }
+
+  function drawPool(g, p, cols) {
+    const { total, blocks } = p;
     g.font = "bold 9px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
-    shown.cols = cols;
     for (let b = 0; b < total; b++) {
-      const x = (b % cols) * (CELL + GAP), y = Math.floor(b / cols) * (CELL + GAP), e = blocks.get(b);
+      const x = (b % cols) * (CELL + GAP), y = p.y0 + Math.floor(b / cols) * (CELL + GAP), e = blocks.get(b);
       if (!e) { g.strokeStyle = "#c8c8c8"; g.lineWidth = 1; g.strokeRect(x + 0.5, y + 0.5, CELL - 1, CELL - 1); continue; }
       if (!e.holders.length) {               // cached but free: evictable
         g.fillStyle = "#e4e4e4"; g.fillRect(x, y, CELL, CELL);
@@ -61,11 +86,13 @@
   function onMove(ev) {
     if (!shown) return;
     const r = canvas.getBoundingClientRect();
-    const col = Math.floor((ev.clientX - r.left) / (CELL + GAP)), row = Math.floor((ev.clientY - r.top) / (CELL + GAP));
+    const py = ev.clientY - r.top, p = [...shown.sections].reverse().find((q) => py >= q.y0);
+    if (!p) { tip.hidden = true; return; }
+    const col = Math.floor((ev.clientX - r.left) / (CELL + GAP)), row = Math.floor((py - p.y0) / (CELL + GAP));
     const b = row * shown.cols + col;
-    if (col >= shown.cols || b < 0 || b >= shown.total) { tip.hidden = true; return; }
-    const e = shown.blocks.get(b);
-    const lines = [BS.t("kv.block") + " " + b];
+    if (col >= shown.cols || b < 0 || b >= p.total) { tip.hidden = true; return; }
+    const e = p.blocks.get(b);
+    const lines = [(p.lane ? BS.t("lane." + p.lane) + " · " : "") + BS.t("kv.block") + " " + b];
     if (!e) lines.push(BS.t("kv.free"));
     else {
       lines.push(BS.t("kv.refs") + " " + e.holders.length + (e.cached ? " · " + BS.t("kv.cached") : ""));

@@ -3,6 +3,8 @@
 // what they return. The window has one shape in both axis modes:
 //   {axis, steps, last, x(s), w(s), at(px), xOfTime(t), xOfStep(n), ticks()}
 // with x/w in px from the left of the plot (row labels excluded).
+// Disaggregated steps (records with a `worker`) get one lane per worker, prefill on top: each lane
+// is a header row then the rows of the requests that worker ran in view (see lanesOf, rowsOf).
 (function () {
   const BS = (window.BS = window.BS || {});
   const R = BS.rec;                    // record fields are read through record.js
@@ -83,7 +85,11 @@
       axis: "time", steps: inView, last,
       x, w: (s) => Math.max(2, (R.dur(s)) * k),
       xOfStep: (n) => { const s = stepRec(n); return s ? x(s) : null; },
-      at: (px) => { const t = t0 + px / k; return px < 0 ? null : inView.find((s) => R.tStart(s) <= t && t <= R.tEnd(s)) || null; },
+      // lane: a worker's steps only (two workers run steps at the same time)
+      at: (px, lane) => {
+        const t = t0 + px / k;
+        return px < 0 ? null : inView.find((s) => R.tStart(s) <= t && t <= R.tEnd(s) && (!lane || laneOf(s) === lane)) || null;
+      },
       xOfTime: (t) => (t - t0) * k,
       ticks() {
         const out = [];
@@ -104,14 +110,30 @@
   const byArrival = (a, b) => (a.arrived ?? 1e18) - (b.arrived ?? 1e18) || ridNum(a.rid) - ridNum(b.rid);
   const GROUPS = ["running", "queued", "finished"];
 
-  // requests seen in the window, plus those still queued
-  function requestsOf(win) {
+  const LANES = ["prefill", "decode"], ENGINE = "engine";
+  // the workers' lanes when the window holds disaggregated steps, else null (one engine: no lanes);
+  // a window across a switch also holds the single engine's steps: they get a lane of their own, on top
+  function lanesOf(win) {
+    if (!win.steps.some((s) => R.worker(s))) return null;
+    return win.steps.some((s) => !R.worker(s)) ? [ENGINE, ...LANES] : LANES;
+  }
+  const laneOf = (s) => R.worker(s) || ENGINE;           // in lanes mode: the lane a step's cells go to
+  // where a prompt queues: the prefill worker once the newest step is the pair's, else the one engine
+  const queueLane = (win) => (R.worker(win.last) ? LANES[0] : ENGINE);
+  // the row a request's cell goes to: the request in its worker's lane, or the request alone
+  const rowKey = (lane, rid) => (lane ? lane + ":" + rid : rid);
+
+  // requests seen in the window (in one lane's steps when lane is given), plus those still queued
+  // (queued ones belong to the first lane: a prompt waits for the prefill worker)
+  function requestsOf(win, lane) {
     const seen = new Map();
     const add = (rid) => { if (!seen.has(rid)) seen.set(rid, BS.store.reqs.get(rid)); };
     for (const s of win.steps) {
+      if (lane && laneOf(s) !== lane) continue;
       for (const it of R.items(s)) add(R.req(it));
       for (const rid of s.stalled || []) add(rid);
     }
+    if (lane && lane !== queueLane(win)) return [...seen.values()].filter(Boolean);
     const tEnd = R.tEnd(win.last), tStart = win.steps.length ? R.tStart(win.steps[0]) : tEnd;
     for (const r of BS.store.reqs.values()) {
       if (r.arrived != null && r.arrived <= tEnd && (r.firstStep == null || r.firstStep > win.last.step) &&
@@ -131,8 +153,34 @@
   // Few rows: oldest first, as they arrived. A crowd (or a room view): the viewer's own rows on
   // top and never left out, then running, queued, finished; finished ones collapse after COLLAPSE_S.
   function rowsOf(win, maxRows, grouped) {
-    const reqs = requestsOf(win);
-    const rows = reqs.map((r) => ({ rid: r.rid, label: r.label, mine: BS.mine.has(r.rid), group: groupOf(r, win), end: r.end, arrived: r.arrived }));
+    const lanes = lanesOf(win);
+    return lanes ? laneRowsOf(win, lanes, maxRows, grouped) : requestRowsOf(win, null, maxRows, grouped);
+  }
+
+  // lanes: a header row per lane ({lane, header: true}), then that lane's request rows; when they
+  // do not all fit, the rows are dealt out one at a time to the lane with the smallest share shown
+  function laneRowsOf(win, lanes, maxRows, grouped) {
+    const want = lanes.map((lane) => requestsOf(win, lane).length), cap = lanes.map(() => 0);
+    let room = Math.min(maxRows - lanes.length, want.reduce((a, b) => a + b, 0));
+    while (room-- > 0) {
+      let best = -1;
+      want.forEach((w, i) => { if (cap[i] < w && (best < 0 || cap[i] / w < cap[best] / want[best])) best = i; });
+      cap[best]++;
+    }
+    const out = { rows: [], more: 0, collapsed: 0 };
+    lanes.forEach((lane, i) => {
+      const got = requestRowsOf(win, lane, cap[i], grouped);
+      out.rows.push({ key: "lane:" + lane, lane, header: true, rid: null, label: lane, mine: false, group: null });
+      out.rows.push(...got.rows);
+      out.more += got.more; out.collapsed += got.collapsed;
+    });
+    return out;
+  }
+
+  function requestRowsOf(win, lane, maxRows, grouped) {
+    const reqs = requestsOf(win, lane);
+    const rows = reqs.map((r) => ({ key: rowKey(lane, r.rid), lane, rid: r.rid, label: r.label, mine: BS.mine.has(r.rid),
+                                    group: groupOf(r, win), end: r.end, arrived: r.arrived }));
     let collapsed = 0;
     if (!grouped && rows.length <= CROWD && !rows.some((r) => r.mine)) {
       rows.sort(byArrival);
@@ -150,5 +198,5 @@
     return { rows: shown, more: kept.length - shown.length, collapsed };
   }
 
-  BS.layout = { windowOf, rowsOf, stepRec, findIndex, cursorIndex, GROUPS };
+  BS.layout = { windowOf, rowsOf, lanesOf, laneOf, queueLane, rowKey, stepRec, findIndex, cursorIndex, GROUPS, LANES };
 })();

@@ -5,6 +5,8 @@
 //   TBT        = gap between consecutive tokens of one request
 //   stall      = a TBT during which a step listed the request in its `stalled` field
 //   percentile = linear interpolation between order statistics, at (n - 1) * q / 100
+//   transfer   = a KV hand-over (disaggregated) whose import ends (its event's t) within the
+//                stretch's time span: their count, p50/p99 seconds and summed bytes
 // A token's time is the end of the step that produced it. A stretch is a run of
 // consecutive steps under one setting (policy, token budget, max sequences).
 (function () {
@@ -58,11 +60,15 @@
     }
     ttft.sort((a, b) => a - b); tbt.sort((a, b) => a - b);
     const span = R.tEnd(seg.last) - R.tStart(seg.first);
+    const xfers = BS.store.transfers.filter((x) => x.t >= R.tStart(seg.first) && x.t <= R.tEnd(seg.last));
+    const xsec = xfers.map((x) => x.seconds).sort((a, b) => a - b);
     return {
       policy: R.policy(seg.first), budget: R.budget(seg.first), maxSeqs: R.maxSeqs(seg.first),
       steps: seg.end - seg.start + 1, from: s0, to: s1,
       ttft50: pct(ttft, 50), ttft99: pct(ttft, 99), tbt50: pct(tbt, 50), tbt99: pct(tbt, 99),
       stall, tps: span > 0 ? tokens / span : null, tokens, kvFill: kv, waiting, busy,
+      transfers: xfers.length, transfer50: pct(xsec, 50), transfer99: pct(xsec, 99),
+      transferBytes: xfers.reduce((a, x) => a + x.bytes, 0),
     };
   };
 
@@ -77,6 +83,8 @@
       case "tps": return m.tps == null ? "–" : m.tps.toFixed(1);
       case "kv": return (m.kvFill * 100).toFixed(1) + " %";
       case "waiting": return String(m.waiting);
+      case "transfer": return m.transfers ? m.transfers + " · " + sec(m.transfer50) + " / " + sec(m.transfer99) + " · " +
+        BS.fmtBytes(m.transferBytes) : "–";
     }
     return "";
   }
@@ -93,6 +101,7 @@
       case "tps": return [m.tps];
       case "kv": return [m.kvFill];
       case "waiting": return [m.waiting];
+      case "transfer": return [m.transfers, m.transfer50, m.transfer99, m.transferBytes];
     }
     return [];
   }
@@ -121,7 +130,9 @@
       th.dataset.policy = m.policy;
       head.append(th);
     }
-    const body = ROWS.map((row) => {
+    // the KV hand-over line only where a setting in view had workers hand over
+    const rows = ms.some((m) => m.transfers) ? [...ROWS, "transfer"] : ROWS;
+    const body = rows.map((row) => {
       const tr = el("tr");
       tr.dataset.metric = row;
       tr.append(el("th", BS.t("metrics." + row)));

@@ -18,6 +18,7 @@
   BS.colors = {
     ink: "#111", paper: "#fff", soft: "#444", muted: "#666", rule: "#999", queued: "#555", stallLine: "#222",
     stripe: "#f7f7f7", gap: "rgba(0,0,0,.06)", labelBack: "rgba(255,255,255,.85)", mineBand: "#fff1c1",
+    laneBand: "#e3e3e3", handover: "#111",   // a worker's lane header; a KV hand-over arrow (black on a white halo)
   };
 
   // the room numbers every label it sees (app/room.py); slot -> Okabe-Ito colour + mark
@@ -143,6 +144,11 @@
       } else if (kind === "queued") {
         g.strokeStyle = "#555"; g.setLineDash([3, 3]); g.lineWidth = 2;
         g.beginPath(); g.moveTo(0, h / 2); g.lineTo(w, h / 2); g.stroke();
+      } else if (kind === "handover") {
+        g.strokeStyle = g.fillStyle = "#111"; g.lineWidth = 2.5;
+        g.beginPath(); g.arc(4, 3.5, 2.5, 0, 2 * Math.PI); g.fill();
+        g.beginPath(); g.moveTo(4, 3.5); g.lineTo(w - 5, h - 4); g.stroke();
+        g.beginPath(); g.moveTo(w - 2, h - 2); g.lineTo(w - 10, h - 5); g.lineTo(w - 6, h - 10); g.closePath(); g.fill();
       } else if (kind === "marker") {
         g.fillStyle = "#111"; g.fillRect(w / 2 - 1.5, 0, 3, h);
       }

@@ -33,6 +33,9 @@
     stallCauses: (s) => s.stall_causes || [],
     kvOps: (s) => s.kv_ops || [],
     kvMap: (s) => s.kv_map || null,
+    // disaggregated: the worker that ran this step ("prefill" | "decode"), null for one engine
+    worker: (s) => s.worker || null,
+    threads: (s) => s.threads ?? null,    // disaggregated: torch threads of that worker (its share of the cores)
     // a stretch of steps runs under one setting: policy, token budget, max sequences
     settingKey: (s) => s.policy + "/" + s.token_budget + "/" + s.max_num_seqs,
 
@@ -73,6 +76,12 @@
     finishReason: (ev) => ev.finish_reason,
     outputTokens: (ev) => ev.output_tokens,
     abortReason: (ev) => ev.reason,
+    // a KV hand-over (event "kv_transfer"): from export start (t - seconds) to import done (t)
+    xferBlocks: (ev) => ev.blocks,
+    xferBytes: (ev) => ev.bytes,
+    xferSeconds: (ev) => ev.seconds,
+    xferFrom: (ev) => ev.from_worker,
+    xferTo: (ev) => ev.to_worker,
 
     // ---- policy event, or the settings in a snapshot (the app adds step_delay) ----
     settings(p) {

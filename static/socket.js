@@ -15,6 +15,7 @@
     reqs: new Map(),    // request id -> request summary (see newReq)
     settings: null,     // latest engine settings seen (policy event or snapshot)
     gaps: [],           // {after, before}: step indices missed between two received steps
+    transfers: [],      // KV hand-overs between workers (disaggregated), oldest first: {rid, label, t0, t, ...}
     version: 0,         // bumps whenever anything changes; views redraw when it moves
     connected: false,
     listeners: [],
@@ -26,6 +27,7 @@
       arrived: null, promptLen: null, maxTokens: null,
       first: null, end: null, endEvent: null, reason: null, outputTokens: null,
       firstStep: null, lastStep: null,
+      transfer: null,   // its KV hand-over to the decode worker, if it had one (disaggregated)
       tokens: [],       // {t, step, gap, stalled}: gap since the previous token, stalled if a step left it out in between
       stalledSince: false,
     };
@@ -82,6 +84,8 @@
       if (r.end != null && (r.lastStep == null || r.lastStep < first)) store.reqs.delete(rid);
     }
     store.gaps = store.gaps.filter((g) => g.before > first);
+    const t0 = R.tStart(store.steps[0]);
+    store.transfers = store.transfers.filter((x) => x.t >= t0);
   }
 
   function addStep(rec) {
@@ -109,6 +113,14 @@
       case "finished": r.end = t; r.endEvent = "finished"; r.reason = R.finishReason(ev); r.outputTokens = R.outputTokens(ev); break;
       case "aborted": r.end = t; r.endEvent = "aborted"; r.reason = R.abortReason(ev); break;
       case "preempted": break;
+      case "kv_transfer": {
+        // t: the import is done; t0: the export began, `seconds` before
+        const x = { rid: r.rid, label: r.label, t, t0: t - R.xferSeconds(ev), seconds: R.xferSeconds(ev), blocks: R.xferBlocks(ev),
+                    bytes: R.xferBytes(ev), from: R.xferFrom(ev), to: R.xferTo(ev) };
+        if (!store.transfers.some((y) => y.rid === x.rid && y.t === x.t)) store.transfers.push(x);   // a snapshot may repeat it
+        r.transfer = x;
+        break;
+      }
     }
   }
 

@@ -85,3 +85,59 @@ def test_rows_under_many_random_rooms():
         else:
             arrivals = [by[rid]["arrived"] for rid in rids]
             assert arrivals == sorted(arrivals)
+
+
+def workers(rng: random.Random) -> dict:
+    """Two workers' steps interleaved on one clock (disaggregated): each request is prefilled on one, then decoded
+    on the other; both workers' steps may run at the same time."""
+    n_reqs = rng.randint(1, 30)
+    clock = {"prefill": 0.0, "decode": 0.0}
+    steps, reqs = [], []
+    for k in range(n_reqs):
+        rid, label = f"r{k}", f"S{rng.randrange(10)}"
+        t_arr = clock["prefill"] + rng.uniform(0, 0.3)
+        reqs.append({"rid": rid, "label": label, "arrived": t_arr, "firstStep": None, "lastStep": None, "end": None})
+        for worker, n, kind in (("prefill", rng.randint(1, 4), "prefill"), ("decode", rng.randint(0, 12), "decode")):
+            t = max(clock[worker], t_arr)
+            for _ in range(n):
+                dt = rng.uniform(0.05, 0.4)
+                steps.append({"worker": worker, "t_start": t, "t_end": t + dt, "stalled": [],
+                              "items": [{"req": rid, "label": label, "kind": kind, "tokens": 1}]})
+                t += dt
+            clock[worker] = t_arr = t
+    steps.sort(key=lambda s: s["t_end"])          # the router relays in order of completion, numbering as it goes
+    for i, s in enumerate(steps):
+        s["step"] = i
+        for it in s["items"]:
+            r = reqs[int(it["req"][1:])]
+            r["firstStep"] = i if r["firstStep"] is None else r["firstStep"]
+            r["lastStep"] = i
+    for r in reqs:
+        if r["lastStep"] is not None and rng.random() < 0.6:
+            r["end"] = steps[r["lastStep"]]["t_end"]
+    return {"steps": steps, "reqs": reqs, "mine": [], "axis": rng.choice(["step", "time"]),
+            "grouped": rng.random() < 0.5, "maxRows": rng.randint(2, 40)}
+
+
+def test_lanes_under_many_random_worker_streams():
+    """Disaggregated streams: a header row per worker, prefill first; a request's row in a lane only if that worker
+    ran it in view (or, in the prefill lane, it still queues); never more rows than fit."""
+    cases = [workers(random.Random(seed)) for seed in range(300)]
+    done = subprocess.run([NODE, "-e", RUNNER, str(STATIC / "record.js"), str(STATIC / "layout.js")], input=json.dumps(cases),
+                          capture_output=True, text=True, timeout=120, check=True)
+    for c, got in zip(cases, json.loads(done.stdout)):
+        rows = got["rows"]
+        heads = [r["lane"] for r in rows if r.get("header")]
+        assert heads == ["prefill", "decode"] and rows[0]["header"]
+        assert len(rows) <= c["maxRows"]
+        keys = [r["key"] for r in rows]
+        assert len(keys) == len(set(keys))
+        in_view = [s for s in c["steps"] if got["first"] <= s["step"] <= got["lastStep"]]
+        lane = None
+        for r in rows:
+            if r.get("header"):
+                lane = r["lane"]
+                continue
+            assert r["lane"] == lane and r["key"] == f"{lane}:{r['rid']}"
+            ran = any(s["worker"] == lane and any(i["req"] == r["rid"] for i in s["items"]) for s in in_view)
+            assert ran or (lane == "prefill" and r["group"] == "queued"), (r, lane)

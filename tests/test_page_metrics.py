@@ -77,6 +77,11 @@ def sec(v):
     return "–" if v is None else fixed(v * 1000, 0) + " ms" if v < 1 else fixed(v, 2) + " s"
 
 
+def size(n: int) -> str:
+    """The page's byte format (static/draw.js BS.fmtBytes)."""
+    return fixed(n / 1e6, 1) + " MB" if n >= 1e6 else fixed(n / 1e3, 0) + " kB" if n >= 1e3 else f"{n} B"
+
+
 def expected(m: dict) -> dict:
     """engine.metrics.stretches() output as the page's rows: (numbers, text)."""
     rows = {
@@ -89,6 +94,9 @@ def expected(m: dict) -> dict:
                 "–" if m["output_tokens_per_s"] is None else fixed(m["output_tokens_per_s"], 1)),
         "kv": ([m["kv_used_max"]], fixed(m["kv_used_max"] * 100, 1) + " %"),
         "waiting": ([m["waiting_max"]], str(m["waiting_max"])),
+        "transfer": ([m["transfers"], m["transfer_p50_s"], m["transfer_p99_s"], m["transfer_bytes"]],
+                     f"{m['transfers']} · {sec(m['transfer_p50_s'])} / {sec(m['transfer_p99_s'])} · "
+                     f"{size(m['transfer_bytes'])}" if m["transfers"] else "–"),
     }
     return rows
 
@@ -101,8 +109,12 @@ def same(a, b) -> bool:
 def check(page_cols: list[dict], stream: list[dict]):
     want = metrics.stretches(stream)[-MAX_COLUMNS:]
     assert [c["policy"] for c in page_cols] == [m["policy"] for m in want]
+    handed_over = any(m["transfers"] for m in want)       # the KV hand-over line shows only then
     for col, m in zip(page_cols, want):
+        assert ("transfer" in col) == handed_over
         for row, (values, text) in expected(m).items():
+            if row == "transfer" and not handed_over:
+                continue
             got = col[row]
             assert len(got["values"]) == len(values) and all(map(same, got["values"], values)), (m["policy"], row,
                                                                                                  got, values)
@@ -113,6 +125,14 @@ def test_recorded_trace_page_table_matches_python(stage):
     objs = trace.load(TRACE)
     s = metrics.summarize(objs)
     assert s["stall_count"] > 0 and s["num_preemptions"] > 0 and len(metrics.stretches(objs)) == 3
+    check(stage(objs), objs)
+
+
+def test_recorded_disaggregated_trace_page_table_matches_python(stage):
+    """A real disaggregated run (tests/data/disagg_trace.json, `python -m tests.record_disagg_trace`):
+    two stretches with KV hand-overs, the transfer line in both."""
+    objs = trace.load(Path(__file__).parent / "data" / "disagg_trace.json")
+    assert all(m["transfers"] for m in metrics.stretches(objs)) and len(metrics.stretches(objs)) == 2
     check(stage(objs), objs)
 
 
@@ -136,6 +156,33 @@ def test_random_streams_page_table_matches_python(stage):
 
     @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
     @given(random_streams())
+    def one(s):
+        check(stage(s), s)
+
+    one()
+
+
+def test_random_kv_hand_overs_page_table_matches_python(stage):
+    """Random streams with KV hand-overs at random times (some on a stretch's first t_start or last t_end,
+    some outside every stretch): the page's transfer line counts the same ones as Python's."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @st.composite
+    def with_hand_overs(draw):
+        s = draw(random_streams())
+        recs = metrics.steps(s)
+        edges = [r["t_start"] for r in recs] + [r["t_end"] for r in recs]
+        for k in range(draw(st.integers(0, 6))):            # one hand-over per request, as the engine makes them
+            t = draw(st.one_of(st.sampled_from(edges), st.floats(-0.5, recs[-1]["t_end"] + 0.5)))
+            blocks = draw(st.integers(1, 200))
+            s.append({"type": "request", "event": "kv_transfer", "req": f"x{k}", "label": f"X{k}", "t": t,
+                      "blocks": blocks, "bytes": blocks * 737_280, "seconds": draw(st.floats(0.0, 2.0)),
+                      "from_worker": "prefill", "to_worker": "decode"})
+        return s
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(with_hand_overs())
     def one(s):
         check(stage(s), s)
 

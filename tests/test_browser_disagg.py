@@ -1,0 +1,195 @@
+"""The fourth setting in a real browser (Debian's Chromium driven by Playwright).
+
+Under `disaggregated` the chart must show one lane per worker, prefill steps on one and decode
+steps on the other running at the same time, each request's KV hand-over drawn between them, and
+the metrics a transfer line for that setting. Two ways in:
+- offline: the real DisaggregatedEngine runs the lesson's scenario in-process and its stream is
+  fed to the stage as a trace file would be (BS.ingestAll);
+- live: one real server on loopback; lesson 5 runs the long document chunked, then switches the
+  service to the prefill and decode workers and runs it disaggregated. Writes docs/ui_disaggregated.png.
+"""
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_browser_ui import ARGS, CHROMIUM, api, browser, wait_js  # noqa: F401 (fixtures)
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+SCENARIO = dict(reply_tokens=40, doc_tokens=4, doc_at=6)
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium (/usr/bin/chromium) is not "
+                                                                "installed; browser tests need it")]
+
+
+@pytest.fixture(scope="module")
+def server():
+    import socket
+    import threading
+
+    import uvicorn
+
+    from app.config import ServerConfig
+    from app.server import create_app
+    from app.service import EngineService
+    from app.ui import mount_ui
+    from engine import EngineConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    service = EngineService(EngineConfig(kv_cache_gb=0.25, policy="chunked"), ServerConfig(port=port))
+    app = create_app(service)
+    mount_ui(app, service, max_tokens=12, scenario_params={"split-prefill-decode": SCENARIO})
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 300
+    while not srv.started:
+        assert thread.is_alive() and time.time() < deadline, "the server did not start"
+        time.sleep(0.2)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(60)
+    service.stop()
+
+
+@pytest.fixture
+def page(server, browser):  # noqa: F811
+    ctx = browser.new_context(viewport={"width": 1500, "height": 1200})
+    pg = ctx.new_page()
+    errors = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(server + "/")
+    pg.wait_for_selector("[data-testid=gantt]")
+    pg.wait_for_function("document.querySelector('[data-testid=conn]').dataset.state === 'live'")
+    yield pg
+    ctx.close()
+    assert not errors, errors
+
+
+def drawn_lanes(pg) -> dict:
+    """What the chart drew: axis, lane headers, cells with their lane and times, hand-over marks, lane titles."""
+    return pg.evaluate("""() => { const d = BS.view.drawn;
+        return {axis: d.win.axis, heads: d.rows.filter(r => r.header).map(r => r.lane),
+                cells: d.cells.map(c => ({lane: c.lane, kind: c.kind, label: c.label, t0: c.t0, t1: c.t1})),
+                handovers: d.handovers,
+                titles: [...document.querySelectorAll('[data-testid=row-labels] li[data-header]')].map(l => l.textContent)}; }""")
+
+
+def check_lanes(drawn: dict, threads: dict[str, int], label: str, blocks: int):
+    """Two lanes headed by their worker and its real thread count; prefill cells on one, decode cells on the
+    other, some at the same time; the hand-over of `label` drawn downwards with its size."""
+    # across the switch the single engine's steps keep a lane of their own, on top
+    assert drawn["axis"] == "time" and drawn["heads"] in (["prefill", "decode"], ["engine", "prefill", "decode"])
+    for lane, title in zip(drawn["heads"], drawn["titles"]):
+        n = threads.get(lane)
+        assert title == ("one engine (before the switch)" if lane == "engine" else
+                         f"{lane} worker · {n} thread" + ("s" if n != 1 else ""))
+    pre = [c for c in drawn["cells"] if c["lane"] == "prefill"]
+    dec = [c for c in drawn["cells"] if c["lane"] == "decode"]
+    assert pre and dec and {c["kind"] for c in pre} == {"prefill"} and {c["kind"] for c in dec} == {"decode"}
+    assert any(p["t0"] < d["t1"] and d["t0"] < p["t1"] for p in pre for d in dec), "no two lanes' cells overlap"
+    mark = next(h for h in drawn["handovers"] if h["label"] == label)
+    assert mark["blocks"] == blocks and mark["y1"] > mark["y0"] and f"{blocks} blocks" in mark["text"]
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    """The lesson's scenario on the real DisaggregatedEngine (two worker processes), as a stream."""
+    from app.scenarios import get_scenario
+    from demos.runner import run_scenario
+    from engine import EngineConfig
+    from engine.disagg import DisaggregatedEngine
+    with DisaggregatedEngine(EngineConfig(policy="disaggregated", kv_cache_gb=0.25, max_num_batched_tokens=128)) as e:
+        return run_scenario(e, get_scenario("split-prefill-decode", **SCENARIO)).stream
+
+
+def test_a_recorded_disaggregated_run_draws_two_lanes_and_the_hand_overs(recorded, browser):  # noqa: F811
+    from app.ui import SCRIPTS, stage_html
+    from engine import metrics
+    steps = metrics.steps(recorded)
+    moved = [e for e in recorded if e.get("event") == "kv_transfer"]
+    threads = {s["worker"]: s["threads"] for s in steps}
+    assert set(threads) == {"prefill", "decode"} and len(moved) == 4
+    pg = browser.new_page(viewport={"width": 1500, "height": 1200})
+    errors = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.set_content(f"<html><body>{stage_html()}</body></html>")
+    pg.evaluate("window.BS = {offline: true}")
+    pg.add_style_tag(content=(ROOT / "static" / "style.css").read_text())
+    for name in SCRIPTS:
+        pg.add_script_tag(content=(ROOT / "static" / name).read_text())
+    pg.wait_for_function("window.BS && BS.store")
+    pg.evaluate("(s) => BS.ingestAll(s)", recorded)
+    doc = next(e for e in moved if e["label"] == "Doc")
+    after = next(s["step"] for s in steps if s["worker"] == "decode" and s["t_end"] >= doc["t"])
+    at = min(after + 6, steps[-1]["step"])         # a few decode steps after the hand-over, in view with it
+    pg.evaluate("(n) => BS.play.seek(n)", at)
+    pg.wait_for_function("(n) => BS.view.drawn && BS.view.drawn.steps.includes(n)", arg=at)
+    check_lanes(drawn_lanes(pg), threads, "Doc", doc["blocks"])
+    row = pg.evaluate("[...document.querySelectorAll('[data-testid=metrics] tr[data-metric=transfer] td')]"
+                      ".map(td => JSON.parse(td.dataset.values))")
+    assert row == [[4, metrics.stretches(recorded)[0]["transfer_p50_s"], metrics.stretches(recorded)[0]["transfer_p99_s"],
+                    sum(e["bytes"] for e in moved)]]
+    pg.locator("[data-testid=stage] .bs-chart").screenshot(path=str(DOCS / "ui_disaggregated.png"))
+    assert not errors, errors
+    pg.close()
+
+
+def test_lesson_five_draws_two_workers_side_by_side_and_the_kv_hand_over(page, server):
+    start = page.evaluate("BS.store.steps.length ? BS.store.steps.at(-1).step + 1 : 0")
+    page.click("#bs-lesson-5")
+    # the chunked pass, then the switch: the page says it is waiting for the two workers to load
+    wait_js(page, "document.querySelector('#bs-note').textContent.includes('waiting for the prefill and decode workers')",
+            timeout=300)
+    # both passes: the four scripted requests under chunked, then four more under disaggregated, all ended
+    runs = f"[...BS.store.reqs.values()].filter(r => r.arrived != null && r.firstStep >= {start})"
+    try:
+        wait_js(page, f"{runs}.length === 8 && {runs}.every(r => r.end != null)", timeout=420)
+    except Exception as e:
+        state = page.evaluate(f"{runs}.map(r => [r.label, r.rid, r.tokens.length, r.end, r.reason])")
+        pytest.fail(f"lesson 5 did not finish ({str(e)[:200]}): {state}; note {page.inner_text('#bs-note')!r}")
+    assert page.locator("[data-testid=policy] button[aria-checked=true]").get_attribute("data-policy") == "disaggregated"
+    assert page.locator("[data-testid=disagg-note]").is_visible()
+
+    # the records: prefill steps on one worker, decode steps on the other, at the same time
+    got = page.evaluate(f"""() => {{
+        const steps = BS.store.steps.filter(s => s.step >= {start} && s.worker);
+        const pre = steps.filter(s => s.worker === 'prefill'), dec = steps.filter(s => s.worker === 'decode');
+        const overlap = pre.filter(p => dec.some(d => d.t_start < p.t_end && p.t_start < d.t_end)).map(s => s.step);
+        return {{policies: [...new Set(steps.map(s => s.policy))],
+                 preKinds: [...new Set(pre.flatMap(s => s.items.map(i => i.kind)))],
+                 decKinds: [...new Set(dec.flatMap(s => s.items.map(i => i.kind)))],
+                 overlap, docPrefill: pre.filter(s => s.items.some(i => i.label === 'Dan')).map(s => s.step),
+                 transfers: BS.store.transfers.filter(x => x.t >= steps[0].t_start)}}; }}""")
+    assert got["policies"] == ["disaggregated"]
+    assert got["preKinds"] == ["prefill"] and got["decKinds"] == ["decode"]
+    assert set(got["docPrefill"]) & set(got["overlap"]), "the document's prefill never ran beside a decode step"
+    assert len(got["transfers"]) == 4 and all(x["blocks"] > 0 and x["bytes"] > 0 and x["seconds"] >= 0
+                                              for x in got["transfers"])
+
+    # the chart, paused where the document's KV is handed over: two lanes, cells in both at once, the arrow
+    doc = next(x for x in got["transfers"] if x["label"] == "Dan")
+    page.click("[data-testid=pause]")
+    page.evaluate("(t) => BS.play.seek(BS.store.steps.find(s => s.t_end >= t && s.worker === 'decode').step + 6)",
+                  doc["t"])
+    page.wait_for_timeout(600)
+    threads = page.evaluate("Object.fromEntries(BS.store.steps.filter(s => s.worker).map(s => [s.worker, s.threads]))")
+    check_lanes(drawn_lanes(page), threads, "Dan", doc["blocks"])
+
+    # the metrics: a column for each setting, and the transfer line filled for disaggregated only
+    cols = page.evaluate("""() => { const t = document.querySelector('[data-testid=metrics] table');
+        const heads = [...t.tHead.rows[0].querySelectorAll('th[data-policy]')].map(th => th.dataset.policy);
+        const row = t.querySelector('tr[data-metric=transfer]');
+        return {heads, transfer: row ? [...row.cells].slice(1).map(td => JSON.parse(td.dataset.values)) : null}; }""")
+    assert cols["heads"][-2:] == ["chunked", "disaggregated"] and cols["transfer"] is not None
+    assert cols["transfer"][-1][0] >= 1 and cols["transfer"][-2][0] == 0
+
+    page.locator("[data-testid=stage]").screenshot(path=str(DOCS / "ui_disaggregated_lesson.png"))
+    page.click("[data-testid=resume]")
+    # back to one engine: the next steps carry no worker
+    page.click("[data-testid=policy] button[data-policy=chunked]")
+    wait_js(page, "document.querySelector('[data-testid=policy] button[aria-checked=true]').dataset.policy === 'chunked'")
+    assert api(server, "/api/engine")["policy"] == "chunked"
