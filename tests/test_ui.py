@@ -43,7 +43,7 @@ def test_every_string_exists_in_both_languages():
 def test_every_lesson_has_its_words_a_scenario_and_known_policies():
     from app.ui import LESSONS
     from engine.config import POLICIES
-    assert [policies[-1] for policies, _ in LESSONS] == ["static", "continuous", "chunked", "disaggregated"]
+    assert [policies[-1] for policies, _ in LESSONS] == ["static", "continuous", "chunked", "chunked", "disaggregated"]
     for k, (policies, name) in enumerate(LESSONS, 1):
         assert policies and set(policies) <= set(POLICIES) and name in SCENARIOS
         assert all(f"step{k}" in TEXT[code] and f"step{k}_btn" in TEXT[code] for code in LANGS.values())
