@@ -36,7 +36,9 @@ trace and a GPU run give the same numbers.
                the decode worker (its `kv_transfer` event): seconds from the
                export's start to the import's end, and bytes. A stretch's
                transfers are those whose import ended (event `t`) between the
-               stretch's first t_start and its last t_end.
+               stretch's first t_start and its last t_end, and after the t_end
+               of the step before it (a transfer on the boundary of two
+               stretches counts once, in the earlier).
 
     from engine import metrics
     metrics.summarize(stream)                    # the numbers of docs/results.md
@@ -278,10 +280,11 @@ def stretches(stream: Iterable[dict]) -> list[dict]:
         else:
             runs.append([rec])
     moved = events(stream, "kv_transfer")
-    return [_stretch(run, arr, toks, moved) for run in runs]
+    return [_stretch(run, arr, toks, moved, runs[i - 1][-1]["t_end"] if i else None) for i, run in enumerate(runs)]
 
 
-def _stretch(run: list[dict], arr: dict[str, float], toks: dict[str, list[Token]], moved: list[dict]) -> dict:
+def _stretch(run: list[dict], arr: dict[str, float], toks: dict[str, list[Token]], moved: list[dict],
+             after: float | None) -> dict:
     s0, s1 = run[0]["step"], run[-1]["step"]
     ttft = [tks[0].t - arr[req] for req, tks in toks.items() if s0 <= tks[0].step <= s1 and req in arr]
     mine = [tk for tks in toks.values() for tk in tks if s0 <= tk.step <= s1]
@@ -300,5 +303,6 @@ def _stretch(run: list[dict], arr: dict[str, float], toks: dict[str, list[Token]
         "kv_used_max": max(r["kv"]["used"] / r["kv"]["total"] if r["kv"]["total"] else 0.0 for r in run),
         "waiting_max": max(r["waiting"] for r in run),
         "busy_s": sum(r["t_end"] - r["t_start"] for r in run),
-        **transfer_summary([e for e in moved if run[0]["t_start"] <= e["t"] <= run[-1]["t_end"]]),
+        **transfer_summary([e for e in moved if run[0]["t_start"] <= e["t"] <= run[-1]["t_end"]
+                            and (after is None or e["t"] > after)]),
     }

@@ -6,7 +6,8 @@
 //   stall      = a TBT during which a step listed the request in its `stalled` field
 //   percentile = linear interpolation between order statistics, at (n - 1) * q / 100
 //   transfer   = a KV hand-over (disaggregated) whose import ends (its event's t) within the
-//                stretch's time span: their count, p50/p99 seconds and summed bytes
+//                stretch's time span and after the end of the step before it (on a boundary
+//                it counts in the earlier stretch): their count, p50/p99 seconds and summed bytes
 // A token's time is the end of the step that produced it. A stretch is a run of
 // consecutive steps under one setting (policy, token budget, max sequences).
 (function () {
@@ -60,7 +61,9 @@
     }
     ttft.sort((a, b) => a - b); tbt.sort((a, b) => a - b);
     const span = R.tEnd(seg.last) - R.tStart(seg.first);
-    const xfers = BS.store.transfers.filter((x) => x.t >= R.tStart(seg.first) && x.t <= R.tEnd(seg.last));
+    const before = seg.start > 0 ? R.tEnd(steps[seg.start - 1]) : null;
+    const xfers = BS.store.transfers.filter((x) => x.t >= R.tStart(seg.first) && x.t <= R.tEnd(seg.last) &&
+                                                   (before == null || x.t > before));
     const xsec = xfers.map((x) => x.seconds).sort((a, b) => a - b);
     return {
       policy: R.policy(seg.first), budget: R.budget(seg.first), maxSeqs: R.maxSeqs(seg.first),
