@@ -8,50 +8,25 @@ the metrics a transfer line for that setting. Two ways in:
 - live: one real server on loopback; lesson 5 runs the long document chunked, then switches the
   service to the prefill and decode workers and runs it disaggregated. Writes docs/ui_disaggregated.png.
 """
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.test_browser_ui import ARGS, CHROMIUM, api, browser, wait_js  # noqa: F401 (fixtures)
+from tests.browser import MARKS, served_ui
+from tests.test_browser_ui import api, browser, wait_js  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 SCENARIO = dict(reply_tokens=40, doc_tokens=4, doc_at=6)
-pytestmark = [pytest.mark.browser,
-              pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium (/usr/bin/chromium) is not "
-                                                                "installed; browser tests need it")]
+pytestmark = MARKS
 
 
 @pytest.fixture(scope="module")
 def server():
-    import socket
-    import threading
-
-    import uvicorn
-
-    from app.config import ServerConfig
-    from app.server import create_app
-    from app.service import EngineService
-    from app.ui import mount_ui
     from engine import EngineConfig
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    service = EngineService(EngineConfig(kv_cache_gb=0.25, policy="chunked"), ServerConfig(port=port))
-    app = create_app(service)
-    mount_ui(app, service, max_tokens=12, scenario_params={"split-prefill-decode": SCENARIO})
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 300
-    while not srv.started:
-        assert thread.is_alive() and time.time() < deadline, "the server did not start"
-        time.sleep(0.2)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(60)
+    with served_ui(EngineConfig(kv_cache_gb=0.25, policy="chunked"), max_tokens=12,
+                   scenario_params={"split-prefill-decode": SCENARIO}) as (url, service):
+        yield url
     service.stop()
 
 

@@ -5,60 +5,29 @@ The QR code on the projector is decoded from a screenshot with zxing-cpp.
 """
 import io
 import json
-import socket
-import threading
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-CHROMIUM = Path("/usr/bin/chromium")
-pytestmark = [pytest.mark.browser,
-              pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium (/usr/bin/chromium) is not "
-                                                                "installed; browser tests need it")]
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
+from tests.browser import MARKS, chromium, served_ui
+
+pytestmark = MARKS
 KEY = "lecturer-secret"
 
 
 @pytest.fixture(scope="module")
 def server():
-    import uvicorn
-
-    from app.config import ServerConfig
-    from app.server import create_app
-    from app.service import EngineService
-    from app.ui import mount_ui
     from engine import EngineConfig
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    service = EngineService(EngineConfig(kv_cache_gb=0.25, policy="chunked"),
-                            ServerConfig(port=port, presenter_key=KEY, step_delay=0.03))
-    app = create_app(service)
-    mount_ui(app, service, max_tokens=10)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 300
-    while not srv.started:
-        assert thread.is_alive() and time.time() < deadline, "the server did not start"
-        time.sleep(0.2)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(60)
+    with served_ui(EngineConfig(kv_cache_gb=0.25, policy="chunked"), dict(presenter_key=KEY, step_delay=0.03),
+                   max_tokens=10) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")
 def browser():
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+    with chromium() as b:
         yield b
-        b.close()
 
 
 def open_page(browser, url, errors, **ctx):

@@ -1,58 +1,34 @@
 """The what-if panel in Chromium: refused without the presenter key, then run with it: one Gantt per run,
 the per-user table with the change, downloads. Keeps a screenshot when BATCHSCOPE_SCREENSHOT_DIR is set."""
 import os
-import socket
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.test_browser_ui import ARGS, CHROMIUM
+from tests.browser import ARGS, CHROMIUM, MARKS, served_ui
 
-pytestmark = [pytest.mark.browser,
-              pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium (/usr/bin/chromium) is not "
-                                                                "installed; browser tests need it")]
+pytestmark = MARKS
 KEY = "whatif-browser-key"
 
 
 @pytest.fixture(scope="module")
 def server():
     import httpx
-    import uvicorn
 
-    from app.config import ServerConfig
-    from app.server import create_app
-    from app.service import EngineService
-    from app.ui import mount_ui
     from engine import EngineConfig
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    service = EngineService(EngineConfig(kv_cache_gb=0.25, policy="continuous", max_num_batched_tokens=32),
-                            ServerConfig(port=port, presenter_key=KEY))
-    app = create_app(service)
-    mount_ui(app, service, max_tokens=8)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 300
-    while not srv.started:
-        assert thread.is_alive() and time.time() < deadline, "the server did not start"
-        time.sleep(0.2)
-    url = f"http://127.0.0.1:{port}"
-    with httpx.Client(base_url=url, timeout=300, trust_env=False) as http:     # two users, one after the other
-        for user, text, n in (("Ann", "Count to five.", 8), ("Dan", "Summarise: " + "a red fox ran " * 10, 3)):
-            body = {"messages": [{"role": "user", "content": text}], "max_tokens": n, "temperature": 0,
-                    "user": user, "ignore_eos": True}
-            threading.Thread(target=http.post, args=("/v1/chat/completions",), kwargs={"json": body}).start()
-            time.sleep(0.3)
-        while service.arrival_log.status()["ended"] < 2:
-            time.sleep(0.2)
-    yield url
-    srv.should_exit = True
-    thread.join(60)
+    with served_ui(EngineConfig(kv_cache_gb=0.25, policy="continuous", max_num_batched_tokens=32),
+                   dict(presenter_key=KEY), max_tokens=8) as (url, service):
+        with httpx.Client(base_url=url, timeout=300, trust_env=False) as http:     # two users, one after the other
+            for user, text, n in (("Ann", "Count to five.", 8), ("Dan", "Summarise: " + "a red fox ran " * 10, 3)):
+                body = {"messages": [{"role": "user", "content": text}], "max_tokens": n, "temperature": 0,
+                        "user": user, "ignore_eos": True}
+                threading.Thread(target=http.post, args=("/v1/chat/completions",), kwargs={"json": body}).start()
+                time.sleep(0.3)
+            while service.arrival_log.status()["ended"] < 2:
+                time.sleep(0.2)
+        yield url
 
 
 def test_whatif_panel_replays_and_shows_each_user(server):

@@ -13,18 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.browser import ARGS, CHROMIUM, MARKS
+
 from demos import trace
 from engine import metrics
 from tests.test_metrics import random_streams
 
 ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = Path("/usr/bin/chromium")
 TRACE = Path(__file__).parent / "data" / "page_trace.json"
-pytestmark = [pytest.mark.browser,
-              pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium (/usr/bin/chromium) is not "
-                                                                "installed; browser tests need it")]
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
+pytestmark = MARKS
 ROWS = ["steps", "ttft", "tbt", "stall", "tps", "kv", "waiting"]
 MAX_COLUMNS = 4         # the page shows the newest four stretches
 

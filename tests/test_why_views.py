@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 
 import pytest
+
+from tests.browser import ARGS, CHROMIUM, MARKS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,15 +21,10 @@ from engine import metrics
 from tests.test_analysis import linear_stream
 
 ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = Path("/usr/bin/chromium")
 TRACE = Path(__file__).parent / "data" / "why_trace.json"
 GPU_TRACE = ROOT / "static" / "data" / "gpu_cost_trace.json"
 DOCS = ROOT / "docs"
-pytestmark = [pytest.mark.browser,
-              pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium (/usr/bin/chromium) is not "
-                                                                "installed; browser tests need it")]
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
+pytestmark = MARKS
 
 
 @pytest.fixture(scope="module")

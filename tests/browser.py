@@ -1,0 +1,60 @@
+"""What the browser tests share: Debian's Chromium driven by Playwright, and the whole app (engine,
+API, page) served on a free loopback port. Playwright's own browser download is not used."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+MARKS = [pytest.mark.browser,
+         pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium (/usr/bin/chromium) is not "
+                                                          "installed; browser tests need it")]
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+@contextmanager
+def chromium():
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@contextmanager
+def served_ui(engine_config, server_options: dict | None = None, **mount_options):
+    """The app with its page (app.ui.mount_ui(**mount_options)) on a free 127.0.0.1 port, served by
+    uvicorn in a thread. Yields (url, service); the server stops when the block ends."""
+    import uvicorn
+
+    from app.config import ServerConfig
+    from app.server import create_app
+    from app.service import EngineService
+    from app.ui import mount_ui
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    service = EngineService(engine_config, ServerConfig(port=port, **(server_options or {})))
+    app = create_app(service)
+    mount_ui(app, service, **mount_options)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 300
+    while not srv.started:
+        assert thread.is_alive() and time.time() < deadline, "the server did not start"
+        time.sleep(0.2)
+    try:
+        yield f"http://127.0.0.1:{port}", service
+    finally:
+        srv.should_exit = True
+        thread.join(60)
