@@ -58,13 +58,6 @@ def token_slots(table: list[int], start: int, end: int, block_size: int) -> list
     return slots
 
 
-def contiguous_run(table: list[int], context_len: int, block_size: int) -> tuple[int | None, int]:
-    """(first block if the blocks holding the context are consecutive ids else None, context length)."""
-    used = table[:-(-context_len // block_size)]
-    return (table[0] if used[-1] - used[0] == len(used) - 1 and all(b - a == 1 for a, b in zip(used, used[1:]))
-            else None, context_len)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, folder: Path, max_model_len: int):
         self.device = torch.device(config.device)
@@ -199,11 +192,10 @@ class ModelRunner:
         flat = flat.to(self.device, non_blocking=True)
         ids, pos, slots, rows, ctx, cu_q, cu_k, tables_t = flat.split([len(p) for p in parts])
         nd = step.num_decodes
-        runs = [contiguous_run(t, c, self.block_size) for t, c in zip(step.block_tables[:nd], step.context_lens)]
         meta = AttentionMetadata(slot_mapping=slots, context_lens=ctx, block_tables=tables_t.view(len(tables), width),
                                  num_decodes=nd, decode_blocks=max(map(len, step.block_tables[:nd]), default=0),
                                  cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(step.query_lens),
-                                 max_seqlen_k=max(step.context_lens), decode_runs=runs)
+                                 max_seqlen_k=max(step.context_lens), decode_ctx=step.context_lens[:nd])
         q_start = nd
         for i in range(nd, len(step.query_lens)):
             n, ctx_len = step.query_lens[i], step.context_lens[i]

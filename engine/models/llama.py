@@ -77,6 +77,29 @@ def silu_and_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+SPLIT_ROWS = 256     # more rows than this: F.linear (measured no faster split at 512)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except on a CPU running several threads: there the output features are cut into one
+    slice per thread and the slices computed as one batched matmul (a view of w, nothing copied), so
+    every thread reads its own share of the weights. MKL runs a skinny fp32 matmul (a decode step's
+    few rows) on one thread; cut this way the default model's linears took 1.4-1.6x less time on a
+    2-core CPU at 1 to 32 rows, 1.3x at 128, and about as long at 512, where MKL uses every thread
+    itself (python -m demos.bench_ops; docs/results.md)."""
+    t = torch.get_num_threads()
+    if t == 1 or x.is_cuda or x.dtype != torch.float32 or w.shape[0] % t or x.shape[0] > SPLIT_ROWS:
+        return F.linear(x, w, b)
+    y = torch.bmm(x.expand(t, *x.shape), w.view(t, -1, w.shape[1]).transpose(1, 2))   # (t, rows, out / t)
+    y = y.transpose(0, 1).reshape(x.shape[0], w.shape[0])
+    return y if b is None else y + b
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class FusedOps:
     """One model's elementwise chains, each compiled on first use on CUDA unless `enabled` is off."""
 
@@ -124,8 +147,8 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = bool(getattr(cfg, "attention_bias", False))   # Llama-style: on q, k, v and o
         qkv_bias = bias or cfg.model_type == "qwen2"         # Qwen2: on q, k, v only
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)  # q, k, v fused
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias and cfg.model_type != "qwen2")
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)  # q, k, v fused
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=bias and cfg.model_type != "qwen2")
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
@@ -151,8 +174,8 @@ class MLP(nn.Module):
         super().__init__()
         self.ops = ops
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate, up fused
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate, up fused
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x), self.inter))
@@ -192,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         self.int8_head = None        # engine.quant sets it for dtype="int8"
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
     def head_dim(self) -> int:
@@ -209,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.int8_head(hidden) if self.int8_head is not None else F.linear(hidden, self.head_weight())
+        return self.int8_head(hidden) if self.int8_head is not None else linear(hidden, self.head_weight())
 
     def load_checkpoint(self, tensors):
         """tensors: iterable of (checkpoint name, tensor) in Hugging Face naming."""
