@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, replace
 
 from engine import SamplingParams
-from engine.metrics import produces_token
+from app.metrics import produces_token
 
 
 @dataclass(frozen=True)

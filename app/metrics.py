@@ -1,111 +1,309 @@
-"""Prometheus metrics for GET /metrics, built from the engine's records with prometheus_client.
+"""Serving metrics, computed from the record stream alone. Pure Python: no torch.
 
-Where a number means what a vLLM metric means it has vLLM's name (and its
-`model_name` label), so a Grafana dashboard made for vLLM shows batchscope:
+The one definition of every number a student sees: the page (static/metrics.js
+computes the same numbers the same way, tested in a browser), the reports and
+benchmarks in demos/, and scripts/gpu_check.py all use these. It lives in
+app/ with the other readers of the record stream (analysis, traces, scenario
+replay), not in the engine, which never reads its own records back; demos/ and
+scripts/ import it from here. Importing it loads no torch and no web stack.
 
-    vllm:num_requests_running / _waiting   gauges, after each step
-    vllm:kv_cache_usage_perc               KV blocks in use / all blocks (0..1)
-    vllm:num_preemptions_total             sequences preempted (their KV freed, recomputed later)
-    vllm:prompt_tokens_total               prompt tokens of requests that produced their first token
-    vllm:generation_tokens_total           tokens sampled
-    vllm:iteration_tokens_total            histogram: tokens in one forward pass (one step)
-    vllm:prefix_cache_queries_total        prompt tokens looked up in the prefix cache ...
-    vllm:prefix_cache_hits_total           ... and of those, found there
-    vllm:request_success_total             finished requests, by finished_reason (stop, length)
-    vllm:time_to_first_token_seconds       histogram: first token time - arrival (TTFT)
-    vllm:inter_token_latency_seconds       histogram: gap between consecutive tokens of a request (TBT)
-    vllm:e2e_request_latency_seconds       histogram: finish time - arrival (end to end)
+Input is a *stream*: the objects the engine publishes (step records and request
+events, in any order; other types are ignored). A live subscription, a saved
+trace and a GPU run give the same numbers.
 
-batchscope's own, by scheduling policy:
+  token time   t_end of a step in which one of the request's items produced a
+               token: a decode item, or a prefill item with completes_prompt.
+  TTFT         first token time - arrival time (the request's "arrived" event).
+  TBT          gap between consecutive tokens of one request (vLLM's ITL).
+  longest gap  the largest TBT.
+  stall        a TBT during which at least one step listed the request in its
+               `stalled` field: the request was running with a reply under way
+               and the step left it out. A preempted request is not running
+               (its KV is freed and it waits to be recomputed), so the wait after
+               a preemption is not a stall: it is counted in `num_preemptions`,
+               and its gap is still a TBT (often the longest gap). Records that
+               are missing from a stream (a viewer that fell behind) never make
+               a stall either: only a step that says so does.
+  percentile   linear interpolation between order statistics (numpy's default):
+               the value at position (n - 1) * q / 100 of the sorted sample.
+               Empty samples give None.
+  stretch      a maximal run of consecutive step records (in step order) under
+               one setting (policy, token budget, max sequences); the page's
+               metrics table has one column per stretch.
+  output tokens/s   all output tokens / (last token time - first arrival).
+  budget fill  step num_tokens / token_budget (above 1 when a whole prompt
+               longer than the budget runs in one step).
+  KV transfer  disaggregated: a request's KV handed from the prefill worker to
+               the decode worker (its `kv_transfer` event): seconds from the
+               export's start to the import's end, and bytes. A stretch's
+               transfers are those whose import ended (event `t`) between the
+               stretch's first t_start and its last t_end, and after the t_end
+               of the step before it (a transfer on the boundary of two
+               stretches counts once, in the earlier).
 
-    batchscope:steps_total{policy}          engine steps
-    batchscope:stall_seconds_total{policy}  time running replies spent left out of a step: each step adds
-                                            its duration once per reply it stalled (the record's `stalled`)
-
-Everything is observed on the engine thread from the record stream (plus, for
-a finished request, its token times); prometheus_client is thread-safe, so a
-scrape on the event loop reads it without asking the engine anything.
+    from app import metrics
+    metrics.summarize(stream)                    # the numbers of docs/results.md
+    metrics.summarize(stream, reqs={"r0", "r1"}) # latencies of some requests only
+    metrics.stretches(stream)                    # the page's metrics table, one dict per column
+    metrics.tbts(stream)["r0"]                   # [s, s, ...]
+    metrics.user_rows(stream)                    # one row per label: the what-if table
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 640)
-TBT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 240, 480, 960, 1920)
-STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+import math
+from collections.abc import Iterable
+from typing import NamedTuple
 
 
-class Metrics:
-    def __init__(self):
-        self.registry = r = CollectorRegistry()
-        self.engine = None
-        m = ["model_name"]
-        self.running = Gauge("vllm:num_requests_running", "Requests in the running set", m, registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", m, registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)", m, registry=r)
-        self.preemptions = Counter("vllm:num_preemptions", "Sequences preempted", m, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests that started replying",
-                                     m, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens sampled", m, registry=r)
-        self.step_tokens = Histogram("vllm:iteration_tokens_total", "Tokens in one engine step", m,
-                                     buckets=STEP_TOKEN_BUCKETS, registry=r)
-        self.cache_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                     m, registry=r)
-        self.cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", m, registry=r)
-        self.success = Counter("vllm:request_success", "Finished requests", m + ["finished_reason"], registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", m,
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.tbt = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive tokens of a request",
-                             m, buckets=TBT_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token", m,
-                             buckets=E2E_BUCKETS, registry=r)
-        p = ["model_name", "policy"]
-        self.steps = Counter("batchscope:steps", "Engine steps, by scheduling policy", p, registry=r)
-        self.stall = Counter("batchscope:stall_seconds", "Seconds running replies spent left out of a step",
-                             p, registry=r)
+class Token(NamedTuple):
+    step: int               # the step that produced it
+    t: float                # that step's t_end
+    gap: float | None       # TBT: seconds since the request's previous token (None for the first)
+    stalled: bool           # a step between the previous token and this one left the request out
 
-    def attach(self, engine, model_name: str):
-        """Engine thread, once loaded: the engine whose finished requests give their token times."""
-        self.engine, self.model = engine, model_name
-        for gauge in (self.running, self.waiting, self.kv_usage):
-            gauge.labels(model_name).set(0)
 
-    def observe(self, obj: dict):
-        """Engine thread: one record or request event."""
-        if self.engine is None:
-            return
-        if obj.get("type") == "step":
-            self._step(obj)
-        elif obj.get("type") == "request":
-            self._request(obj)
+def percentile(xs: Iterable[float], q: float) -> float | None:
+    """q in [0, 100]; linear interpolation between order statistics; None for no data."""
+    s = sorted(xs)
+    if not s:
+        return None
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    return s[lo] if lo == pos else s[lo] + (s[lo + 1] - s[lo]) * (pos - lo)
 
-    def _step(self, rec: dict):
-        m = self.model
-        self.running.labels(m).set(rec["running"])
-        self.waiting.labels(m).set(rec["waiting"])
-        kv = rec["kv"]
-        self.kv_usage.labels(m).set(kv["used"] / kv["total"] if kv["total"] else 0.0)
-        self.preemptions.labels(m).inc(len(rec["preempted"]))
-        sampled = sum(1 for i in rec["items"] if i["kind"] == "decode" or i.get("completes_prompt"))
-        self.generation_tokens.labels(m).inc(sampled)
-        if rec["items"]:
-            self.step_tokens.labels(m).observe(rec["num_tokens"])
-        self.steps.labels(m, rec["policy"]).inc()
-        self.stall.labels(m, rec["policy"]).inc((rec["t_end"] - rec["t_start"]) * len(rec.get("stalled", ())))
 
-    def _request(self, ev: dict):
-        m, event = self.model, ev["event"]
-        if event == "first_token":
-            seq = self.engine.get_request(ev["req"])
-            self.ttft.labels(m).observe(ev["ttft"])
-            self.prompt_tokens.labels(m).inc(seq.prompt_len)
-            self.cache_queries.labels(m).inc(seq.prompt_len)
-            self.cache_hits.labels(m).inc(seq.num_cached_tokens)
-        elif event == "finished":
-            seq = self.engine.get_request(ev["req"])
-            self.success.labels(m, ev["finish_reason"]).inc()
-            times = seq.token_times
-            for a, b in zip(times, times[1:]):
-                self.tbt.labels(m).observe(b - a)
-            self.e2e.labels(m).observe(seq.finish_time - seq.arrival_time)
+def steps(stream: Iterable[dict]) -> list[dict]:
+    """The step records, in step order."""
+    return sorted((r for r in stream if r.get("type") == "step"), key=lambda r: r["step"])
+
+
+def events(stream: Iterable[dict], event: str | None = None) -> list[dict]:
+    """Request events (of one kind when `event` is given), in time order."""
+    return sorted((r for r in stream if r.get("type") == "request" and (event is None or r["event"] == event)),
+                  key=lambda r: r["t"])
+
+
+def produces_token(item: dict) -> bool:
+    return item["kind"] == "decode" or bool(item.get("completes_prompt"))
+
+
+def tokens(stream: Iterable[dict]) -> dict[str, list[Token]]:
+    """req -> its output tokens in order, each with its TBT and whether that TBT was a stall."""
+    out: dict[str, list[Token]] = {}
+    left_out: set[str] = set()      # requests some step has left out since their last token
+    for rec in steps(stream):
+        for item in rec["items"]:
+            if produces_token(item):
+                req = item["req"]
+                mine = out.setdefault(req, [])
+                gap = rec["t_end"] - mine[-1].t if mine else None
+                mine.append(Token(rec["step"], rec["t_end"], gap, gap is not None and req in left_out))
+                left_out.discard(req)
+        left_out.update(rec.get("stalled", ()))
+    return out
+
+
+def token_times(stream: Iterable[dict]) -> dict[str, list[float]]:
+    return {req: [tk.t for tk in tks] for req, tks in tokens(stream).items()}
+
+
+def arrivals(stream: Iterable[dict]) -> dict[str, float]:
+    return {e["req"]: e["t"] for e in events(stream, "arrived")}
+
+
+def labels(stream: Iterable[dict]) -> dict[str, str]:
+    """req -> label, from events and step items."""
+    out = {e["req"]: e["label"] for e in events(stream) if "label" in e}
+    for rec in steps(stream):
+        for item in rec["items"]:
+            out.setdefault(item["req"], item.get("label", item["req"]))
+    return out
+
+
+def ttfts(stream: Iterable[dict]) -> dict[str, float]:
+    """req -> TTFT, for requests whose arrival and first token are both in the stream."""
+    arr, times = arrivals(stream), token_times(stream)
+    return {req: times[req][0] - arr[req] for req in times if req in arr}
+
+
+def gaps(times: list[float]) -> list[float]:
+    """TBTs of one request from its token times."""
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def tbts(stream: Iterable[dict]) -> dict[str, list[float]]:
+    """req -> gaps between its consecutive tokens."""
+    return {req: gaps(ts) for req, ts in token_times(stream).items()}
+
+
+def stalls(stream: Iterable[dict]) -> dict[str, list[Token]]:
+    """req -> the tokens that ended a stall (token.gap is the stall's length)."""
+    return {req: [tk for tk in tks if tk.stalled] for req, tks in tokens(stream).items()}
+
+
+def tbt_series(stream: Iterable[dict], reqs: Iterable[str] | None = None) -> list[tuple[float, float, str]]:
+    """(token time, TBT, req) for every token after the first, sorted by time: TBT over time."""
+    keep = set(reqs) if reqs is not None else None
+    rows = [(tk.t, tk.gap, req) for req, tks in tokens(stream).items()
+            if keep is None or req in keep for tk in tks if tk.gap is not None]
+    return sorted(rows)
+
+
+def budget_fill(stream: Iterable[dict]) -> list[tuple[int, float, float]]:
+    """(step, t_end, num_tokens / token_budget) per step."""
+    return [(r["step"], r["t_end"], r["num_tokens"] / r["token_budget"]) for r in steps(stream)]
+
+
+def decoding_at(stream: Iterable[dict], t: float) -> list[str]:
+    """Requests with a reply under way at time t: first token at or before t, another token after it."""
+    return sorted(req for req, ts in token_times(stream).items() if ts[0] <= t < ts[-1])
+
+
+def cdf(xs: Iterable[float]) -> tuple[list[float], list[float]]:
+    """Sorted values and their cumulative fractions, for plotting."""
+    s = sorted(xs)
+    return s, [(i + 1) / len(s) for i in range(len(s))]
+
+
+def latency_summary(arrival: dict[str, float], times: dict[str, list[float]]) -> dict:
+    """TTFT, TBT and throughput from arrival times and per-request token times alone.
+
+    The part of summarize() that needs no step records, so baselines that only
+    give token timestamps (transformers generate) are measured the same way.
+    """
+    ttft = [ts[0] - arrival[r] for r, ts in times.items() if ts and r in arrival]
+    tbt = [g for ts in times.values() for g in gaps(ts)]
+    n_out = sum(len(ts) for ts in times.values())
+    last_t = max((ts[-1] for ts in times.values() if ts), default=None)
+    start = min(arrival.values(), default=None)
+    duration = last_t - start if last_t is not None and start is not None else None
+    return {
+        "requests": sum(1 for ts in times.values() if ts),
+        "output_tokens": n_out,
+        "duration_s": duration,
+        "output_tokens_per_s": n_out / duration if duration else None,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "ttft_max_s": max(ttft, default=None),
+        "tbt_p50_s": percentile(tbt, 50), "tbt_p99_s": percentile(tbt, 99), "tbt_max_s": max(tbt, default=None),
+    }
+
+
+def summarize(stream: Iterable[dict], reqs: Iterable[str] | None = None) -> dict:
+    """The headline numbers of a run. Latencies cover `reqs` (default: all); throughput always covers all."""
+    stream = list(stream)
+    recs = steps(stream)
+    times, arr = token_times(stream), arrivals(stream)
+    if not arr and recs:            # a stream without request events: time runs from its first step
+        arr = {"": recs[0]["t_start"]}
+    out = latency_summary(arr, times)
+    keep = set(reqs) if reqs is not None else None
+    if keep is not None:
+        mine = latency_summary({r: t for r, t in arr.items() if r in keep}, {r: t for r, t in times.items() if r in keep})
+        out.update({k: v for k, v in mine.items() if k.startswith(("ttft", "tbt")) or k == "requests"})
+    stall = [tk.gap for req, st in stalls(stream).items() if keep is None or req in keep for tk in st]
+    fills = [f for _, _, f in budget_fill(stream)]
+    waiting_slots = [r["max_num_seqs"] - len(r["items"]) for r in recs if r.get("waiting", 0) > 0]
+    out.update({
+        "stall_count": len(stall), "stall_max_s": max(stall, default=0.0) if out["tbt_max_s"] is not None else None,
+        "num_steps": len(recs),
+        "num_preemptions": sum(len(r.get("preempted", [])) for r in recs),
+        "budget_fill_mean": sum(fills) / len(fills) if fills else None,
+        "budget_fill_max": max(fills, default=None),
+        # slots left empty in steps where a request was waiting: static batching's waste
+        "idle_slots_while_waiting": sum(waiting_slots),
+        "cached_prompt_tokens": sum(i.get("cached", 0) for r in recs for i in r["items"]),
+    })
+    out.update({"kv_" + k: v for k, v in transfer_summary(events(stream, "kv_transfer")).items()})
+    return out
+
+
+def transfer_summary(transfers: list[dict]) -> dict:
+    """Count, p50/p99 seconds and summed bytes of some kv_transfer events."""
+    secs = [e["seconds"] for e in transfers]
+    return {"transfers": len(transfers), "transfer_p50_s": percentile(secs, 50),
+            "transfer_p99_s": percentile(secs, 99), "transfer_bytes": sum(e["bytes"] for e in transfers)}
+
+
+def focus_summary(stream: Iterable[dict], focus_req: str) -> dict:
+    """Latencies of the requests that were decoding when `focus_req` arrived (the ones it could stall)."""
+    stream = list(stream)
+    t = arrivals(stream).get(focus_req)
+    victims = decoding_at(stream, t) if t is not None else []
+    s = summarize(stream, reqs=victims)
+    names = labels(stream)
+    return {"focus": focus_req, "victims": victims, "victim_labels": [names.get(v, v) for v in victims],
+            "tbt_p50_s": s["tbt_p50_s"], "tbt_p99_s": s["tbt_p99_s"],
+            "tbt_max_s": s["tbt_max_s"], "stall_count": s["stall_count"], "stall_max_s": s["stall_max_s"],
+            "focus_ttft_s": ttfts(stream).get(focus_req)}
+
+
+def user_rows(stream: Iterable[dict], reqs: Iterable[str] | None = None) -> list[dict]:
+    """One row per label (a chat panel's user, an OpenAI `user`), in order of first arrival: the
+    what-if table. A label with several requests gets its worst TTFT, the p99 of all its TBTs and
+    its longest stall (0.0 with none; None when it never had a second token)."""
+    stream = list(stream)
+    keep = set(reqs) if reqs is not None else None
+    names, arr, toks = labels(stream), arrivals(stream), tokens(stream)
+    order = sorted((r for r in names if keep is None or r in keep), key=lambda r: arr.get(r, math.inf))
+    by_label: dict[str, list[str]] = {}
+    for req in order:
+        by_label.setdefault(names[req], []).append(req)
+    rows = []
+    for label, rs in by_label.items():
+        mine = [tk for r in rs for tk in toks.get(r, [])]
+        tbt = [tk.gap for tk in mine if tk.gap is not None]
+        ttft = [toks[r][0].t - arr[r] for r in rs if toks.get(r) and r in arr]
+        rows.append({"label": label, "requests": len(rs), "ttft_s": max(ttft, default=None),
+                     "tbt_p99_s": percentile(tbt, 99),
+                     "longest_stall_s": max((tk.gap for tk in mine if tk.stalled), default=0.0) if tbt else None,
+                     "output_tokens": len(mine)})
+    return rows
+
+
+# ---- per-setting stretches: the page's metrics table ----
+def setting(rec: dict) -> tuple:
+    return rec["policy"], rec["token_budget"], rec["max_num_seqs"]
+
+
+def stretches(stream: Iterable[dict]) -> list[dict]:
+    """One dict per stretch of steps under one setting, oldest first: what each column of the page shows.
+
+    Within a stretch: TTFT of the requests whose first token falls in it; TBT and
+    stall of the tokens produced in it (a gap may begin in the stretch before);
+    output tokens/s = its tokens / (its last t_end - its first t_start); the
+    highest KV use and waiting queue after any of its steps; busy = summed step times.
+    """
+    stream = list(stream)
+    recs, arr, toks = steps(stream), arrivals(stream), tokens(stream)
+    runs: list[list[dict]] = []
+    for rec in recs:
+        if runs and setting(runs[-1][-1]) == setting(rec):
+            runs[-1].append(rec)
+        else:
+            runs.append([rec])
+    moved = events(stream, "kv_transfer")
+    return [_stretch(run, arr, toks, moved, runs[i - 1][-1]["t_end"] if i else None) for i, run in enumerate(runs)]
+
+
+def _stretch(run: list[dict], arr: dict[str, float], toks: dict[str, list[Token]], moved: list[dict],
+             after: float | None) -> dict:
+    s0, s1 = run[0]["step"], run[-1]["step"]
+    ttft = [tks[0].t - arr[req] for req, tks in toks.items() if s0 <= tks[0].step <= s1 and req in arr]
+    mine = [tk for tks in toks.values() for tk in tks if s0 <= tk.step <= s1]
+    tbt = [tk.gap for tk in mine if tk.gap is not None]
+    span = run[-1]["t_end"] - run[0]["t_start"]
+    policy, budget, max_seqs = setting(run[0])
+    return {
+        "policy": policy, "token_budget": budget, "max_num_seqs": max_seqs,
+        "first_step": s0, "last_step": s1, "num_steps": len(run),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "tbt_p50_s": percentile(tbt, 50), "tbt_p99_s": percentile(tbt, 99),
+        "longest_gap_s": max(tbt, default=None),
+        "stall_max_s": max((tk.gap for tk in mine if tk.stalled), default=0.0),
+        "output_tokens": len(mine),
+        "output_tokens_per_s": len(mine) / span if span > 0 else None,
+        "kv_used_max": max(r["kv"]["used"] / r["kv"]["total"] if r["kv"]["total"] else 0.0 for r in run),
+        "waiting_max": max(r["waiting"] for r in run),
+        "busy_s": sum(r["t_end"] - r["t_start"] for r in run),
+        **transfer_summary([e for e in moved if run[0]["t_start"] <= e["t"] <= run[-1]["t_end"]
+                            and (after is None or e["t"] > after)]),
+    }

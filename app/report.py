@@ -16,7 +16,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from engine import metrics
+from app import metrics
 
 COLORS = {"static": "#7f7f7f", "continuous": "#d62728", "chunked": "#1f77b4"}
 KIND_COLORS = {"prefill": "#ff7f0e", "decode": "#2ca02c", "stall": "rgba(214,39,40,0.35)"}

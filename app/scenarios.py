@@ -26,7 +26,7 @@ Arrival offsets are read in the scenario's `clock`:
 
 Replay(scenario) hands out the arrivals as they fall due; demos/runner.py feeds
 them to an engine it steps itself, app/ui_scenarios.py to the chat panels of a
-running server. engine/metrics.py turns the resulting records into numbers.
+running server. app/metrics.py turns the resulting records into numbers.
 """
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def create_app(service: EngineService, manage_service: bool = True) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        """Prometheus text format; vLLM's metric names where they mean the same (app/metrics.py)."""
+        """Prometheus text format; vLLM's metric names where they mean the same (app/prometheus.py)."""
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/api/engine")

@@ -3,7 +3,7 @@
 It decides whether a request may enter (the server is up, the client is
 within its rate limit, the queue has room), changes settings, reports
 health, and hands records to the viewers (app/broadcast.py) and to the
-Prometheus metrics (app/metrics.py).
+Prometheus metrics (app/prometheus.py).
 
 In-process API (the UI uses it; the OpenAI routes are built on it):
     async for text in service.stream(messages, params, label): ...
@@ -21,7 +21,7 @@ from app.arrival_log import ArrivalLog
 from app.broadcast import Broadcaster, RecordRing
 from app.config import ServerConfig, check_step_delay
 from app.engine_loop import EngineLoop
-from app.metrics import Metrics
+from app.prometheus import Metrics
 from app.rate_limit import RateLimiter
 from app.request_stream import QueueFull, RequestStream, ServiceUnavailable
 from engine import EngineConfig, LLMEngine, SamplingParams

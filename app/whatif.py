@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 
 from app.arrival_log import Logged
 from app.scenarios import Arrival, Scenario, engine_meta, longest_prompt, play, warm_up_steps
-from engine import EngineConfig, LLMEngine, metrics
+from app import metrics
+from engine import EngineConfig, LLMEngine
 
 log = logging.getLogger("batchscope.whatif")
 SETTING_KEYS = ("policy", "max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk")

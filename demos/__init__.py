@@ -8,6 +8,6 @@
     figure.py     python -m demos.figure: a small SVG of TBT around a long prompt, for docs
     trace.py      save / load traces, convert them for Perfetto
 
-The scenarios (app/scenarios.py, with their replay) and the metrics (engine/metrics.py)
+The scenarios (app/scenarios.py, with their replay) and the metrics (app/metrics.py)
 are shared with the app, which does not import demos/.
 """

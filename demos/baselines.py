@@ -1,11 +1,11 @@
-"""transformers and llama.cpp baselines for demos.bench, timed per token and measured with engine.metrics.
+"""transformers and llama.cpp baselines for demos.bench, timed per token and measured with app.metrics.
 
     load_hf(folder, dtype, device)                   the reference model, SDPA attention
     run_hf_static(model, workload, batch, pad_id)    generate() in static batches
     run_hf_cb(model, workload, batch, budget)        transformers' own continuous batching
-    hf_decode_step(model, batch, context, ...)       one decode forward over a KV cache
-    llamacpp_decode_step(gguf, context, ...)         llama.cpp (llama-cpp-python, the `llamacpp` extra):
-                                                     one single-stream decode step on the GGUF file
+    hf_decode_stepper(model, batch, context, ...)    times one decode forward over a KV cache, per call
+    llamacpp_decode_stepper(gguf, context, ...)      llama.cpp (llama-cpp-python, the `llamacpp` extra):
+                                                     times one single-stream decode step on the GGUF file
 
 workload: [(prompt token ids, reply length)], everyone arriving at t=0.
 """
@@ -18,7 +18,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from engine import metrics
+from app import metrics
 
 
 class _TimeStreamer:
@@ -109,8 +109,9 @@ def hf_has_cb(model) -> bool:
 
 
 @torch.inference_mode()
-def hf_decode_step(model, batch: int, context: int, repeats: int, vocab: int) -> dict:
-    """Median time of transformers' forward for one new token per row over a KV cache of context - 1 tokens.
+def hf_decode_stepper(model, batch: int, context: int, vocab: int):
+    """A function that times (seconds) transformers' forward for one new token per row over a KV cache
+    of context - 1 tokens, the same step each call.
 
     The cache is one prefill repeated along the batch (distinct memory per row,
     same values): a decode step's cost does not depend on the values, and this
@@ -126,26 +127,30 @@ def hf_decode_step(model, batch: int, context: int, repeats: int, vocab: int) ->
     assert cache.layers[0].keys.shape[0] == batch and cache.get_seq_length() == context - 1
     nxt = torch.randint(1000, vocab, (batch, 1), generator=g).to(model.device)
     pos = torch.full((batch, 1), context - 1, device=model.device)
-    ts = []
-    for _ in range(repeats + 1):
+
+    def step() -> float:
         t = time.perf_counter()
         model(input_ids=nxt, cache=cache, use_cache=True, position_ids=pos)
-        ts.append(time.perf_counter() - t)
+        dt = time.perf_counter() - t
         cache.crop(-1)                      # back to context - 1 tokens
-    return {"forward_ms": statistics.median(ts[1:]) * 1e3, "samples": repeats}
+        return dt
+    return step
 
 
-def llamacpp_decode_step(gguf, context: int, repeats: int, vocab: int, threads: int) -> dict:
-    """Median time of llama.cpp evaluating one new token after a prompt of context - 1 tokens, single
-    stream (llama-cpp-python's Llama has one sequence; its parallel slots live in llama-server)."""
+def llamacpp_decode_stepper(gguf, context: int, steps: int, vocab: int, threads: int):
+    """A function that times (seconds) llama.cpp evaluating one new token, single stream, after a
+    prompt of context - 1 tokens; good for `steps` calls (llama-cpp-python's Llama has one sequence;
+    its parallel slots live in llama-server)."""
     from llama_cpp import Llama
-    llm = Llama(model_path=str(gguf), n_ctx=context + repeats + 8, n_threads=threads, n_batch=512, verbose=False)
+    llm = Llama(model_path=str(gguf), n_ctx=context + steps + 8, n_threads=threads, n_batch=512, verbose=False)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1000, vocab, (context - 1 + repeats + 1,), generator=g).tolist()
+    ids = torch.randint(1000, vocab, (context - 1 + steps,), generator=g).tolist()
     llm.eval(ids[:context - 1])
-    ts = []
-    for tok in ids[context - 1:]:
+    rest = iter(ids[context - 1:])
+
+    def step() -> float:
+        tok = next(rest)
         t = time.perf_counter()
         llm.eval([tok])
-        ts.append(time.perf_counter() - t)
-    return {"step_ms": statistics.median(ts[1:]) * 1e3, "samples": repeats}
+        return time.perf_counter() - t
+    return step

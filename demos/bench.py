@@ -13,13 +13,16 @@ Parts (each can be skipped with --skip):
                                      until its longest reply is done)
                hf-cb                 transformers' own continuous batching
                                      (init_continuous_batching), where installed
-             Metrics: engine.metrics definitions over per-token times.
+             Metrics: app.metrics definitions over per-token times.
   decode     one decode step at batch 1, 8 and 32 with ~512 tokens of context:
              our engine's step (and its forward part) in each of --decode-dtypes
              (fp32, int8) against transformers' forward with a KV cache of the
              same size and, at batch 1, llama.cpp on the same GGUF file (the
              `llamacpp` extra), beside each dtype's weight-read floor (bytes a
              step reads / measured copy bandwidth; and with the KV cache too).
+             The systems take turns (two steps each, the second timed), so drift
+             in the machine's speed weighs on each alike; ratios are medians of
+             per-round ratios.
   record     the fraction of our step time spent building the StepRecord.
 """
 from __future__ import annotations
@@ -35,8 +38,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine import metrics
-from demos.baselines import hf_decode_step, hf_has_cb, load_hf, run_hf_cb, run_hf_static
+from app import metrics
+from demos.baselines import hf_decode_stepper, hf_has_cb, load_hf, run_hf_cb, run_hf_static
 from demos.compare import machine
 from demos.runner import warm_up
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -119,24 +122,24 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def ours_decode_step(engine: LLMEngine, batch: int, context: int, repeats: int) -> dict:
-    """Median step (and forward) time of `repeats` decode steps of `batch` sequences at ~`context` tokens."""
+def ours_decode_stepper(engine: LLMEngine, batch: int, context: int, steps: int):
+    """A function that runs one decode step of `batch` sequences at ~`context` tokens and returns its
+    (step, forward) seconds from the StepRecord; good for `steps` calls."""
     rng = random.Random(1)
     # the first prompts decode while the last ones prefill: replies long enough to still run when all have
     prefill_steps = -(-batch * context // engine.scheduler.token_budget)
     rids = [engine.add_request(prompt_token_ids=[rng.randrange(1000, engine.vocab_size) for _ in range(context - 1)],
-                               params=SamplingParams(max_tokens=prefill_steps + repeats + 3, ignore_eos=True))
+                               params=SamplingParams(max_tokens=prefill_steps + steps + 3, ignore_eos=True))
             for _ in range(batch)]
-    recs = []
-    while not all(engine.get_request(r).is_finished for r in rids):
+    while not all(engine.get_request(r).is_prefill_done for r in rids):
+        engine.step()
+
+    def step() -> tuple[float, float]:
         rec = engine.step()
-        if all(i["kind"] == "decode" for i in rec["items"]) and len(rec["items"]) == batch:
-            recs.append(rec)
-    recs = recs[1:repeats + 1]   # the first full decode step may still pay one-off costs
-    if not recs:
-        raise RuntimeError(f"no decode step ran all {batch} sequences together (KV cache too small?)")
-    return {"step_ms": statistics.median(r["t_end"] - r["t_start"] for r in recs) * 1e3,
-            "forward_ms": statistics.median(r["timing"]["forward"] for r in recs) * 1e3, "samples": len(recs)}
+        if rec is None or len(rec["items"]) != batch or any(i["kind"] != "decode" for i in rec["items"]):
+            raise RuntimeError(f"a decode step did not run all {batch} sequences together (KV cache too small?)")
+        return rec["t_end"] - rec["t_start"], rec["timing"]["forward"]
+    return step
 
 
 def kv_bytes(hf_config, batch: int, context: int, itemsize: int) -> int:
@@ -145,51 +148,74 @@ def kv_bytes(hf_config, batch: int, context: int, itemsize: int) -> int:
 
 
 def decode_part(args, cfg: dict, folder, hf, skip: set, log) -> dict:
-    """Decode steps per batch size: ours per dtype, transformers, llama.cpp (batch 1), and the floors."""
+    """Decode steps per batch size: ours per dtype, transformers, llama.cpp (batch 1), and the floors.
+
+    The systems of one batch size take turns, two steps each per round, the second timed (the first
+    wakes the system's threads while the last system's wind down; the first round is a warm-up), so a
+    machine whose speed drifts over minutes weighs on each alike; a ratio is the median of the
+    per-round ratios."""
     from transformers import AutoConfig
-    from demos.baselines import llamacpp_decode_step
     from engine.quant import int8_available
     hf_config = AutoConfig.from_pretrained(folder)
-    bw, ctx = copy_bandwidth(), args.decode_context
+    bw, ctx, rounds = copy_bandwidth(), args.decode_context, args.decode_repeats
     dtypes = [d for d in args.decode_dtypes.split(",") if d and (d != "int8" or int8_available())]
     batches = [int(x) for x in args.decode_batches.split(",")]
-    d = {"copy_bandwidth_gb_s": bw / 1e9, "context": ctx, "batches": {str(b): {"ours": {}} for b in batches}}
-    for dtype in dtypes:
-        for b in batches:
-            engine = LLMEngine(EngineConfig(**{**cfg, "dtype": dtype, "max_num_seqs": max(b, args.batch),
-                                               "max_num_batched_tokens": max(args.budget, 2048)}, policy="chunked"))
-            warm_up(engine)
-            ours = ours_decode_step(engine, b, ctx, args.decode_repeats)
-            floor = engine.runner.weight_bytes / bw * 1e3
-            kvb = kv_bytes(hf_config, b, ctx, engine.runner.dtype.itemsize)
-            d["batches"][str(b)]["ours"][dtype] = {
-                "step_ms": ours["step_ms"], "forward_ms": ours["forward_ms"], "weight_bytes": engine.runner.weight_bytes,
-                "weight_floor_ms": floor, "weight_plus_kv_floor_ms": floor + kvb / bw * 1e3,
-                "step_over_floor": ours["step_ms"] / floor}
-            del engine
-            log(f"decode {dtype} batch {b} done")
-    for b in batches:
-        r = d["batches"][str(b)]
-        r["hf_forward_ms"] = hf_decode_step(hf, b, ctx, args.decode_repeats, hf_config.vocab_size)["forward_ms"]
-    if "llamacpp" not in skip and (args.model is None):
-        from engine.loader import default_gguf
+    d = {"copy_bandwidth_gb_s": bw / 1e9, "context": ctx, "rounds": rounds, "interleaved": True,
+         "batches": {str(b): {"ours": {}} for b in batches}}
+    llama = None
+    if "llamacpp" not in skip and args.model is None:
         try:
+            from demos.baselines import llamacpp_decode_stepper
+            from engine.loader import default_gguf
             import llama_cpp
             d["llamacpp_version"] = llama_cpp.__version__
-            d["llamacpp_batch1_step_ms"] = llamacpp_decode_step(default_gguf(), ctx, args.decode_repeats,
-                                                                hf_config.vocab_size, torch.get_num_threads())["step_ms"]
+            llama = lambda: llamacpp_decode_stepper(default_gguf(), ctx, 2 * (rounds + 1), hf_config.vocab_size,
+                                                   torch.get_num_threads())
         except ImportError:
             d["llamacpp_error"] = "llama-cpp-python is not installed (pip install 'batchscope[llamacpp]')"
-        log("llama.cpp done")
-    one = d["batches"].get("1", {}).get("ours", {})
-    if "float32" in one and "int8" in one:
-        d["int8_speedup_batch1"] = one["float32"]["step_ms"] / one["int8"]["step_ms"]
-    if "llamacpp_batch1_step_ms" in d:
-        d["ours_over_llamacpp_batch1"] = {k: v["step_ms"] / d["llamacpp_batch1_step_ms"] for k, v in one.items()}
+    for b in batches:
+        r, systems, engines = d["batches"][str(b)], {}, {}
+        for dtype in dtypes:
+            engines[dtype] = LLMEngine(EngineConfig(**{**cfg, "dtype": dtype, "max_num_seqs": max(b, args.batch),
+                                                       "max_num_batched_tokens": max(args.budget, 2048)}, policy="chunked"))
+            warm_up(engines[dtype])
+            systems[dtype] = ours_decode_stepper(engines[dtype], b, ctx, 2 * (rounds + 1))
+        if hf is not None:
+            hf_step = hf_decode_stepper(hf, b, ctx, hf_config.vocab_size)
+            systems["hf"] = lambda f=hf_step: (f(), None)
+        if b == 1 and llama is not None:
+            ll_step = llama()
+            systems["llamacpp"] = lambda f=ll_step: (f(), None)
+        times = {k: [] for k in systems}
+        for _ in range(rounds + 1):
+            for k, f in systems.items():
+                f()                         # untimed: wakes this system's threads, waits out the last one's
+                times[k].append(f())
+        step = {k: [t[0] for t in v[1:]] for k, v in times.items()}     # round 0 was the warm-up
+        for dtype, engine in engines.items():
+            floor = engine.runner.weight_bytes / bw * 1e3
+            kvb = kv_bytes(hf_config, b, ctx, engine.runner.dtype.itemsize)
+            r["ours"][dtype] = {
+                "step_ms": statistics.median(step[dtype]) * 1e3,
+                "forward_ms": statistics.median(t[1] for t in times[dtype][1:]) * 1e3,
+                "weight_bytes": engine.runner.weight_bytes, "weight_floor_ms": floor,
+                "weight_plus_kv_floor_ms": floor + kvb / bw * 1e3,
+                "step_over_floor": statistics.median(step[dtype]) * 1e3 / floor}
+            if "hf" in step:
+                r["ours"][dtype]["hf_over_ours"] = statistics.median(h / o for h, o in zip(step["hf"], step[dtype]))
+        if "hf" in step:
+            r["hf_forward_ms"] = statistics.median(step["hf"]) * 1e3
+        if "llamacpp" in step:
+            d["llamacpp_batch1_step_ms"] = statistics.median(step["llamacpp"]) * 1e3
+            d["ours_over_llamacpp_batch1"] = {k: statistics.median(o / l for o, l in zip(step[k], step["llamacpp"]))
+                                              for k in engines}
+        if b == 1 and {"float32", "int8"} <= set(step):
+            d["int8_speedup_batch1"] = statistics.median(f / i for f, i in zip(step["float32"], step["int8"]))
+        del engines, systems
+        log(f"decode batch {b} done")
     return d
 
 
-# ---- the whole run ----
 def ratio(a, b):
     return a / b if a is not None and b else None
 
@@ -321,7 +347,8 @@ def markdown(out: dict) -> str:
     if d:
         lines += ["", f"Decode step at ~{d['context']} tokens of context; copy bandwidth "
                       f"{d['copy_bandwidth_gb_s']:.1f} GB/s (read + write); floor = weight bytes a step reads / "
-                      "bandwidth. Medians; ratios within this run.", "", *decode_lines(d)]
+                      f"bandwidth. The systems of a batch size take turns, two steps each (the second timed), for "
+                      f"{d.get('rounds')} rounds after a warm-up round; step times are medians, ratios medians of the per-round ratios.", "", *decode_lines(d)]
     if out.get("record"):
         lines += ["", "| policy | StepRecord building, share of step time | per step, p50 |", "|---|---:|---:|"]
         for p, r in out["record"].items():
@@ -353,14 +380,14 @@ def print_summary(out: dict, file=sys.stdout):
 def decode_lines(d: dict) -> list[str]:
     """The decode part as a markdown table, and its headline ratios."""
     lines = ["| batch | dtype | step ms | forward ms | floor ms (weights) | step / floor | floor ms (+KV) "
-             "| transformers fp32 forward ms |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| transformers fp32 forward ms | transformers / ours |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for b, r in d["batches"].items():
         for dtype, o in r["ours"].items():
             lines.append(f"| {b} | {dtype} | {o['step_ms']:.1f} | {o['forward_ms']:.1f} | {o['weight_floor_ms']:.1f} "
                          f"| {o['step_over_floor']:.2f} | {o['weight_plus_kv_floor_ms']:.1f} "
-                         f"| {r.get('hf_forward_ms', float('nan')):.1f} |")
+                         f"| {r.get('hf_forward_ms', float('nan')):.1f} | {o.get('hf_over_ours', float('nan')):.2f} |")
     if "llamacpp_batch1_step_ms" in d:
-        lines.append(f"| 1 | llama.cpp {d.get('llamacpp_version', '')} (GGUF Q4_1) | {d['llamacpp_batch1_step_ms']:.1f} | | | | | |")
+        lines.append(f"| 1 | llama.cpp {d.get('llamacpp_version', '')} (GGUF Q4_1) | {d['llamacpp_batch1_step_ms']:.1f} | | | | | | |")
     lines.append("")
     if "int8_speedup_batch1" in d:
         lines.append(f"int8 / fp32 batch-1 step speed-up: {d['int8_speedup_batch1']:.2f}x")

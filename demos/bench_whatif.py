@@ -20,7 +20,8 @@ from app.scenarios import static_vs_continuous
 from app.service import EngineService
 from app.whatif import WhatIfJob, to_scenario
 from demos.compare import machine
-from engine import EngineConfig, SamplingParams, metrics
+from app import metrics
+from engine import EngineConfig, SamplingParams
 
 
 async def one_live(service: EngineService, tokens: int) -> dict:

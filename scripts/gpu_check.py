@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine import EngineConfig, LLMEngine, SamplingParams, metrics  # noqa: E402
+from app import metrics  # noqa: E402
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 SHAPES = {  # Qwen2.5 configs (architecture only; weights are random)
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -85,7 +86,7 @@ def sync():
 
 
 def pct(xs: list[float], q: float) -> float:
-    """engine/metrics.py's percentile (the page's and the reports'); nan for no data, for the JSON."""
+    """app/metrics.py's percentile (the page's and the reports'); nan for no data, for the JSON."""
     v = metrics.percentile(xs, q)
     return float("nan") if v is None else v
 

@@ -1,5 +1,5 @@
 // Live metrics per stretch of settings, and the per-session token-arrival sparklines.
-// The same numbers, by the same definitions, as engine/metrics.py (stretches()); a
+// The same numbers, by the same definitions, as app/metrics.py (stretches()); a
 // browser test replays a recorded trace here and compares the table with Python's:
 //   TTFT       = first token time - arrival
 //   TBT        = gap between consecutive tokens of one request

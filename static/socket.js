@@ -42,7 +42,7 @@
 
   // ---- derived per-request data from one step ----
   // a token's gap is a stall when a step since the previous token listed the request in `stalled`
-  // (engine/metrics.py: the one definition; a preemption's wait is a gap, not a stall)
+  // (app/metrics.py: the one definition; a preemption's wait is a gap, not a stall)
   function account(rec) {
     const step = R.step(rec), tEnd = R.tEnd(rec);
     for (const it of R.items(rec)) {

@@ -15,7 +15,8 @@ from pathlib import Path
 from demos import trace
 from demos.runner import engine_meta, run_scenario
 from app.scenarios import get_scenario
-from engine import EngineConfig, metrics
+from app import metrics
+from engine import EngineConfig
 from engine.disagg import DisaggregatedEngine
 
 OUT = Path(__file__).parent / "data" / "disagg_trace.json"

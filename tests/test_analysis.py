@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from app import analysis
 from demos import trace
-from engine import metrics
+from app import metrics
 from engine.records import KV_MAP_EVERY, kv_map, kv_ops
 from tests.test_scheduler_properties import Case
 from tests.test_metrics import arrived, dec, pre, step

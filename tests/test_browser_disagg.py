@@ -83,7 +83,7 @@ def recorded():
 
 def test_a_recorded_disaggregated_run_draws_two_lanes_and_the_hand_overs(recorded, browser):  # noqa: F811
     from app.ui import SCRIPTS, stage_html
-    from engine import metrics
+    from app import metrics
     steps = metrics.steps(recorded)
     moved = [e for e in recorded if e.get("event") == "kv_transfer"]
     threads = {s["worker"]: s["threads"] for s in steps}

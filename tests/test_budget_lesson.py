@@ -1,7 +1,8 @@
 """The budget lesson on the real engine: a budget of 16 tokens filled three ways, each shape in some step."""
 from app.scenarios import get_scenario
 from demos.runner import run_scenario
-from engine import EngineConfig, LLMEngine, metrics
+from app import metrics
+from engine import EngineConfig, LLMEngine
 
 
 def shape(rec: dict) -> tuple[int, tuple[int, ...]]:

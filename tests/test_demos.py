@@ -9,7 +9,7 @@ import torch
 from app.scenarios import SCENARIOS, Arrival, Scenario, get_scenario, load_text
 from demos import trace
 from demos.runner import Feeder, run_scenario
-from engine import metrics
+from app import metrics
 from engine import EngineConfig, LLMEngine
 from engine.loader import resolve_model
 
@@ -268,8 +268,17 @@ def test_app_does_not_import_demos_and_metrics_need_no_torch():
     code = ("import sys; import app, app.ui, app.scenarios, app.trace, app.ui_scenarios, app.whatif_api, app.report; "
             "bad = sorted(m for m in sys.modules if m == 'demos' or m.startswith('demos.')); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=300)
-    # engine/metrics.py on its own (the package's __init__ loads the engine, and torch with it)
-    code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('m', 'engine/metrics.py'); "
+    # app/metrics.py on its own (the package's __init__ loads the engine, and torch with it)
+    code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('m', 'app/metrics.py'); "
             "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); assert 'torch' not in sys.modules; "
             "assert m.percentile([1, 2], 50) == 1.5")
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=60)
+
+
+def test_bench_ops_prints_both_tables(capsys):
+    from demos import bench_ops
+    with torch.inference_mode():
+        bench_ops.linears(1, rows=(1, 3))
+        bench_ops.attention(1, cases=((1, 40), (3, 100)))
+    out = capsys.readouterr().out
+    assert "| 3 |" in out and "| 3 x 100 |" in out and out.count("x |") >= 4

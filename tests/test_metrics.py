@@ -1,9 +1,9 @@
-"""engine.metrics on synthetic record streams whose answers are known by construction."""
+"""app.metrics on synthetic record streams whose answers are known by construction."""
 import math
 
 import pytest
 
-from engine import metrics
+from app import metrics
 
 
 def step(i, t0, t1, items, budget=256, waiting=0, max_num_seqs=16, stalled=(), policy="chunked", **extra):

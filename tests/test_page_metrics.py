@@ -1,10 +1,10 @@
-"""The page's metrics table against engine/metrics.py, number by number, in a real browser.
+"""The page's metrics table against app/metrics.py, number by number, in a real browser.
 
 A recorded trace (tests/data/page_trace.json, made by `python -m tests.record_trace`:
 the default model under chunked, continuous and static batching, with stalls and
 a preemption) and synthetic streams are replayed into the stage offline (no
 server: the stage's HTML and scripts, fed through BS.ingestAll as a trace file
-would be). Every cell must hold the numbers engine.metrics.stretches() gives for
+would be). Every cell must hold the numbers app.metrics.stretches() gives for
 the same stream, and show them formatted as the page formats them.
 """
 import math
@@ -16,7 +16,7 @@ import pytest
 from tests.browser import ARGS, CHROMIUM, MARKS
 
 from demos import trace
-from engine import metrics
+from app import metrics
 from tests.test_metrics import random_streams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ def size(n: int) -> str:
 
 
 def expected(m: dict) -> dict:
-    """engine.metrics.stretches() output as the page's rows: (numbers, text)."""
+    """app.metrics.stretches() output as the page's rows: (numbers, text)."""
     rows = {
         "steps": ([m["first_step"], m["last_step"], m["num_steps"]],
                   f"{m['first_step']}–{m['last_step']} ({m['num_steps']})"),

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from app import analysis
 from demos import trace
-from engine import metrics
+from app import metrics
 from tests.test_analysis import linear_stream
 
 ROOT = Path(__file__).resolve().parent.parent
