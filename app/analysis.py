@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from app.metrics import produces_token, setting, steps
+from app.metrics import events, produces_token, setting, steps
 
 CAUSES = ("prefill", "static_batch", "budget", "no_slot", "preempted", "unknown")
 PIVOT_EPS = 1e-9
@@ -239,17 +239,26 @@ def cause_time(stream: Iterable[dict]) -> list[dict[str, float]]:
 
 
 # ---- the KV cache map ----
-def kv_blocks(stream: Iterable[dict], upto: int | None = None) -> dict[int, tuple[tuple[str, ...], bool]]:
+def kv_blocks(stream: Iterable[dict], upto: int | None = None,
+              worker: str | None = None) -> dict[int, tuple[tuple[str, ...], bool]]:
     """block id -> (holders, sorted; cached) after step `upto` (default: the last), for every block held or cached.
 
     Rebuilt from each step's `kv_ops`, starting over from a step's `kv_map` where one is sent (a stream that
-    begins mid-run is exact from its first map on).
+    begins mid-run is exact from its first map on). `worker` (disaggregated): that worker's cache, from its
+    own steps and the `kv_ops` of each hand-over it sent (its frees, at the export's start, t - seconds):
+    they fall between its steps, and after the last hand-over no step of its reports them. Without
+    `worker`: the steps of the single engine.
     """
+    stream = list(stream)
+    everyone = [r for r in steps(stream) if upto is None or r["step"] <= upto]
+    until = everyone[-1]["t_end"] if everyone else float("-inf")
+    handovers = sorted(((e["t"] - e["seconds"], e["kv_ops"]) for e in events(stream, "kv_transfer")
+                        if e.get("from_worker") == worker and e.get("kv_ops")), key=lambda h: h[0])
     state: dict[int, tuple[set[str], bool]] = {}
-    for rec in steps(stream):
-        if upto is not None and rec["step"] > upto:
-            break
-        for op in rec.get("kv_ops", ()):
+
+    def apply(ops):
+        nonlocal state
+        for op in ops:
             b, req = op["block"], op["req"]
             if op["op"] == "alloc":
                 state[b] = ({req}, False)
@@ -259,6 +268,14 @@ def kv_blocks(stream: Iterable[dict], upto: int | None = None) -> dict[int, tupl
                 state.get(b, (set(), False))[0].discard(req)
             elif op["op"] == "commit":
                 state[b] = (state.get(b, ({req}, False))[0], True)
+
+    for rec in (r for r in everyone if r.get("worker") == worker):
+        while handovers and handovers[0][0] < rec["t_start"]:
+            apply(handovers.pop(0)[1])
+        apply(rec.get("kv_ops", ()))
         if "kv_map" in rec:
             state = {e["block"]: (set(e["holders"]), e["cached"]) for e in rec["kv_map"]}
+    for t0, ops in handovers:
+        if t0 <= until:
+            apply(ops)
     return {b: (tuple(sorted(h)), c) for b, (h, c) in sorted(state.items()) if h or c}

@@ -47,7 +47,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 from engine.config import DTYPES, EngineConfig, check_budgets
 from engine.llm_engine import LLMEngine
-from engine.records import KVState, PolicyEvent, RequestEvent
+from engine.records import KVState, PolicyEvent, RequestEvent, kv_ops
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, Status
 
@@ -170,10 +170,11 @@ class Worker:
             slots = [self.free_slots.popleft() for _ in blocks]
             e.runner.copy_blocks_out(blocks, self.staging, slots)
             e.scheduler.remove(seq)                  # frees its blocks (they stay prefix-cached here)
+            ops = kv_ops(bm)                         # those frees: sent with the hand-over, not with a later step
             del e.requests[seq.id], self.sent[seq.id]
             generator, seq.generator = seq.generator, None
             state = generator.get_state() if generator is not None else None
-            self.results.put(("exported", seq.id, seq, state, slots, t0))
+            self.results.put(("exported", seq.id, seq, state, slots, t0, ops))
 
     # ---- decode worker ----
     def do_adopt(self, seq: Sequence, generator_state, slots: list[int], t0: float):
@@ -247,6 +248,7 @@ class Handle:
 class Transfer:
     slots: list[int]
     t0: float                                # export started (router clock)
+    kv_ops: tuple = ()                       # the prefill worker's frees of the hand-over
 
 
 @dataclass
@@ -404,22 +406,24 @@ class DisaggregatedEngine:
             self.counters[key.get(seq.finish_reason, "requests_aborted")] += 1
             self._retire(seq)
 
-    def _on_exported(self, w: Handle, rid: str, seq: Sequence, generator_state, slots: list[int], t0: float):
+    def _on_exported(self, w: Handle, rid: str, seq: Sequence, generator_state, slots: list[int], t0: float,
+                     ops: tuple):
         if rid not in self.requests:                 # ended while its KV was being copied out
             self._send("prefill", "release", slots)
             return
         self.router.holder[rid] = "decode"
-        self.router.transfers[rid] = Transfer(slots, t0)
+        self.router.transfers[rid] = Transfer(slots, t0, ops or ())
         self._send("decode", "adopt", seq, generator_state, slots, t0)
 
     def _on_imported(self, w: Handle, rid: str, slots: list[int], t0: float, t1: float):
-        self.router.transfers.pop(rid, None)
+        moved = self.router.transfers.pop(rid, None)
         self._send("prefill", "release", slots)
         self.counters["kv_transfers"] += 1
         seq = self.requests.get(rid) or self.done.get(rid)
         self._emit(RequestEvent("kv_transfer", rid, seq.label if seq else rid, t1, blocks=len(slots),
                                 bytes=len(slots) * w.info["bytes_per_block"], seconds=t1 - t0,
-                                from_worker="prefill", to_worker="decode").to_dict())
+                                from_worker="prefill", to_worker="decode",
+                                kv_ops=moved.kv_ops if moved and moved.kv_ops else None).to_dict())
 
     def _on_dropped(self, w: Handle, rid: str, slots: list[int]):
         self.router.transfers.pop(rid, None)

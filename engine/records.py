@@ -226,6 +226,10 @@ class RequestEvent(Record):
                                 "the import on the receiving one (`t` is that end)", optional=True)
     from_worker: str | None = doc("kv_transfer: the worker that computed the prompt (`prefill`)", optional=True)
     to_worker: str | None = doc("kv_transfer: the worker that decodes the reply (`decode`)", optional=True)
+    kv_ops: tuple[KVOp, ...] | None = doc("kv_transfer: the sending worker's block changes of the hand-over (it "
+                                          "frees the request's blocks, which stay prefix-cached there), at the "
+                                          "export's start; no step record of that worker carries them",
+                                          optional=True)
 
     def __post_init__(self):
         if self.event not in REQUEST_EVENTS:

@@ -171,11 +171,12 @@
 // the KV map after step `upto` (default: the last): block id -> {holders (sorted), cached}, as app/analysis.py
 (function () {
   const BS = window.BS, R = BS.rec;
-  BS.analysis.kvBlocks = function (steps, upto) {
+  // steps: one engine's (or one worker's); handovers (disaggregated): that worker's sent hand-overs
+  // {t0, ops}, their frees applied at t0, up to time `until` (app/analysis.py kv_blocks, with worker)
+  BS.analysis.kvBlocks = function (steps, upto, handovers = [], until = -Infinity) {
     let state = new Map();
-    for (const s of steps) {
-      if (upto != null && R.step(s) > upto) break;
-      for (const op of R.kvOps(s)) {
+    const apply = (ops) => {
+      for (const op of ops) {
         const b = R.opBlock(op), req = R.opReq(op), cur = state.get(b);
         switch (R.opKind(op)) {
           case "alloc": state.set(b, { holders: new Set([req]), cached: false }); break;
@@ -184,9 +185,16 @@
           case "commit": if (cur) cur.cached = true; else state.set(b, { holders: new Set([req]), cached: true }); break;
         }
       }
+    };
+    const pending = handovers.filter((h) => h.ops.length).sort((a, b) => a.t0 - b.t0);
+    for (const s of steps) {
+      if (upto != null && R.step(s) > upto) break;
+      while (pending.length && pending[0].t0 < R.tStart(s)) apply(pending.shift().ops);
+      apply(R.kvOps(s));
       const map = R.kvMap(s);
       if (map) state = new Map(map.map((e) => [R.mapBlock(e), { holders: new Set(R.mapHolders(e)), cached: R.mapCached(e) }]));
     }
+    for (const h of pending) if (h.t0 <= until) apply(h.ops);
     const out = new Map();
     for (const b of [...state.keys()].sort((x, y) => x - y)) {
       const e = state.get(b);

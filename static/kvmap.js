@@ -32,7 +32,9 @@
     return lanes.map((lane) => {
       const own = steps.filter((s) => R.worker(s) === lane && R.step(s) <= R.step(last));
       const end = own[own.length - 1];
-      return end ? { lane, step: R.step(end), total: R.kvTotal(end), blocks: BS.analysis.kvBlocks(own, R.step(end)) } : null;
+      const sent = lane ? BS.store.transfers.filter((x) => x.from === lane) : [];
+      return end ? { lane, step: R.step(end), total: R.kvTotal(end),
+                     blocks: BS.analysis.kvBlocks(own, R.step(end), sent, R.tEnd(last)) } : null;
     }).filter(Boolean);
   }
 
@@ -103,8 +105,10 @@
     tip.style.left = (ev.clientX - r.left + 12) + "px"; tip.style.top = (ev.clientY - r.top + 12) + "px";
   }
 
-  // the map as drawn, for tests: [[block, holders, cached]]
-  BS.kvMapShown = () => (shown ? { step: shown.step, blocks: [...shown.blocks].map(([b, e]) => [b, e.holders, e.cached]) } : null);
+  // the map as drawn, for tests: [[block, holders, cached]], the first pool's and each lane's
+  const cells = (blocks) => [...blocks].map(([b, e]) => [b, e.holders, e.cached]);
+  BS.kvMapShown = () => (shown ? { step: shown.step, blocks: cells(shown.blocks),
+                                   lanes: Object.fromEntries(shown.sections.map((p) => [p.lane, cells(p.blocks)])) } : null);
 
   BS.initKvMap = function (stage) {
     box = stage.querySelector("[data-testid=kv-map]");

@@ -82,6 +82,7 @@
     xferSeconds: (ev) => ev.seconds,
     xferFrom: (ev) => ev.from_worker,
     xferTo: (ev) => ev.to_worker,
+    xferOps: (ev) => ev.kv_ops || [],      // the sending worker's frees of the hand-over (no step of its carries them)
 
     // ---- policy event, or the settings in a snapshot (the app adds step_delay) ----
     settings(p) {

@@ -116,7 +116,7 @@
       case "kv_transfer": {
         // t: the import is done; t0: the export began, `seconds` before
         const x = { rid: r.rid, label: r.label, t, t0: t - R.xferSeconds(ev), seconds: R.xferSeconds(ev), blocks: R.xferBlocks(ev),
-                    bytes: R.xferBytes(ev), from: R.xferFrom(ev), to: R.xferTo(ev) };
+                    bytes: R.xferBytes(ev), from: R.xferFrom(ev), to: R.xferTo(ev), ops: R.xferOps(ev) };
         if (!store.transfers.some((y) => y.rid === x.rid && y.t === x.t)) store.transfers.push(x);   // a snapshot may repeat it
         r.transfer = x;
         break;

@@ -81,13 +81,9 @@ def recorded():
         return run_scenario(e, get_scenario("split-prefill-decode", **SCENARIO)).stream
 
 
-def test_a_recorded_disaggregated_run_draws_two_lanes_and_the_hand_overs(recorded, browser):  # noqa: F811
+def offline_page(browser, stream):  # noqa: F811
+    """The stage alone, fed `stream` as a trace file would be. Returns the page and its list of errors."""
     from app.ui import SCRIPTS, stage_html
-    from app import metrics
-    steps = metrics.steps(recorded)
-    moved = [e for e in recorded if e.get("event") == "kv_transfer"]
-    threads = {s["worker"]: s["threads"] for s in steps}
-    assert set(threads) == {"prefill", "decode"} and len(moved) == 4
     pg = browser.new_page(viewport={"width": 1500, "height": 1200})
     errors = []
     pg.on("pageerror", lambda e: errors.append(str(e)))
@@ -97,7 +93,17 @@ def test_a_recorded_disaggregated_run_draws_two_lanes_and_the_hand_overs(recorde
     for name in SCRIPTS:
         pg.add_script_tag(content=(ROOT / "static" / name).read_text())
     pg.wait_for_function("window.BS && BS.store")
-    pg.evaluate("(s) => BS.ingestAll(s)", recorded)
+    pg.evaluate("(s) => BS.ingestAll(s)", stream)
+    return pg, errors
+
+
+def test_a_recorded_disaggregated_run_draws_two_lanes_and_the_hand_overs(recorded, browser):  # noqa: F811
+    from app import metrics
+    steps = metrics.steps(recorded)
+    moved = [e for e in recorded if e.get("event") == "kv_transfer"]
+    threads = {s["worker"]: s["threads"] for s in steps}
+    assert set(threads) == {"prefill", "decode"} and len(moved) == 4
+    pg, errors = offline_page(browser, recorded)
     doc = next(e for e in moved if e["label"] == "Doc")
     after = next(s["step"] for s in steps if s["worker"] == "decode" and s["t_end"] >= doc["t"])
     at = min(after + 6, steps[-1]["step"])         # a few decode steps after the hand-over, in view with it
@@ -109,6 +115,29 @@ def test_a_recorded_disaggregated_run_draws_two_lanes_and_the_hand_overs(recorde
     assert row == [[4, metrics.stretches(recorded)[0]["transfer_p50_s"], metrics.stretches(recorded)[0]["transfer_p99_s"],
                     sum(e["bytes"] for e in moved)]]
     pg.locator("[data-testid=stage] .bs-chart").screenshot(path=str(DOCS / "ui_disaggregated.png"))
+    assert not errors, errors
+    pg.close()
+
+
+def test_each_workers_kv_map_lets_go_of_a_handed_over_prompt(recorded, browser):  # noqa: F811
+    """Once a prompt's KV has moved, the prefill worker holds none of its blocks (they stay cached there,
+    for a prefix hit). No prefill step reports the frees of the last hand-over, so the hand-over event
+    carries them; each lane's map, in Python (app/analysis.kv_blocks) and on the page, is rebuilt from
+    its worker's steps and the hand-overs it sent."""
+    from app import analysis, metrics
+    last = metrics.steps(recorded)[-1]["step"]
+    want = {lane: analysis.kv_blocks(recorded, worker=lane) for lane in ("prefill", "decode")}
+    for lane, blocks in want.items():                  # every request ended: nothing is held
+        assert not any(holders for holders, _ in blocks.values()), (lane, blocks)
+    assert any(cached for _, cached in want["prefill"].values())      # the prompts stay cached there
+    doc = next(e for e in recorded if e.get("event") == "kv_transfer" and e["label"] == "Doc")
+    before = analysis.kv_blocks([o for o in recorded if o is not doc], worker="prefill")
+    assert any(doc["req"] in holders for holders, _ in before.values())   # without the hand-over's frees
+    pg, errors = offline_page(browser, recorded)
+    pg.evaluate("(n) => BS.play.seek(n)", last)
+    pg.wait_for_function("(n) => BS.kvMapShown() && BS.kvMapShown().step == n", arg=last)
+    shown = pg.evaluate("() => BS.kvMapShown().lanes")
+    assert {lane: {b: (tuple(h), c) for b, h, c in blocks} for lane, blocks in shown.items()} == want
     assert not errors, errors
     pg.close()
 
