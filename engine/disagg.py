@@ -436,6 +436,7 @@ class DisaggregatedEngine:
     def add_request(self, prompt: str | None = None, messages: list[dict] | None = None,
                     prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
                     label: str | None = None, request_id: str | None = None) -> str:
+        self._watch()          # a worker that died while the pair was idle: replaced before this request reaches it
         ids = self.tokenize(prompt, messages, prompt_token_ids)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):

@@ -161,6 +161,14 @@ def test_a_killed_worker_is_restarted_and_only_its_requests_fail(victim, default
         drive(eng, lambda: not eng.has_unfinished(), timeout=300)
         assert eng.get_request(rid).finish_reason == "length"
         assert_nothing_held(eng)
+        # a worker that dies while the pair is idle is replaced before the next request reaches it
+        eng.workers[victim].process.kill()
+        eng.workers[victim].process.join(30)
+        rid = eng.add_request(prompt_token_ids=prompt[:50], params=SamplingParams(max_tokens=4, ignore_eos=True))
+        drive(eng, lambda: not eng.has_unfinished(), timeout=300)
+        assert eng.get_request(rid).error is None and eng.get_request(rid).finish_reason == "length"
+        assert eng.workers[victim].restarts == 2
+        assert_nothing_held(eng)
 
 
 def test_settings_and_refusals(engine):
