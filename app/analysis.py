@@ -257,7 +257,6 @@ def kv_blocks(stream: Iterable[dict], upto: int | None = None,
     state: dict[int, tuple[set[str], bool]] = {}
 
     def apply(ops):
-        nonlocal state
         for op in ops:
             b, req = op["block"], op["req"]
             if op["op"] == "alloc":

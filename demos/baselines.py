@@ -11,7 +11,6 @@ workload: [(prompt token ids, reply length)], everyone arriving at t=0.
 """
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
