@@ -65,6 +65,10 @@ class BlockManager:
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 
+    def unpublished_blocks(self, seq) -> list[int]:
+        """seq's blocks not in the prefix cache: only seq holds them (sharing goes through the cache)."""
+        return [b for b in seq.block_table if self.blocks[b].hash is None]
+
     @property
     def num_cached(self) -> int:
         return len(self.hash_to_block)

@@ -195,7 +195,8 @@ class LLMEngine:
             return [], type(e).__name__
         finished = []
         for seq, token in self.scheduler.update(batch, tokens, self.clock()):
-            if token is None:
+            if token is None:      # its KV may hold NaN: zeroed, or attention's masked padding would pass it on
+                self.runner.clear_blocks(self.block_manager.unpublished_blocks(seq))
                 self._abort(seq, "error", "the model produced non-finite logits")
             elif self._after_token(seq):
                 finished.append(seq.id)

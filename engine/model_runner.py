@@ -144,6 +144,11 @@ class ModelRunner:
                                f"{free_at_start * config.gpu_memory_utilization / 2**30:.1f} GiB allowed)")
         return int(budget // self.bytes_per_block) - 1    # one block is the scratch block
 
+    def clear_blocks(self, block_ids: list[int]):
+        """Zero these blocks in every layer (a failed request's, whose values may be NaN)."""
+        if block_ids:
+            self.kv_cache[:, :, block_ids] = 0
+
     # ---- KV hand-over between engines (engine/disagg.py) ----
     def copy_blocks_out(self, block_ids: list[int], staging: torch.Tensor, slots: list[int]):
         """Block by block, cache -> staging[slot]. staging: (slots, layers, 2, block_size, kv_heads, head_dim)."""
@@ -183,7 +188,9 @@ class ModelRunner:
         """All of the step's index lists in one host-to-device copy (from pinned memory on CUDA),
         then the metadata. Returns input_ids, positions, logit rows, metadata."""
         width = max(map(len, step.block_tables))
-        tables = [t + [0] * (width - len(t)) for t in step.block_tables]
+        # rows padded with the sequence's own first block: padding is read under a mask (torch decode groups),
+        # and a masked NaN still spreads, so it must never be another request's block
+        tables = [t + (t[:1] or [0]) * (width - len(t)) for t in step.block_tables]
         parts = [step.input_ids, step.positions, step.slots, step.rows, step.context_lens,
                  [0, *itertools.accumulate(step.query_lens)], [0, *itertools.accumulate(step.context_lens)],
                  list(itertools.chain.from_iterable(tables))]

@@ -232,3 +232,24 @@ def test_split_linear_equals_f_linear(rows, cols, out, threads, bias, seed):
         torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(before)
+
+
+# ---- a request whose KV went non-finite leaves nothing behind for the next owner of its blocks ----
+def test_a_failed_requests_non_finite_kv_does_not_reach_the_next_owner_of_its_blocks(tmp_path):
+    """Decodes attend over padded, masked blocks, and a masked NaN still poisons softmax(scores) @ V.
+    A request whose activations went NaN fails (non-finite logits); the blocks it leaves must not make
+    the next request that gets them fail too."""
+    folder = save_tiny_model("llama", tmp_path / "m")
+    poison = 777
+    kw = dict(model=str(folder), dtype="float32", block_size=4, num_kv_blocks=4)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    ids = [300 + i for i in range(7)]                     # 7 + 5 tokens: its last block is never full at a decode
+    want = LLMEngine(EngineConfig(**kw)).generate([ids], params)[0]["token_ids"]
+    eng = LLMEngine(EngineConfig(**kw))
+    eng.runner.model.embed_tokens.register_forward_hook(
+        lambda mod, inp, out: out.masked_fill((inp[0] == poison)[:, None], float("nan")))
+    bad = eng.generate([[300, poison] + list(range(400, 408))], params)[0]    # 10 tokens: 3 of the 4 blocks
+    assert bad["finish_reason"] == "error" and "non-finite" in bad["error"]
+    good = eng.generate([ids], params)[0]
+    assert good["error"] is None and good["token_ids"] == want
+    assert eng.block_manager.num_used == 0
