@@ -139,8 +139,8 @@ class TorchAttention:
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """One SDPA call per group of decodes with similar contexts (decode_groups), over their blocks
         gathered and padded to the group's longest, masked. Per-sequence calls over views of the cache
-        copy less but cost 2 x layers calls per sequence: one call per group was 2.1x faster at batch 8
-        and 512 tokens of context (python -m demos.bench_ops; docs/results.md)."""
+        copy less but cost 2 x layers calls per sequence: one call per group was 2.0-2.1x faster at
+        batch 8 and 512 tokens of context (python -m demos.bench_ops; docs/results.md)."""
         if "decode_groups" not in meta.derived:   # index tensors and masks, built in the first layer
             meta.derived["decode_groups"] = self.plan(meta, k_cache.shape[1], q.device)
         groups = meta.derived["decode_groups"]

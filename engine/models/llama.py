@@ -77,16 +77,16 @@ def silu_and_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-SPLIT_ROWS = 256     # more rows than this: F.linear (measured no faster split at 512)
+SPLIT_ROWS = 256     # more rows than this: F.linear (split was no faster at 512)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except on a CPU running several threads: there the output features are cut into one
     slice per thread and the slices computed as one batched matmul (a view of w, nothing copied), so
     every thread reads its own share of the weights. MKL runs a skinny fp32 matmul (a decode step's
-    few rows) on one thread; cut this way the default model's linears took 1.4-1.6x less time on a
-    2-core CPU at 1 to 32 rows, 1.3x at 128, and about as long at 512, where MKL uses every thread
-    itself (python -m demos.bench_ops; docs/results.md)."""
+    few rows) on one thread; cut this way the default model's linears took 1.3-1.6x less time on a
+    2-core CPU at 1 to 32 rows, 1.15-1.3x at 128, and as long at 512, where MKL uses every thread
+    itself (two runs of python -m demos.bench_ops; docs/results.md)."""
     t = torch.get_num_threads()
     if t == 1 or x.is_cuda or x.dtype != torch.float32 or w.shape[0] % t or x.shape[0] > SPLIT_ROWS:
         return F.linear(x, w, b)
