@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
 MARKS = [pytest.mark.browser,
          pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium (/usr/bin/chromium) is not "
@@ -58,3 +59,31 @@ def served_ui(engine_config, server_options: dict | None = None, **mount_options
     finally:
         srv.should_exit = True
         thread.join(60)
+
+
+@contextmanager
+def live_page(browser, url: str, viewport: dict):
+    """The served page, connected to the live stream; no script error may happen while it is open."""
+    ctx = browser.new_context(viewport=viewport)
+    pg = ctx.new_page()
+    errors = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(url + "/")
+    pg.wait_for_selector("[data-testid=gantt]")
+    pg.wait_for_function("document.querySelector('[data-testid=conn]').dataset.state === 'live'")
+    yield pg
+    ctx.close()
+    assert not errors, errors
+
+
+def load_stage(pg, stream: list[dict], ready: str = "window.BS && BS.store"):
+    """The page's stage alone (no server, offline mode), fed `stream` through BS.ingestAll as a trace
+    file would be; `ready` is waited for before the stream goes in."""
+    from app.ui import SCRIPTS, stage_html
+    pg.set_content(f"<html><body>{stage_html()}</body></html>")
+    pg.evaluate("window.BS = {offline: true}")
+    pg.add_style_tag(content=(ROOT / "static" / "style.css").read_text())
+    for name in SCRIPTS:
+        pg.add_script_tag(content=(ROOT / "static" / name).read_text())
+    pg.wait_for_function(ready)
+    pg.evaluate("(s) => BS.ingestAll(s)", stream)

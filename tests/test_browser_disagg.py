@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import MARKS, served_ui
+from tests.browser import MARKS, live_page, load_stage, served_ui
 from tests.test_browser_ui import api, browser, wait_js  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,16 +32,8 @@ def server():
 
 @pytest.fixture
 def page(server, browser):  # noqa: F811
-    ctx = browser.new_context(viewport={"width": 1500, "height": 1200})
-    pg = ctx.new_page()
-    errors = []
-    pg.on("pageerror", lambda e: errors.append(str(e)))
-    pg.goto(server + "/")
-    pg.wait_for_selector("[data-testid=gantt]")
-    pg.wait_for_function("document.querySelector('[data-testid=conn]').dataset.state === 'live'")
-    yield pg
-    ctx.close()
-    assert not errors, errors
+    with live_page(browser, server, {"width": 1500, "height": 1200}) as pg:
+        yield pg
 
 
 def drawn_lanes(pg) -> dict:
@@ -83,17 +75,10 @@ def recorded():
 
 def offline_page(browser, stream):  # noqa: F811
     """The stage alone, fed `stream` as a trace file would be. Returns the page and its list of errors."""
-    from app.ui import SCRIPTS, stage_html
     pg = browser.new_page(viewport={"width": 1500, "height": 1200})
     errors = []
     pg.on("pageerror", lambda e: errors.append(str(e)))
-    pg.set_content(f"<html><body>{stage_html()}</body></html>")
-    pg.evaluate("window.BS = {offline: true}")
-    pg.add_style_tag(content=(ROOT / "static" / "style.css").read_text())
-    for name in SCRIPTS:
-        pg.add_script_tag(content=(ROOT / "static" / name).read_text())
-    pg.wait_for_function("window.BS && BS.store")
-    pg.evaluate("(s) => BS.ingestAll(s)", stream)
+    load_stage(pg, stream)
     return pg, errors
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import MARKS, chromium, served_ui
+from tests.browser import MARKS, chromium, live_page, served_ui
 
 pytestmark = MARKS
 SCENARIO = dict(reply_tokens=16, doc_tokens=2, doc_at=8)
@@ -34,16 +34,8 @@ def browser():
 
 @pytest.fixture
 def page(server, browser):
-    ctx = browser.new_context(viewport={"width": 1400, "height": 1100})
-    pg = ctx.new_page()
-    errors = []
-    pg.on("pageerror", lambda e: errors.append(str(e)))
-    pg.goto(server + "/")
-    pg.wait_for_selector("[data-testid=gantt]")
-    pg.wait_for_function("document.querySelector('[data-testid=conn]').dataset.state === 'live'")
-    yield pg
-    ctx.close()
-    assert not errors, errors
+    with live_page(browser, server, {"width": 1400, "height": 1100}) as pg:
+        yield pg
 
 
 def api(server, path, body=None, headers=None):

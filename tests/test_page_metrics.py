@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import ARGS, CHROMIUM, MARKS
+from tests.browser import MARKS, chromium, load_stage
 
 from demos import trace
 from app import metrics
 from tests.test_metrics import random_streams
 
-ROOT = Path(__file__).resolve().parent.parent
 TRACE = Path(__file__).parent / "data" / "page_trace.json"
 pytestmark = MARKS
 ROWS = ["steps", "ttft", "tbt", "stall", "tps", "kv", "waiting"]
@@ -29,23 +28,13 @@ MAX_COLUMNS = 4         # the page shows the newest four stretches
 @pytest.fixture(scope="module")
 def stage():
     """A page with the stage loaded offline; call it with a stream, get the table's cells."""
-    from playwright.sync_api import sync_playwright
-
-    from app.ui import SCRIPTS, stage_html
-    html = stage_html()
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+    with chromium() as browser:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         errors = []
         page.on("pageerror", lambda e: errors.append(str(e)))
 
         def show(stream: list[dict]) -> list[dict]:
-            page.set_content(f"<html><body>{html}</body></html>")
-            page.evaluate("window.BS = {offline: true}")
-            for name in SCRIPTS:
-                page.add_script_tag(content=(ROOT / "static" / name).read_text())
-            page.wait_for_function("window.BS && BS.store && document.querySelector('[data-testid=metrics] table')")
-            page.evaluate("(s) => BS.ingestAll(s)", stream)
+            load_stage(page, stream, "window.BS && BS.store && document.querySelector('[data-testid=metrics] table')")
             page.wait_for_function("document.querySelector('[data-testid=metrics] tr[data-metric=steps] td')")
             assert not errors, errors
             return page.evaluate("""() => {
@@ -61,7 +50,6 @@ def stage():
             }""")
 
         yield show
-        browser.close()
 
 
 def fixed(x: float, digits: int) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import ARGS, CHROMIUM, MARKS
+from tests.browser import MARKS, chromium, load_stage
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,30 +29,18 @@ pytestmark = MARKS
 
 @pytest.fixture(scope="module")
 def page():
-    from playwright.sync_api import sync_playwright
-
-    from app.ui import SCRIPTS, stage_html
-    html = stage_html()
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+    with chromium() as browser:
         pg = browser.new_page(viewport={"width": 1400, "height": 1800})
         errors = []
         pg.on("pageerror", lambda e: errors.append(str(e)))
 
         def load(stream: list[dict]):
-            pg.set_content(f"<html><body>{html}</body></html>")
-            pg.evaluate("window.BS = {offline: true}")
-            pg.add_style_tag(content=(ROOT / "static" / "style.css").read_text())
-            for name in SCRIPTS:
-                pg.add_script_tag(content=(ROOT / "static" / name).read_text())
-            pg.wait_for_function("window.BS && BS.store && BS.analysis")
-            pg.evaluate("(s) => BS.ingestAll(s)", stream)
+            load_stage(pg, stream, "window.BS && BS.store && BS.analysis")
             pg.wait_for_function("document.querySelector('[data-testid=cost-model]').dataset.a !== undefined")
             assert not errors, errors
             return pg
 
         yield load
-        browser.close()
 
 
 def close(a, b, rel=1e-9):
