@@ -144,16 +144,17 @@ class TorchAttention:
         if "decode_groups" not in meta.derived:   # index tensors and masks, built in the first layer
             meta.derived["decode_groups"] = self.plan(meta, k_cache.shape[1], q.device)
         groups = meta.derived["decode_groups"]
-        out = torch.empty_like(q) if len(groups) > 1 or groups[0][0] is not None else None
-        for rows, blocks, mask in groups:
+
+        def attend(qg, blocks, mask):
             n, kvh, d = mask.shape[0], k_cache.shape[2], k_cache.shape[3]
             kc = gather(k_cache, blocks).view(n, -1, kvh, d).transpose(1, 2)   # (n, kv_heads, padded ctx, head_dim)
             vc = gather(v_cache, blocks).view(n, -1, kvh, d).transpose(1, 2)
-            qg = q if rows is None else q.index_select(0, rows)
-            o = sdpa(qg.unsqueeze(2), kc, vc, attn_mask=mask).squeeze(2)
-            if out is None:
-                return o
-            out.index_copy_(0, rows, o)
+            return sdpa(qg.unsqueeze(2), kc, vc, attn_mask=mask).squeeze(2)
+        if len(groups) == 1 and groups[0][0] is None:      # one group, every decode in order
+            return attend(q, *groups[0][1:])
+        out = torch.empty_like(q)
+        for rows, blocks, mask in groups:
+            out.index_copy_(0, rows, attend(q.index_select(0, rows), blocks, mask))
         return out
 
     @staticmethod
