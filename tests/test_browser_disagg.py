@@ -95,6 +95,8 @@ def test_a_recorded_disaggregated_run_draws_two_lanes_and_the_hand_overs(recorde
     pg.evaluate("(n) => BS.play.seek(n)", at)
     pg.wait_for_function("(n) => BS.view.drawn && BS.view.drawn.steps.includes(n)", arg=at)
     check_lanes(drawn_lanes(pg), threads, "Doc", doc["blocks"])
+    # the metrics table follows the chart on its own cadence: wait for its hand-over line
+    pg.wait_for_function("document.querySelector('[data-testid=metrics] tr[data-metric=transfer] td')")
     row = pg.evaluate("[...document.querySelectorAll('[data-testid=metrics] tr[data-metric=transfer] td')]"
                       ".map(td => JSON.parse(td.dataset.values))")
     assert row == [[4, metrics.stretches(recorded)[0]["transfer_p50_s"], metrics.stretches(recorded)[0]["transfer_p99_s"],
