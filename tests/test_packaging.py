@@ -6,9 +6,11 @@ import os
 import queue
 import re
 import shutil
+import site
 import socket
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import tomllib
@@ -43,8 +45,9 @@ def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     # from a clean copy: an in-tree build/ folder keeps stale files that would ship in the wheel
     source = out / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__",
-                                                                "*.pyc", ".pytest_cache", "out", "tests", "docs"))
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".ci-cache", ".venv", ".hypothesis", "build", "dist", "*.egg-info", "__pycache__", "*.pyc",
+        ".pytest_cache", "out", "tests", "docs"))
     # no build isolation: setuptools is installed, and CI must not need an index to build
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
                     "--wheel-dir", str(out), str(source)], check=True, cwd=out)
@@ -119,11 +122,16 @@ def _check_page_static_and_chat(url: str):
 @pytest.mark.server
 @pytest.mark.timeout(420)
 def test_the_wheel_serves_the_whole_app_from_another_directory(wheel, tmp_path):
-    """A fresh virtual environment with only the wheel installed (torch and the other heavy dependencies
-    come from the system site through --system-site-packages, so this stays fast and offline)."""
+    """A fresh virtual environment with only the wheel installed. torch and the other heavy dependencies
+    come from the environment these tests run in (a venv or not), named by a .pth file, so this stays
+    fast and offline; plain paths, so that environment's own .pth files (an editable batchscope) stay out."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python, command = venv / "bin" / "python", venv / "bin" / "batchscope"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    ours = dict.fromkeys([*site.getsitepackages(), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    (Path(purelib) / "tests-environment.pth").write_text("".join(f"{p}\n" for p in ours if Path(p).is_dir()))
     # --no-index: every dependency must already be satisfied, or the install fails and names it
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-index",
                     str(wheel)], check=True, cwd=tmp_path)
