@@ -9,11 +9,12 @@ Backends share one call: backend(q, k, v, k_cache, v_cache, meta) -> out.
   TorchAttention      portable (CPU and CUDA): one SDPA call per prefill chunk;
                       decodes in one call per group of similar context lengths,
                       over their blocks gathered (index_select) and masked.
-  TritonAttention     CUDA: decodes through a Triton paged-attention kernel that
-                      reads the cache by block table (graph-capturable); prefill
-                      chunks as in TorchAttention.
+  TritonAttention     CUDA: the whole batch, decodes and chunks, in one launch
+                      of a Triton kernel that reads the cache by block table and
+                      finds each token's sequence on the device (graph-capturable
+                      at a padded token bucket).
   FlashAttention      flash-attn reading block tables directly (CUDA, when the
-                      package is installed and block_size % 256 == 0).
+                      package is installed and block_size % 256 == 0; eager).
 """
 from __future__ import annotations
 
@@ -40,9 +41,8 @@ class AttentionMetadata:
     context_lens: torch.Tensor      # (num_seqs,) tokens in the cache once this step is written; decodes first
     block_tables: torch.Tensor      # (num_seqs, max_blocks) long, rows padded with 0
     num_decodes: int = 0
-    decode_blocks: int = 0          # host-side: blocks of the longest decode (sizes the decode launch)
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # flash-attn varlen layout: cumulative query and context lengths, and their maxima (host ints)
+    # ragged layout (Triton, flash-attn): cumulative query and context lengths, and their maxima (host ints)
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
@@ -172,31 +172,49 @@ class TorchAttention:
         return plan
 
 
-class TritonAttention(TorchAttention):
-    name = "triton-paged"
+class TritonAttention:
+    """The whole ragged batch, decodes and chunks, in one launch of the unified kernel
+    (engine/triton_attention.py); its grid follows only the batch's (padded) shapes, so a step
+    padded to a token bucket is captured once and replayed (engine/cuda_graph.py)."""
+    name = "triton-unified"
     graphable = True
+    ragged = True                    # reads cu_seqlens_q and block tables on the device: no PrefillChunk list
 
     def __init__(self, num_sms: int):
         from engine import triton_attention
         self.kernel = triton_attention
         self.num_sms = num_sms
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        splits = decode_splits(meta.num_decodes, k_cache.shape[2], meta.decode_blocks, self.num_sms)
-        return self.kernel.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, splits)
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        splits, block_m = self.launch(q.shape[0], *meta.block_tables.shape, q.shape[1] // k_cache.shape[2],
+                                      k_cache.shape[2])
+        return self.kernel.unified_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                             meta.context_lens, splits, block_m)
+
+    def launch(self, num_tokens: int, num_seqs: int, max_blocks: int, group: int, kv_heads: int) -> tuple[int, int]:
+        """(split-K ranges, rows per program) from shapes only (the same for every replay of a bucket).
+        Decode-like batches (about one token per sequence) take 16-row tiles and split-K when there are
+        few of them; batches with prefill chunks take 64-row tiles, so a chunk's K/V is re-read by fewer
+        programs, and have programs enough without splitting."""
+        if num_tokens > 2 * num_seqs:
+            return 1, 64
+        work = min(num_tokens, self.kernel.num_qblocks(num_tokens, num_seqs, self.kernel.block_q_for(group)))
+        return decode_splits(work, kv_heads, max_blocks, self.num_sms), 16
 
 
 def decode_splits(num_seqs: int, kv_heads: int, max_blocks: int, num_sms: int) -> int:
-    """Split-K for the Triton decode: ranges to cut each sequence's blocks into. Enough programs for
+    """Split-K for decode-like batches: ranges to cut each sequence's blocks into. Enough programs for
     two waves over the GPU, at least 8 blocks per range, at most 16 ranges; host-known sizes only."""
     want = -(-2 * num_sms // (num_seqs * kv_heads))
     return max(1, min(want, max_blocks // 8, 16))
 
 
 class FlashAttention:
-    """flash-attn 2 with a paged KV cache (its paged kernels need block_size % 256 == 0)."""
+    """flash-attn 2 with a paged KV cache (its paged kernels need block_size % 256 == 0). Eager only: it
+    reads host-side maxima (max_seqlen_q/k) and picks its kernel by whether the step has chunks."""
     name = "flash-attn"
-    graphable = True
+    graphable = False
 
     def __init__(self):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -216,8 +234,8 @@ class FlashAttention:
 
 
 def select_backend(name: str, device: torch.device, block_size: int, head_dim: int):
-    """auto: on CUDA flash-attn where installed and the block size suits it, else the Triton kernel
-    where the tile sizes suit it, else torch; on CPU always torch."""
+    """auto: on CUDA the Triton kernel where the tile sizes suit it (every step a CUDA graph), else
+    flash-attn where installed and the block size suits it (eager), else torch; on CPU always torch."""
     cuda = device.type == "cuda"
     flash_ok = cuda and block_size % 256 == 0 and _installed("flash_attn")
     ampere = cuda and torch.cuda.get_device_capability(device) >= (8, 0)   # A10G, A100, L4, L40S, H100...
@@ -228,10 +246,10 @@ def select_backend(name: str, device: torch.device, block_size: int, head_dim: i
     if name == "triton" and not triton_ok:
         raise ValueError("attention_backend='triton' needs a CUDA GPU of compute capability 8.0 or newer, the "
                          "triton package, a power-of-two block_size and a power-of-two head_dim >= 16")
-    if name == "flash_attn" or (name == "auto" and flash_ok):
-        return FlashAttention()
     if name == "triton" or (name == "auto" and cuda and triton_ok):
         return TritonAttention(torch.cuda.get_device_properties(device).multi_processor_count if cuda else 8)
+    if name == "flash_attn" or (name == "auto" and flash_ok):
+        return FlashAttention()
     return TorchAttention()
 
 

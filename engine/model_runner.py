@@ -4,8 +4,9 @@ It holds the model (engine.loader loads it), the paged KV cache and the RoPE
 table, flattens the step's
 tokens into one ragged batch (decodes first, then prefill chunks) as plain
 lists, moves them to the device in one copy, builds the step's
-AttentionMetadata, runs the model once (a decode-only step on CUDA replays a
-CUDA graph) and samples.
+AttentionMetadata, runs the model once (on CUDA with the Triton backend, every
+step up to the token budget replays a CUDA graph at a padded token bucket:
+engine/cuda_graph.py) and samples.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk, select_backend, set_metadata
 from engine.config import EngineConfig
-from engine.cuda_graph import DecodeGraphs, pad_decodes
+from engine.cuda_graph import StepGraphs
 from engine.loader import load_model, rope_table
 from engine.models.llama import head_dim_of
 from engine.sampler import sample
@@ -66,14 +67,14 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if cuda else 0   # the memory budget's base
         self.backend = select_backend(config.attention_backend, self.device, config.block_size, head_dim_of(hf_config))
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         # enforce_eager: plain PyTorch, op by op
         self.model = load_model(folder, hf_config, config.dtype, self.device, self.backend, not config.enforce_eager)
         self.max_model_len = max_model_len
         self.cos, self.sin = rope_table(hf_config, self.model.head_dim, max_model_len, self.dtype, self.device)
 
         # ---- paged KV cache: (layers, 2, num_blocks + 1, block_size, kv_heads, head_dim) ----
-        # the extra block is scratch: padded rows of a CUDA-graph decode write there
+        # the extra block is scratch: padded tokens of a CUDA-graph step write there
         self.num_layers = hf_config.num_hidden_layers
         self.kv_heads, self.head_dim = hf_config.num_key_value_heads, self.model.head_dim
         if config.num_kv_blocks:
@@ -85,10 +86,18 @@ class ModelRunner:
         self._allocate_cache(self.num_blocks + 1)
         self.scratch_block = self.num_blocks
 
-        # ---- CUDA graphs for decode-only steps ----
+        # ---- CUDA graphs: one per token bucket up to the token budget ----
         if cuda and not config.enforce_eager and self.backend.graphable:
-            self.graphs = DecodeGraphs(self.model, self.cos, self.sin, config.max_num_seqs, self.max_blocks_per_seq,
-                                       self.scratch_block, self.block_size)
+            self.graphs = self.make_graphs(config.max_num_batched_tokens, config.max_num_seqs)
+
+    def make_graphs(self, max_tokens: int, max_num_seqs: int, capture: bool = True) -> StepGraphs:
+        """capture=False: the same static buffers and padding, run eagerly (tests, on a CPU)."""
+        return StepGraphs(self.model, self.cos, self.sin, max_tokens, max_num_seqs, self.max_blocks_per_seq,
+                          self.scratch_block * self.block_size, capture)
+
+    def graph_stats(self) -> dict | None:
+        """Buckets, capture time and graph memory (None: steps run eagerly)."""
+        return self.graphs.stats() if self.graphs else None
 
     @property
     def bytes_per_block(self) -> int:
@@ -200,9 +209,10 @@ class ModelRunner:
         ids, pos, slots, rows, ctx, cu_q, cu_k, tables_t = flat.split([len(p) for p in parts])
         nd = step.num_decodes
         meta = AttentionMetadata(slot_mapping=slots, context_lens=ctx, block_tables=tables_t.view(len(tables), width),
-                                 num_decodes=nd, decode_blocks=max(map(len, step.block_tables[:nd]), default=0),
-                                 cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(step.query_lens),
+                                 num_decodes=nd, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(step.query_lens),
                                  max_seqlen_k=max(step.context_lens), decode_ctx=step.context_lens[:nd])
+        if getattr(self.backend, "ragged", False):   # it reads the layout on the device: no per-chunk masks
+            return ids, pos, rows, meta
         q_start = nd
         for i in range(nd, len(step.query_lens)):
             n, ctx_len = step.query_lens[i], step.context_lens[i]
@@ -219,19 +229,16 @@ class ModelRunner:
         """One forward pass. Returns the sampled token of each sequence that completed its known tokens,
         in batch order (decodes, then prefills whose chunk finishes the prompt); None for bad logits."""
         step = self.prepare(batch)
-        n = len(batch.items)
-        size = self.graphs.bucket(n) if self.graphs and step.num_decodes == n else None
+        size = self.graphs.bucket(len(step.input_ids), len(batch.items)) if self.graphs else None
         if size:
-            pad_decodes(step, size, self.scratch_block, self.block_size)
-        input_ids, positions, rows, meta = self.upload(step)
-        if size:
-            hidden = self.graphs.run(input_ids, positions, meta)
-        else:
+            logits = self.graphs.run(step, size)
+        else:                 # eager: CPU, the torch backend, or a step above the largest bucket
+            input_ids, positions, rows, meta = self.upload(step)
             set_metadata(meta)
             hidden = self.model(input_ids, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
             set_metadata(None)
+            logits = self.model.compute_logits(hidden[rows]) if step.rows else None
         if not step.rows:
             return []
-        logits = self.model.compute_logits(hidden[rows])
         seqs = [s for s, n in batch.items if s.num_computed_tokens + n == s.num_tokens]
         return sample(logits, seqs)

@@ -6,12 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.attention import TorchAttention, decode_splits, kernel_supports, select_backend
-from engine.cuda_graph import DecodeGraphs, bucket_for, graph_batch_sizes, pad_decodes
+from engine.cuda_graph import bucket_for, token_buckets
 from engine.model_runner import StepInputs, token_slots
 from tests.helpers import hf_greedy, save_tiny_model
 
@@ -23,31 +25,67 @@ if not CUDA and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# ---- bucketing and padding (pure functions) ----
-@pytest.mark.parametrize("max_num_seqs, sizes", [(1, [1]), (3, [1, 2, 4]), (16, [1, 2, 4, 8, 16]),
-                                                 (20, [1, 2, 4, 8, 16, 32]), (64, [1, 2, 4, 8, 16, 32, 48, 64])])
-def test_graph_batch_sizes(max_num_seqs, sizes):
-    assert graph_batch_sizes(max_num_seqs) == sizes
-    for n in range(1, max_num_seqs + 1):
-        b = bucket_for(n, sizes)
-        assert b >= n and all(s < n for s in sizes if s < b)
-    assert bucket_for(sizes[-1] + 1, sizes) is None   # larger batches run eagerly
+# ---- buckets, padding and the static-buffer layout (pure functions) ----
+def test_token_buckets():
+    assert token_buckets(1) == [1]
+    assert token_buckets(3) == [1, 2, 4]
+    assert token_buckets(256) == [1, 2, 4, 8, *range(16, 257, 16)]
+    assert token_buckets(300) == [1, 2, 4, 8, *range(16, 257, 16), 320]
+    assert token_buckets(1024)[-4:] == [832, 896, 960, 1024]
+    for m in range(1, 1100, 7):
+        sizes = token_buckets(m)
+        assert sizes == sorted(set(sizes)) and sizes[-1] >= m and (len(sizes) == 1 or sizes[-2] < m)
 
 
-def test_pad_decodes_targets_the_scratch_block():
-    step = StepInputs(input_ids=[5, 6, 7], positions=[9, 20, 3], slots=[41, 100, 67], query_lens=[1, 1, 1],
-                      context_lens=[10, 21, 4], block_tables=[[2, 1], [3, 0], [4]], rows=[0, 1, 2], num_decodes=3)
-    pad_decodes(step, 8, scratch_block=50, block_size=16)
-    assert step.input_ids == [5, 6, 7] + [0] * 5 and step.positions == [9, 20, 3] + [0] * 5
-    assert step.slots[3:] == [50 * 16] * 5 and step.context_lens[3:] == [1] * 5
-    assert step.block_tables[3:] == [[50]] * 5 and step.num_decodes == 8
-    assert step.rows == [0, 1, 2]                       # padded rows are never sampled
+@given(st.integers(1, 400), st.integers(1, 64), st.integers(1, 300), st.integers(1, 48))
+def test_bucket_choice(num_tokens, num_seqs, max_tokens, max_num_seqs):
+    """The smallest bucket that holds the step's tokens and sequences; None (eager) above them all."""
+    num_seqs = min(num_seqs, num_tokens)
+    sizes = token_buckets(max_tokens)
+    t = bucket_for(num_tokens, num_seqs, sizes, max_num_seqs)
+    fits = [s for s in sizes if s >= num_tokens and min(s, max_num_seqs) >= num_seqs]
+    assert t == (min(fits) if fits else None)
+    if num_tokens <= max_tokens and num_seqs <= max_num_seqs:
+        assert t is not None and t < 2 * num_tokens + 64          # padding stays bounded
 
 
-@pytest.mark.parametrize("start, end", [(0, 1), (0, 16), (5, 40), (16, 33), (31, 32), (7, 8)])
-def test_token_slots(start, end):
-    table, bs = [9, 3, 7, 1], 16
-    assert token_slots(table, start, end, bs) == [table[p // bs] * bs + p % bs for p in range(start, end)]
+def test_step_layout_pads_and_packs_one_buffer():
+    """One flat int64 buffer: token rows, then per-sequence rows, block tables last; a step writes its
+    values and pads the rest (scratch slot, empty sequences), and the copy stops after its last table."""
+    from engine.cuda_graph import StepLayout
+    lay = StepLayout(tokens=16, seqs=4, width=3)
+    offs = lay.offsets()
+    assert [offs[k][1] for k in ("input_ids", "positions", "slots", "sample_rows", "cu_q", "seq_lens")] == \
+        [16, 16, 16, 4, 5, 4]
+    assert offs["block_tables"] == (61, 12) and lay.size == 73
+    ends = [at + n for at, n in offs.values()]
+    assert [at for at, _ in offs.values()][1:] == ends[:-1]                  # packed, in order
+    host = np.full(lay.size, -1, dtype=np.int64)
+    # two decodes and one 4-token chunk (cached prefix of 2) = 6 tokens of a 16-token bucket
+    step = StepInputs(input_ids=[5, 6, 1, 2, 3, 4], positions=[9, 20, 2, 3, 4, 5], slots=[41, 100, 66, 67, 68, 69],
+                      query_lens=[1, 1, 4], context_lens=[10, 21, 6], block_tables=[[2], [3, 0], [4]],
+                      rows=[0, 1, 5], num_decodes=2)
+    used = lay.fill(host, step, scratch_slot=800)
+    part = {k: host[at:at + n].tolist() for k, (at, n) in offs.items()}
+    assert part["input_ids"] == [5, 6, 1, 2, 3, 4] + [0] * 10 and part["positions"][6:] == [0] * 10
+    assert part["slots"] == [41, 100, 66, 67, 68, 69] + [800] * 10          # padded tokens: the scratch slot
+    assert part["sample_rows"] == [0, 1, 5, 0]                                # a padded sequence samples row 0
+    assert part["cu_q"] == [0, 1, 2, 6, 6]                                    # ... and has no tokens
+    assert part["seq_lens"] == [10, 21, 6, 0]
+    assert part["block_tables"][:3] == [2, -1, -1] and part["block_tables"][3:5] == [3, 0]
+    assert used == 61 + 3 * 3                                                 # through the last real table row
+
+
+def test_unified_launch_shapes():
+    """Split-K and tile rows from shapes only: decode-like batches split when few and long; batches
+    with chunks take 64-row tiles and no split."""
+    from engine.attention import TritonAttention
+    pytest.importorskip("triton")
+    b = TritonAttention(num_sms=132)
+    assert b.launch(4, 4, 2048, 7, 2) == (16, 16)       # four long decodes: 16 ranges each
+    assert b.launch(64, 64, 16, 7, 2) == (2, 16)        # 64 decodes at 256 tokens of context
+    assert b.launch(288, 33, 64, 7, 2) == (1, 64)       # 32 decodes and a 256-token chunk
+    assert b.launch(64, 64, 1, 7, 2) == (1, 16)         # contexts of one block: nothing to split
 
 
 def test_decode_splits():
@@ -84,11 +122,17 @@ def test_backend_selection_on_cuda(interpreted, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=58))
-    monkeypatch.setattr(attention, "_installed", lambda module: module == "triton")   # no flash-attn
+    installed = {"triton"}                                                    # no flash-attn at first
+    monkeypatch.setattr(attention, "_installed", lambda module: module in installed)
     gpu = torch.device("cuda")
     backend = select_backend("auto", gpu, 256, 128)
-    assert backend.name == "triton-paged" and backend.graphable and backend.num_sms == 58
+    assert backend.name == "triton-unified" and backend.graphable and backend.num_sms == 58
     assert select_backend("auto", gpu, 16, 80).name == "torch-sdpa"          # head_dim the kernel cannot tile
+    installed.add("flash_attn")
+    assert select_backend("auto", gpu, 256, 128).name == "triton-unified"    # every step a graph beats eager flash
+    with pytest.raises(ImportError):                                          # (the fake has no real package)
+        select_backend("auto", gpu, 256, 80)                                  # head_dim 80: flash-attn's turn
+    installed.discard("flash_attn")
     assert select_backend("torch", gpu, 16, 64).name == "torch-sdpa"
     with pytest.raises(ValueError, match="flash_attn"):
         select_backend("flash_attn", gpu, 16, 64)                             # block size 16: flash-attn 2 cannot
@@ -109,94 +153,61 @@ def interpreted():
     return ta
 
 
-def reference_decode(q, k_cache, v_cache, tables, ctx):
-    """fp64 attention of each query row over its first ctx tokens, K/V heads repeated for GQA."""
-    out = []
-    group = q.shape[1] // k_cache.shape[2]
-    for i in range(q.shape[0]):
-        c = int(ctx[i])
-        k = k_cache[tables[i]].flatten(0, 1)[:c].double().repeat_interleave(group, 1)
-        v = v_cache[tables[i]].flatten(0, 1)[:c].double().repeat_interleave(group, 1)
-        s = torch.einsum("hd,thd->ht", q[i].double(), k) * q.shape[-1] ** -0.5
-        out.append(torch.einsum("ht,thd->hd", s.softmax(-1), v))
-    return torch.stack(out)
+POLICY_RUNS = [("chunked", 32, 3), ("continuous", 32, 3), ("static", 32, 3)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size",
-                         [(14, 2, 64, 16), (4, 4, 32, 16), (12, 2, 128, 32), (8, 2, 64, 8), (8, 2, 32, 256)])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_paged_decode_kernel(interpreted, dtype, heads, kv_heads, head_dim, block_size, splits):
-    g = torch.Generator().manual_seed(heads * 7 + splits)
-    k_cache = torch.randn(40, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(40, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    ctx = torch.tensor([1, 5, block_size, block_size + 1, 100, 3 * block_size + 2])
-    width = -(-int(ctx.max()) // block_size)
-    tables = torch.stack([torch.randperm(40, generator=g)[:width] for _ in ctx])
-    q = torch.randn(len(ctx), heads, head_dim, generator=g).to(dtype)
-    out = interpreted.paged_decode(*(x.to(DEVICE) for x in (q, k_cache, v_cache, tables, ctx)), splits).cpu()
-    ref = reference_decode(q, k_cache, v_cache, tables, ctx)
-    err = ((out.double() - ref).norm() / ref.norm()).item()
-    assert out.dtype == dtype and err < (1e-6 if dtype == torch.float32 else 1e-2), err
-
-
-AOT_COMPILE = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from engine.triton_attention import _paged_decode_kernel
-ints = ["num_splits", "stride_qs", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_bt", "stride_os",
-        "stride_oh", "stride_osp"]
-for dtype, split, group, head_dim in [("bf16", False, 7, 64), ("bf16", True, 6, 128), ("fp32", False, 4, 64)]:
-    sig = {"out_ptr": "*fp32" if split else "*" + dtype, "lse_ptr": "*fp32", "q_ptr": "*" + dtype,
-           "k_cache_ptr": "*" + dtype, "v_cache_ptr": "*" + dtype, "block_tables_ptr": "*i64",
-           "context_lens_ptr": "*i64", "scale": "fp32", **{k: "i32" for k in ints}}
-    consts = dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=head_dim, BLOCK_SIZE=16, TILE=2048 // head_dim, SPLIT=split,
-                  PRECISION="ieee" if dtype == "fp32" else "tf32")
-    sig.update({k: "constexpr" for k in consts})
-    src = triton.compiler.ASTSource(fn=_paged_decode_kernel, signature=sig, constexprs=consts)
-    assert triton.compile(src, target=GPUTarget("cuda", int(sys.argv[1]), 32)).asm["cubin"]
-"""
-
-
-@pytest.mark.parametrize("capability", [80, 89, 90])   # A100; L4 and L40S; H100
-def test_paged_decode_kernel_compiles_for_gpus(capability):
-    """Compiled ahead of time to machine code by the ptxas that ships in the triton wheel: no GPU needed.
-    In a fresh process, since the interpreter (on in this one) replaces the compiler's front end."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", AOT_COMPILE, str(capability)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def test_triton_backend_and_graph_buffers_match_transformers(interpreted, tmp_path):
-    """The whole engine on the Triton backend, decode steps through DecodeGraphs' static buffers and
-    padding (replayed graphs on a GPU, the same region run eagerly on a CPU), greedy tokens equal to
-    transformers."""
+@pytest.fixture(scope="module")
+def qwen2_refs(tmp_path_factory):
     from transformers import AutoModelForCausalLM
-    folder = save_tiny_model("qwen2", tmp_path / "qwen2")   # head_dim 16
+    folder = save_tiny_model("qwen2", tmp_path_factory.mktemp("qwen2") / "m")   # head_dim 16
     ref_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (5, 40, 77)]
-    refs = [hf_greedy(ref_model, p, 10, eos=False) for p in prompts]
-    eng = LLMEngine(EngineConfig(model=str(folder), device=DEVICE, dtype="float32", attention_backend="triton",
-                                 block_size=16, max_num_batched_tokens=32, max_num_seqs=3, num_kv_blocks=64))
-    assert eng.stats()["attention_backend"] == "triton-paged"
-    r = eng.runner
-    if not CUDA:   # on a GPU the engine captured real graphs at start-up
-        r.graphs = DecodeGraphs(r.model, r.cos, r.sin, 3, r.max_blocks_per_seq, r.scratch_block, r.block_size,
-                                capture=False)
-    sizes = []
-    run = r.graphs.run
-    r.graphs.run = lambda ids, *a: sizes.append(len(ids)) or run(ids, *a)
-    rids = [eng.add_request(prompt_token_ids=p, params=SamplingParams(max_tokens=10, ignore_eos=True))
-            for p in prompts]
-    while eng.has_unfinished():
+    return folder, prompts, [hf_greedy(ref_model, p, 8, eos=False) for p in prompts]
+
+
+def run_staggered(eng, prompts, max_tokens: int) -> list[list[int]]:
+    """Arrivals one step apart, so steps mix decodes and chunks."""
+    pending, rids = list(prompts), []
+    while pending or eng.has_unfinished():
+        if pending:
+            rids.append(eng.add_request(prompt_token_ids=pending.pop(0),
+                                        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
         eng.step()
-    assert [eng.get_request(x).output_token_ids for x in rids] == refs
-    assert 4 in sizes and set(sizes) <= {1, 2, 4}          # three decodes ran padded to the bucket of 4
-    assert r.kv_cache.shape[2] == r.num_blocks + 1         # the scratch block is outside the block manager's pool
+    return [eng.get_request(x).output_token_ids for x in rids]
+
+
+@pytest.mark.parametrize("policy, budget, max_seqs", POLICY_RUNS)
+def test_triton_backend_every_step_through_the_graph_buffers(interpreted, qwen2_refs, policy, budget, max_seqs):
+    """The whole engine on the Triton backend, every step up to the budget through StepGraphs' static
+    buffers and padding (replayed graphs on a GPU, the same region run eagerly on a CPU), larger steps
+    eagerly through the same kernel: greedy tokens equal to transformers and to the torch backend."""
+    folder, prompts, refs = qwen2_refs
+    outs = {}
+    for backend in ("triton", "torch"):
+        eng = LLMEngine(EngineConfig(model=str(folder), device=DEVICE, dtype="float32", attention_backend=backend,
+                                     policy=policy, block_size=16, max_num_batched_tokens=budget,
+                                     max_num_seqs=max_seqs, num_kv_blocks=64))
+        r = eng.runner
+        if backend == "triton":
+            tr = r
+            assert eng.stats()["attention_backend"] == "triton-unified"
+            if not CUDA:   # on a GPU the engine captured real graphs at start-up
+                r.graphs = r.make_graphs(budget, max_seqs, capture=False)
+            used, eager = [], []
+            run, upload = r.graphs.run, r.upload
+            r.graphs.run = lambda step, t: used.append((len(step.input_ids), len(step.query_lens), t)) or run(step, t)
+            r.upload = lambda step: eager.append(len(step.input_ids)) or upload(step)
+        outs[backend] = run_staggered(eng, prompts, 8)
+    assert outs["triton"] == refs and outs["torch"] == refs
+    assert all(t in tr.graphs.sizes and n <= t for n, _, t in used)
+    assert any(n < t for n, _, t in used)                             # some steps ran padded
+    if policy == "chunked":
+        assert any(s > 1 and n > s for n, s, _ in used)               # mixed steps (decodes and a chunk) too
+        assert not eager                                              # every step a graph
+    else:
+        assert eager and min(eager) > budget                          # whole prompts over the budget: eager
+    assert tr.kv_cache.shape[2] == tr.num_blocks + 1                  # the scratch block is outside the pool
 
 
 # ---- the GPU check script, short mode, on CPU ----
