@@ -61,7 +61,8 @@ def create_app(service: EngineService, manage_service: bool = True) -> FastAPI:
     @app.get("/healthz")
     async def healthz():
         ok, reason = service.health()
-        body = {"status": "ok" if ok else "unhealthy", "model": service.model_name, "device": service.device}
+        body = {"status": "ok" if ok else "unhealthy", "model": service.model_name, "device": service.device,
+                "cuda_graphs": service.cuda_graphs}
         return body if ok else JSONResponse({**body, "reason": reason}, status_code=503)
 
     @app.get("/metrics")

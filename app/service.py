@@ -45,6 +45,7 @@ class EngineService:
                                between_steps=self._whatif_slice)
         # ---- filled in by the engine thread when the model is loaded; read-only afterwards ----
         self.model_name = self.device = self.dtype = None
+        self.cuda_graphs: dict | None = None    # buckets, capture seconds and graph memory (None: eager steps)
         self.max_model_len = 0
         self.settings: dict = {}                # replaced whole whenever the policy changes
         self.accepting = False
@@ -186,6 +187,7 @@ class EngineService:
         self.model_name = Path(name).name if Path(name).is_dir() else name   # never show a machine path
         self.device, self.dtype, self.max_model_len = engine.device, engine.config.dtype, engine.max_model_len
         self.settings = engine.settings()
+        self.cuda_graphs = engine.stats().get("cuda_graphs")
         self.metrics.attach(self.loop, self.model_name)      # finds a request on whichever engine runs it
 
     def _whatif_slice(self) -> float | None:

@@ -145,6 +145,7 @@ class LLMEngine:
     def stats(self) -> dict:
         return {**self.settings(), "model": self.model_name, "device": self.device,
                 "dtype": self.config.dtype, "attention_backend": self.runner.backend.name,
+                "cuda_graphs": self.runner.graph_stats(),
                 "max_model_len": self.max_model_len, "kv": KVState.of(self.block_manager).to_dict(),
                 "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "live_requests": len(self.requests), "step": self.step_index,

@@ -194,6 +194,8 @@ def test_triton_backend_every_step_through_the_graph_buffers(interpreted, qwen2_
             assert eng.stats()["attention_backend"] == "triton-unified"
             if not CUDA:   # on a GPU the engine captured real graphs at start-up
                 r.graphs = r.make_graphs(budget, max_seqs, capture=False)
+                assert eng.stats()["cuda_graphs"] == {"token_buckets": token_buckets(budget), "max_seqs": max_seqs,
+                                                      "captured": 0, "capture_seconds": 0.0, "memory_bytes": 0}
             used, eager = [], []
             run, upload = r.graphs.run, r.upload
             r.graphs.run = lambda step, t: used.append((len(step.input_ids), len(step.query_lens), t)) or run(step, t)

@@ -16,7 +16,7 @@ QUESTION = "What is the capital of France?"
 def test_health_and_models(live_server):
     r = live_server.http.get("/healthz")
     assert r.status_code == 200
-    assert r.json() == {"status": "ok", "model": "SmolLM2-135M-Instruct", "device": "cpu"}
+    assert r.json() == {"status": "ok", "model": "SmolLM2-135M-Instruct", "device": "cpu", "cuda_graphs": None}
     models = live_server.openai().models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
 
