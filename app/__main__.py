@@ -17,6 +17,7 @@ import sys
 import uvicorn
 
 from app.config import ServerConfig
+from app.plain_page import gradio_installed, mount_plain
 from app.server import create_app
 from app.service import EngineService
 from engine import EngineConfig
@@ -85,7 +86,8 @@ def parse_args(argv: list[str] | None = None, env: dict | None = None, prog: str
 
 
 def build(args: argparse.Namespace, env: dict | None = None) -> tuple[EngineService, object]:
-    """The service and the app. The Gradio UI mounts here, on the same app, in one line."""
+    """The service and the app. The Gradio UI mounts here, on the same app, in one line; where gradio
+    is not installed, the chart-only page (app/plain_page.py)."""
     env = os.environ if env is None else env
     values = vars(args)
     engine_config = EngineConfig(**{n: values[n] for c, n, _ in FLAGS.values() if c is EngineConfig})
@@ -93,7 +95,12 @@ def build(args: argparse.Namespace, env: dict | None = None) -> tuple[EngineServ
                                  presenter_key=env.get("PRESENTER_KEY") or None)
     service = EngineService(engine_config, server_config)
     app = create_app(service)
-    __import__("app.ui").ui.mount_ui(app, service)   # the teaching UI at /; Gradio loads only here
+    if gradio_installed():
+        __import__("app.ui").ui.mount_ui(app, service)   # the teaching UI at /; Gradio loads only here
+    else:                                              # the chart, controls and API, without chat panels
+        print("batchscope: gradio is not installed: serving the chart and the API without the chat panels",
+              file=sys.stderr, flush=True)
+        mount_plain(app, service)
     return service, app
 
 

@@ -13,16 +13,15 @@ from the engine through the service's in-process API (app/ui_sessions.py).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import html
-from pathlib import Path
 
 import gradio as gr
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from app import ui_scenarios
+from app.assets import SCRIPTS, STATIC, STATIC_URL, head_html, stage_html  # noqa: F401 (SCRIPTS: tests/browser.py)
 from app.rate_limit import client_of
 from app.room import Room
 from app.ui_room import mount_room
@@ -31,10 +30,6 @@ from app.ui_text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, t
 from app.scenarios import SCENARIOS, get_scenario, load_text
 from engine import SamplingParams
 
-STATIC = Path(__file__).resolve().parent.parent / "static"
-SCRIPTS = ["record.js", "i18n.js", "palette.js", "socket.js", "layout.js", "draw.js", "interact.js", "controls.js",
-           "metrics.js", "analysis.js", "kvmap.js", "why.js", "room.js", "main.js", "whatif.js"]
-STATIC_URL = "/static/batchscope"     # Gradio serves its own assets under /static/js, /static/fonts, ...
 MAX_PANELS = len(USERS)
 # (the policies a lesson runs its scenario under, one pass each, in order; the scenario);
 # its texts are ui_text's step{k} and step{k}_btn
@@ -42,22 +37,6 @@ LESSONS = [(("static",), "static-vs-continuous"), (("continuous",), "long-prompt
            (("chunked",), "long-prompt-interrupts"), (("chunked",), "budget-shapes"),
            (("chunked", "disaggregated"), "split-prefill-decode")]
 KEY_JS = "(...a) => [...a.slice(0, -1), (window.sessionStorage && sessionStorage.getItem('batchscope.key')) || '']"
-
-
-def head_html() -> str:
-    """<head> additions: the stylesheet and the chart scripts, versioned so a new deploy is never stale."""
-    def url(name):
-        digest = hashlib.sha1((STATIC / name).read_bytes()).hexdigest()[:10]
-        return f"{STATIC_URL}/{name}?v={digest}"
-    tags = [f'<link rel="stylesheet" href="{url("style.css")}">']
-    tags += [f'<script src="{url(name)}"></script>' for name in SCRIPTS]
-    return "\n".join(tags)
-
-
-def stage_html() -> str:
-    """The lecturer's stage: the engine controls, then the chart and the metrics every role shares."""
-    parts = [(STATIC / name).read_text() for name in ("controls.html", "chart.html", "why.html")]
-    return '<div class="bs-stage" data-testid="stage" data-role="lecturer">\n' + "".join(parts) + "</div>"
 
 
 def panel_head(index: int) -> str:
