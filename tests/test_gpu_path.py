@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.attention import TorchAttention, decode_splits, kernel_supports, select_backend
@@ -74,6 +74,12 @@ def test_step_layout_pads_and_packs_one_buffer():
     assert part["seq_lens"] == [10, 21, 6, 0]
     assert part["block_tables"][:3] == [2, -1, -1] and part["block_tables"][3:5] == [3, 0]
     assert used == 61 + 3 * 3                                                 # through the last real table row
+
+
+@pytest.mark.parametrize("start, end", [(0, 1), (0, 16), (5, 40), (16, 33), (31, 32), (7, 8)])
+def test_token_slots(start, end):
+    table, bs = [9, 3, 7, 1], 16
+    assert token_slots(table, start, end, bs) == [table[p // bs] * bs + p % bs for p in range(start, end)]
 
 
 def test_unified_launch_shapes():
