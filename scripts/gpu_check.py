@@ -56,9 +56,12 @@ QUICK = dict(kv_cache_gb=0.05, models=["tiny"], vocab=1024, equality_prompts=3, 
 
 # ---- building blocks ----
 def build_model(name: str, vocab: int, folder: Path, device: str) -> Path:
-    """A random model of the given shape, saved as safetensors (bf16) with a word-level tokenizer."""
+    """A random model of the given shape, saved as safetensors (bf16) with a synthetic tokenizer: byte-level,
+    no merges, so every byte of text is one token (whatever tokenizer class transformers picks for the
+    architecture), and a chat template that joins the messages' contents. The checks send token ids;
+    the live-server check sends text."""
     import transformers as tf
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     cfg = tf.Qwen2Config(**SHAPES[name], vocab_size=vocab, max_position_embeddings=32768, rope_theta=1e6,
                          rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=None, bos_token_id=None)
     cfg.architectures = ["Qwen2ForCausalLM"]
@@ -70,8 +73,13 @@ def build_model(name: str, vocab: int, folder: Path, device: str) -> Path:
             if p.dim() == 2:
                 p.normal_(0, 1.5 / cfg.hidden_size ** 0.5)
     model.cpu().save_pretrained(folder)
-    vocab_map = {f"t{i}": i for i in range(vocab)}
-    tok = tf.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab_map, unk_token="t0")))
+    vocab_map = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab_map.update({f"<x{i}>": i for i in range(len(vocab_map), vocab)})
+    byte_level = Tokenizer(models.BPE(vocab=vocab_map, merges=[]))
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level.decoder = decoders.ByteLevel()
+    tok = tf.PreTrainedTokenizerFast(tokenizer_object=byte_level)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     tok.save_pretrained(folder)
     del model
     free_memory()
@@ -193,7 +201,11 @@ def hf_baselines(folder: Path, p: dict, device: str, dtype: torch.dtype) -> dict
     try:
         gc_ = GenerationConfig(max_new_tokens=max(n for _, n in work), do_sample=False, eos_token_id=None,
                                pad_token_id=0)
-        with hf.continuous_batching_context_manager(generation_config=gc_, block=True, timeout=10) as manager:
+        kw = {}
+        if device == "cpu":   # it sizes its cache from the machine's free memory: on a CPU, all the RAM's share
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+            kw["continuous_batching_config"] = ContinuousBatchingConfig(max_memory_percent=0.03)
+        with hf.continuous_batching_context_manager(generation_config=gc_, block=True, timeout=10, **kw) as manager:
             sync()
             t = time.perf_counter()
             for i, (ids, n) in enumerate(work):

@@ -241,6 +241,23 @@ def test_gpu_check_quick(tmp_path):
     assert rows["fp32_greedy_prompts_equal"]["pass"] and rows["vs_static_generate"]["value"] > 0
 
 
+@pytest.mark.server
+def test_gpu_live_check_quick(tmp_path):
+    """The live-server check end to end on a CPU: the server, the openai client's streaming chats and the
+    long documents under both policies, the records from /ws/steps, the ratios from app/metrics.py."""
+    out = tmp_path / "live.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_live_check.py"), "--quick", "--device", "cpu",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["healthz"]["status"] == "ok"
+    for policy in ("chunked", "continuous"):
+        r = res[policy]
+        assert not r["errors"] and r["steps"] > 0 and r["chat_tbt_p99_ms"] > 0, r
+    assert res["continuous"]["stall_count"] > 0                  # whole documents stall the chats ...
+    assert res["targets"]["chat_tbt_p99_continuous_over_chunked"] > 1   # ... and chunking shortens the gaps
+
+
 def test_kv_sizing_after_warmup(tmp_path, monkeypatch):
     """The CUDA start-up path on a CPU, with torch.cuda's memory statistics faked: the warm-up runs the
     largest possible step (here a budget over the context length: two prompts) and the cache gets
