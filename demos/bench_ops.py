@@ -75,7 +75,7 @@ def attention(rounds: int, cases=((1, 512), (8, 512), (32, 512), (8, 64), (32, 1
         width = -(-max(ctxs) // BLOCK)
         tables = torch.randperm(num_blocks)[:n * width].view(n, width)     # scattered blocks
         meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), context_lens=torch.tensor(ctxs),
-                                 block_tables=tables, num_decodes=n, decode_blocks=width, decode_ctx=ctxs)
+                                 block_tables=tables, num_decodes=n, decode_ctx=ctxs)
         q = torch.randn(n, HEADS, HEAD_DIM)
         mask = (torch.arange(width * BLOCK)[None] < meta.context_lens[:, None])[:, None, None]
 

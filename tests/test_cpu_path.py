@@ -33,7 +33,7 @@ def test_grouped_decode_matches_attention_token_by_token(data):
     width = max(map(len, tables)) + data.draw(st.integers(0, 2))   # rows padded as the runner pads them
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), context_lens=torch.tensor(ctxs),
                              block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                             num_decodes=len(ctxs), decode_blocks=width, decode_ctx=ctxs)
+                             num_decodes=len(ctxs), decode_ctx=ctxs)
     q = torch.randn(len(ctxs), HEADS, HD, generator=g)
     out = TorchAttention().decode(q, k_cache, v_cache, meta)
     for i, c in enumerate(ctxs):
