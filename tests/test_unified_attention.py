@@ -109,17 +109,17 @@ def test_random_ragged_batches(kernel, seed):
     check(kernel, inputs, real, splits, block_m, c["dtype"])
 
 
-@pytest.mark.parametrize("name, decodes, chunks, block_size, group, dtype, splits", [
+@pytest.mark.parametrize("name, decodes, chunks, block_size, group, dtype, splits, block_m", [
     # few long decodes: the split-K case
-    ("long decodes", [3000, 1, 1500], [], 256, 7, torch.bfloat16, 8),
+    ("long decodes", [3000, 1, 1500], [], 256, 7, torch.bfloat16, 8, 16),
     # a chunk whose prefix (earlier chunks or a prefix-cache hit) is long, beside decodes
-    ("chunk after a long prefix", [2100, 16], [(2000, 24)], 16, 4, torch.float32, 1),
-    ("chunk after a long prefix, split", [], [(1200, 9), (0, 33)], 128, 8, torch.float16, 3),
+    ("chunk after a long prefix", [2100, 16], [(2000, 24)], 16, 4, torch.float32, 1, 64),
+    ("chunk after a long prefix, split", [], [(1200, 9), (0, 33)], 128, 8, torch.float16, 3, 16),
 ])
-def test_long_contexts(kernel, name, decodes, chunks, block_size, group, dtype, splits):
+def test_long_contexts(kernel, name, decodes, chunks, block_size, group, dtype, splits, block_m):
     inputs, real = make_batch(random.Random(name), decodes, chunks, block_size, kv_heads=2, group=group,
                               head_dim=64, dtype=dtype, pad_tokens=5, pad_seqs=2)
-    check(kernel, inputs, real, splits, 16, dtype)
+    check(kernel, inputs, real, splits, block_m, dtype)
 
 
 def test_padding_rows_are_left_alone_and_only_real_rows_written(kernel):
