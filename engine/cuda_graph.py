@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -57,7 +58,9 @@ class StepLayout:
     seqs: int          # its sequences
     width: int         # blocks per table row (the longest context the model allows)
 
+    @cached_property
     def offsets(self) -> dict[str, tuple[int, int]]:
+        """name -> (first entry, entries), in buffer order."""
         t, s = self.tokens, self.seqs
         sizes = [("input_ids", t), ("positions", t), ("slots", t), ("sample_rows", s), ("cu_q", s + 1),
                  ("seq_lens", s), ("block_tables", s * self.width)]
@@ -69,12 +72,12 @@ class StepLayout:
 
     @property
     def size(self) -> int:
-        return self.offsets()["block_tables"][0] + self.seqs * self.width
+        return self.offsets["block_tables"][0] + self.seqs * self.width
 
     def fill(self, host: np.ndarray, step, scratch_slot: int) -> int:
         """Write one step's inputs (StepInputs, unpadded) into host, padding each part to the layout.
         Returns how many leading entries the device needs (through the last real block-table row)."""
-        o = self.offsets()
+        o = self.offsets
 
         def put(name, values, pad):
             at, n = o[name]
@@ -108,7 +111,7 @@ class StepGraphs:
         self.host = torch.zeros(self.layout.size, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.host_np = self.host.numpy()
         self.flat = torch.zeros(self.layout.size, dtype=torch.long, device=dev)
-        self.buf = {name: self.flat[at:at + n] for name, (at, n) in self.layout.offsets().items()}
+        self.buf = {name: self.flat[at:at + n] for name, (at, n) in self.layout.offsets.items()}
         self.buf["block_tables"] = self.buf["block_tables"].view(self.layout.seqs, max_blocks)
         # idle values describe an empty step, so every bucket's warm-up starts from valid inputs
         self.buf["slots"].fill_(scratch_slot)

@@ -54,7 +54,7 @@ def test_step_layout_pads_and_packs_one_buffer():
     values and pads the rest (scratch slot, empty sequences), and the copy stops after its last table."""
     from engine.cuda_graph import StepLayout
     lay = StepLayout(tokens=16, seqs=4, width=3)
-    offs = lay.offsets()
+    offs = lay.offsets
     assert [offs[k][1] for k in ("input_ids", "positions", "slots", "sample_rows", "cu_q", "seq_lens")] == \
         [16, 16, 16, 4, 5, 4]
     assert offs["block_tables"] == (61, 12) and lay.size == 73
