@@ -273,9 +273,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batchscope arena: no policy files (*.py) in {args.rank}", file=sys.stderr)
         return 2
     names = args.workload or (["chat-burst"] if args.rank else list(WORKLOADS))
-    workloads = [get_workload(n, args.scale) for n in names] + ([class_log(args.log)] if args.log else [])
-    budget = workloads[0].token_budget
-    fit = parse_cost(args.cost) if args.cost else calibrate(engine_kwargs, budget, workloads[0].max_num_seqs)
+    workloads = [get_workload(n, args.scale) for n in names]
+    fit = parse_cost(args.cost) if args.cost else calibrate(engine_kwargs, workloads[0].token_budget,
+                                                           workloads[0].max_num_seqs)
+    if args.log:
+        try:
+            workloads.append(class_log(args.log, fit))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"batchscope arena: --log {args.log}: {e}", file=sys.stderr)
+            return 2
     done = {}
     for w in workloads:
         results = [run_one(p, w, fit, args.mode, engine_kwargs) for p in [*mine, *BUILTIN_NAMES]]

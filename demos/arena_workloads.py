@@ -110,9 +110,10 @@ def shared_system_prompt(seed: int = 3, n: int = 24, scale: float = 1.0) -> Work
                     tuple(jobs), num_kv_blocks=256)
 
 
-def class_log(path: str, tau_live: float | None = None) -> Workload:
-    """A saved arrival log: the class's requests at their arrival times (τ of the live machine, from the
-    log's own records when it has them), prompts over 512 tokens in the `document` class."""
+def class_log(path: str, fit_here=None) -> Workload:
+    """A saved arrival log: the class's requests at their arrival times, in τ of the machine that served
+    them (fitted on the log's own records; without any, `fit_here`'s: the log is taken to come from this
+    machine), prompts over 512 tokens in the `document` class."""
     from app.arrival_log import from_saved
     doc = json.loads(Path(path).read_text())
     logged = from_saved(doc)
@@ -120,7 +121,9 @@ def class_log(path: str, tau_live: float | None = None) -> Workload:
         raise ValueError(f"{path}: the arrival log has no finished requests")
     settings = doc.get("settings", {})
     budget = settings.get("max_num_batched_tokens") or 128
-    tau = tau_live or live_tau(doc.get("records", []), budget) or 1.0
+    tau = live_tau(doc.get("records", []), budget) or (tau_of(fit_here, budget) if fit_here else None)
+    if not tau or tau <= 0:
+        raise ValueError(f"{path}: the log's records give no step cost to scale its times by; pass --cost a,b,c")
     t0 = min(a.t for a, _ in logged)
     jobs = tuple(sorted((Job(at=round((a.t - t0) / tau, 3), label=a.label, prompt=a.prompt_token_ids,
                              max_tokens=max(n, 1), slo="document" if len(a.prompt_token_ids) > 512 else "chat")

@@ -166,3 +166,31 @@ def test_the_simulator_takes_the_real_engines_steps(tmp_path):
         assert gap["num_steps"] == 0
         for k in SIM_TOLERANCE:
             assert gap[k] <= SIM_TOLERANCE[k], (policy, k, gap, fit)
+
+
+def test_the_class_log_is_a_workload_on_the_live_machines_clock(tmp_path):
+    """Arrival times of a saved log are read in τ of the machine that served them (from its own records)."""
+    from demos.arena_workloads import class_log
+    from engine.sampling_params import SamplingParams
+    params = SamplingParams(max_tokens=20).__dict__
+    arrivals = [{"req": f"r{i}", "label": name, "t": 10.0 + t, "step": i, "prompt_token_ids": list(range(100, 100 + n)),
+                 "params": params, "output_tokens": 5} for i, (name, t, n) in
+                enumerate((("Ann", 0.0, 30), ("Doc", 0.9, 600), ("Bob", 1.8, 12)))]
+    # the live machine: a step costs 0.05 s + 1 ms per token, so a full step of 64 tokens (τ) is 0.114 s
+    records = [{"type": "step", "step": k, "t_start": 0.0, "t_end": 0.05 + 0.001 * n, "num_tokens": n,
+                "items": [{"req": "x", "kind": "prefill", "tokens": n, "start": 0}]} for k, n in enumerate((1, 8, 30, 64))]
+    records[-1]["items"][0]["start"] = 5                       # context apart from tokens, so the fit has its c term
+    doc = {"type": "arrival_log", "settings": {"max_num_batched_tokens": 64, "max_num_seqs": 4},
+           "arrivals": arrivals, "records": records}
+    (tmp_path / "log.json").write_text(json.dumps(doc))
+    w = class_log(str(tmp_path / "log.json"))
+    assert (w.token_budget, w.max_num_seqs) == (64, 4)
+    tau = tau_of(CostFit("", 0.05, 0.001, 0.0, None, 0, 3), 64)
+    assert [(j.label, j.slo, j.max_tokens) for j in w.jobs] == [("Ann", "chat", 5), ("Doc", "document", 5),
+                                                                 ("Bob", "chat", 5)]
+    assert [j.at for j in w.jobs] == pytest.approx([0.0, 0.9 / tau, 1.8 / tau], abs=2e-3)
+    r = run_one("chunked", w, FIT, "sim", {})
+    assert r["error"] is None and len(r["sim"]["score"]["requests"]) == 3
+    rc = cli(["arena", "engine/policies/chunked.py", "--workload", "chat-burst", "--scale", "0.25", "--cost",
+              "0.01,0.0005,0", "--log", str(tmp_path / "log.json"), "--out", str(tmp_path / "r.html")])
+    assert rc == 0 and set(json.loads((tmp_path / "r.json").read_text())["workloads"]) == {"chat-burst", "class-log"}
