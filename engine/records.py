@@ -167,7 +167,8 @@ class StepRecord(Record):
     t_start: float = doc("when the step began (before scheduling)")
     t_end: float = doc("when its forward pass, sampling and bookkeeping ended: "
                        "`t_end - t_start` = `timing.schedule + timing.items + timing.forward`")
-    policy: str = doc("`static`, `continuous`, `chunked` or `disaggregated`: the policy that built this step")
+    policy: str = doc("`static`, `continuous`, `chunked` or `disaggregated`: the policy that built this step "
+                      "(or the `name` of a policy of one's own, engine/policy.py)")
     token_budget: int = doc("`max_num_batched_tokens` in force for this step")
     max_num_seqs: int = doc("most sequences allowed in one step")
     items: tuple[StepItem, ...] = doc("one entry per sequence in the forward pass, decodes first")
