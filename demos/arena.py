@@ -69,6 +69,7 @@ def load_policy(path: str | Path) -> Policy:
         raise PolicyFileError(f"{path}: `policy` must be an engine.policy.Policy, got {type(obj).__name__}")
     if obj.name == Policy.name:
         obj.name = path.stem
+    obj._arena_file = path.name
     return obj
 
 
@@ -269,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     except PolicyFileError as e:
         print(f"batchscope arena: {e}", file=sys.stderr)
         return 2
+    seen = set(BUILTIN_NAMES)
+    for p in mine:                              # one name per column and per ranking row
+        if p.name in seen:
+            p.name = f"{p.name} ({getattr(p, '_arena_file', 'file')})"
+        seen.add(p.name)
     if args.rank and not mine:
         print(f"batchscope arena: no policy files (*.py) in {args.rank}", file=sys.stderr)
         return 2

@@ -193,4 +193,8 @@ def test_the_class_log_is_a_workload_on_the_live_machines_clock(tmp_path):
     assert r["error"] is None and len(r["sim"]["score"]["requests"]) == 3
     rc = cli(["arena", "engine/policies/chunked.py", "--workload", "chat-burst", "--scale", "0.25", "--cost",
               "0.01,0.0005,0", "--log", str(tmp_path / "log.json"), "--out", str(tmp_path / "r.html")])
-    assert rc == 0 and set(json.loads((tmp_path / "r.json").read_text())["workloads"]) == {"chat-burst", "class-log"}
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert rc == 0 and set(doc["workloads"]) == {"chat-burst", "class-log"}
+    # a file named like a built-in gets a column of its own
+    assert [r["policy"] for r in doc["workloads"]["class-log"]["results"]] == [
+        "chunked (chunked.py)", "static", "continuous", "chunked"]
