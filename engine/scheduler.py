@@ -91,6 +91,7 @@ class Scheduler:
         self.clock = clock                     # the engine's clock: a policy sees `now` and waits by it
         self.cost_fit = None                   # a measured step-cost fit a policy may read (app/analysis.py)
         self.slo_classes: dict[str, str] = {}  # request id -> SLO class, for policies that read it
+        self._admitted: list[Sequence] = []    # admitted while building this step: undone if it is refused
         self.set_policy(policy, max_num_batched_tokens, max_num_seqs, max_prefill_chunk)
 
     def set_policy(self, policy: str | Policy, max_num_batched_tokens: int, max_num_seqs: int,
@@ -130,18 +131,10 @@ class Scheduler:
         """The policy builds the step; a broken rule undoes it and raises PolicyError (nothing leaks)."""
         batch = Batch()
         step = StepView(self, batch, self.num_steps)
-        self._admitted: list[Sequence] = []
+        self._admitted = []
         waiting_before = list(self.waiting)
         try:
-            try:
-                chosen = self.policy_object.schedule(step)
-                for item in chosen or ():
-                    req, n = item
-                    step.run(req, n)
-            except PolicyError:
-                raise
-            except Exception as e:              # a bug in the policy's own code
-                raise self._error("policy_raised", step, None, f"{type(e).__name__}: {e}") from e
+            self._build(step)
         except PolicyError:
             self._undo(batch, waiting_before)
             raise
@@ -174,6 +167,16 @@ class Scheduler:
                 seq.append_token(token, now)
             out.append((seq, token))
         return out
+
+    def _build(self, step: StepView):
+        """The policy's schedule(): its step.run calls, then the (request, tokens) pairs it returns."""
+        try:
+            for req, n in self.policy_object.schedule(step) or ():
+                step.run(req, n)
+        except PolicyError:
+            raise
+        except Exception as e:                  # a bug in the policy's own code
+            raise self._error("policy_raised", step, None, f"{type(e).__name__}: {e}") from e
 
     # ---- the policy's actions, checked ----
     def _run(self, step: StepView, req, n) -> bool:
