@@ -91,4 +91,9 @@ def test_the_leaderboard_ranks_a_report_and_replays_the_winner(report, server):
         chart.wait_for_function(f"BS.store.steps.length === {sum(1 for r in win2['sim']['stream'] if r.get('type') == 'step')}")
         pg.set_input_files("[data-testid=lb-file]", str(report.with_suffix(".html")))
         pg.wait_for_function("document.querySelector('[data-testid=lb-status]').dataset.state === 'error'")
+        pg.goto(server + "/leaderboard?lang=zh")
+        pg.set_input_files("[data-testid=lb-file]", str(report))
+        pg.wait_for_selector("[data-testid=lb-replay]")
+        assert pg.text_content("[data-testid=leaderboard] h2") == "调度竞技场：排行榜"
+        assert pg.text_content("[data-testid=lb-replay]") == "回放第一名"
         assert not errors, errors
