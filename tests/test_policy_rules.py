@@ -177,3 +177,72 @@ def test_the_engine_survives_a_broken_policy(tmp_path):
         engine.step()
     assert all(engine.get_request(r).num_output_tokens == 4 for r in rids)
     assert engine.block_manager.num_used == 0
+
+
+class Chaos(Policy):
+    """Random actions, most of them legal, some not: the checker must refuse the bad ones cleanly."""
+    name = "chaos"
+
+    def __init__(self, rng):
+        self.rng = rng
+
+    def schedule(self, step):
+        rng = self.rng
+        for _ in range(rng.randint(0, 6)):
+            pool = step.running + step.waiting
+            if not pool or rng.random() < 0.03:
+                step.run(rng.choice(["ghost", "r0"]), 1)
+            r = rng.choice(pool)
+            if rng.random() < 0.05 and step.items:
+                step.drop(rng.choice(step.items)[0])
+                continue
+            n = r.remaining if rng.random() < 0.5 else rng.randint(0, r.remaining + 1)
+            if rng.random() < 0.8:       # mostly within the budget and the cache, as a careful policy would be
+                n = max(1, min(n, step.budget_left)) if step.budget_left > 0 else 0
+                if step.blocks_needed(r, r.computed + r.cached + n) > step.free_blocks and not step.is_running(r):
+                    continue
+            if n > 0 or rng.random() < 0.1:
+                step.run(r, n)
+
+    def victim(self, step, needy):
+        return self.rng.choice(step.running + step.waiting[:1])
+
+
+def test_random_policies_are_refused_cleanly_and_nothing_leaks():
+    import random
+    rules = set()
+    for seed in range(300):
+        rng = random.Random(seed)
+        bs = rng.choice([1, 2, 4])
+        sched = Scheduler(BlockManager(rng.randint(6, 24), bs), "chunked", rng.choice([2, 4, 8, 16]),
+                          rng.choice([1, 2, 4]))
+        seqs = []
+        for i in range(rng.randint(2, 6)):
+            s = Sequence(f"r{i}", f"r{i}", [rng.randrange(4) for _ in range(rng.randint(1, 3 * bs + 2))],
+                         SamplingParams(max_tokens=rng.randint(1, 4)), 0.0)
+            seqs.append(s)
+            sched.add(s)
+        sched.set_policy(Chaos(rng), sched.token_budget, sched.max_num_seqs, None)
+        for _ in range(60):
+            if not sched.has_work():
+                break
+            try:
+                batch = sched.schedule()
+            except PolicyError as e:
+                rules.add(e.rule)
+                assert e.rule in RULES and str(e.step) in str(e)
+                check_blocks(sched, seqs)
+                continue
+            assert batch.num_tokens <= sched.token_budget or len(batch.items) == 1
+            assert len(batch.items) <= sched.max_num_seqs
+            for s, n in batch.items:
+                assert len(s.block_table) * bs >= s.num_computed_tokens + n
+            check_blocks(sched, seqs)
+            advance(sched, batch)
+        sched.set_policy("chunked", 16, 8, None)
+        for _ in range(400):
+            if not sched.has_work():
+                break
+            advance(sched, sched.schedule())
+        assert all(s.is_finished for s in seqs) and sched.bm.num_used == 0, f"case {seed}"
+    assert {"unknown_request", "tokens", "budget", "victim", "kv_capacity", "duplicate"} <= rules, rules
