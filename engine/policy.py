@@ -12,14 +12,19 @@ PolicyError that names the rule, the step and the request.
         name = "shortest-first"
 
         def schedule(self, step):
-            for r in step.decodes:                        # every reply under way gets its token
-                step.run(r, 1)
-            for r in sorted(step.waiting, key=lambda r: r.remaining):
-                if step.full or not step.can_admit:
+            for r in step.decodes:                      # every reply under way gets its token first
+                if step.full:
                     break
-                n = min(r.remaining, step.budget_left)
-                if step.blocks_needed(r, r.computed + r.cached + n) <= step.free_blocks:
-                    step.run(r, n)
+                if step.is_running(r):
+                    step.run(r, 1)
+            begun = [r for r in step.running if not r.is_decode and not step.in_step(r)]
+            for r in begun + sorted(step.waiting, key=lambda r: r.remaining):   # prompts begun, then the shortest
+                if step.full:
+                    return
+                if step.is_running(r):
+                    step.run(r, min(r.remaining, step.budget_left))
+                elif step.can_admit and step.blocks_needed(r, r.num_tokens) <= step.free_blocks:
+                    step.run(r, min(r.remaining, step.budget_left))
 
 schedule() may instead return a list of (request, tokens) pairs: the scheduler runs them
 in order, as if schedule() had called step.run on each. Requests are RequestViews or

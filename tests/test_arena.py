@@ -198,3 +198,19 @@ def test_the_class_log_is_a_workload_on_the_live_machines_clock(tmp_path):
     # a file named like a built-in gets a column of its own
     assert [r["policy"] for r in doc["workloads"]["class-log"]["results"]] == [
         "chunked (chunked.py)", "static", "continuous", "chunked"]
+
+
+def test_the_docs_example_policy_runs_every_workload():
+    """docs/arena.md's first example and engine/policy.py's are the same policy, and it works."""
+    import re
+    from pathlib import Path
+    docs = re.search(r"```python\n(.*?)```", Path("docs/arena.md").read_text(), re.S).group(1)
+    ns = {}
+    exec(compile(docs, "docs/arena.md", "exec"), ns)
+    import engine.policy
+    def lines(text):
+        return "\n".join(line.strip() for line in text.splitlines() if line.strip())
+    assert lines(docs.split("\npolicy = ")[0]) in lines(engine.policy.__doc__)
+    for name in WORKLOADS:
+        r = run_one(ns["policy"], get_workload(name, scale=0.25), FIT, "sim", {})
+        assert r["error"] is None, r["error"]
