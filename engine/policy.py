@@ -191,7 +191,8 @@ class StepView:
     @property
     def decodes(self) -> list[RequestView]:
         """Running replies not yet in this step, the one left out longest first (ties: admission order)."""
-        ready = [self._view(s) for s in self._sched.running if s.is_prefill_done and s not in self._batch]
+        inside = self._sched._in_batch
+        ready = [self._view(s) for s in self._sched.running if s.is_prefill_done and id(s) not in inside]
         return sorted(ready, key=lambda r: r.last_scheduled)
 
     @property
@@ -206,11 +207,11 @@ class StepView:
 
     def is_running(self, req) -> bool:
         seq = self._sched._find(req)
-        return seq is not None and seq in self._sched.running
+        return seq is not None and id(seq) in self._sched._running_ids
 
     def in_step(self, req) -> bool:
         seq = self._sched._find(req)
-        return seq is not None and seq in self._batch
+        return seq is not None and id(seq) in self._sched._in_batch
 
     # ---- the budgets ----
     @property
@@ -219,11 +220,11 @@ class StepView:
 
     @property
     def num_tokens(self) -> int:
-        return self._batch.num_tokens
+        return self._sched._batch_tokens
 
     @property
     def budget_left(self) -> int:
-        return self._sched.token_budget - self._batch.num_tokens
+        return self._sched.token_budget - self._sched._batch_tokens
 
     @property
     def max_num_seqs(self) -> int:

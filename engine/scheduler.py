@@ -91,7 +91,13 @@ class Scheduler:
         self.clock = clock                     # the engine's clock: a policy sees `now` and waits by it
         self.cost_fit = None                   # a measured step-cost fit a policy may read (app/analysis.py)
         self.slo_classes: dict[str, str] = {}  # request id -> SLO class, for policies that read it
-        self._admitted: list[Sequence] = []    # admitted while building this step: undone if it is refused
+        # while a step is built: who is where, by id(seq), so each check is O(1) (the lists stay the truth)
+        self._admitted: list[Sequence] = []    # admitted in this step: undone if it is refused
+        self._running_ids: set[int] = set()
+        self._waiting_ids: set[int] = set()
+        self._by_id: dict[str, Sequence] = {}
+        self._in_batch: set[int] = set()
+        self._batch_tokens = 0
         self.set_policy(policy, max_num_batched_tokens, max_num_seqs, max_prefill_chunk)
 
     def set_policy(self, policy: str | Policy, max_num_batched_tokens: int, max_num_seqs: int,
@@ -130,8 +136,10 @@ class Scheduler:
     def schedule(self) -> Batch:
         """The policy builds the step; a broken rule undoes it and raises PolicyError (nothing leaks)."""
         batch = Batch()
+        self._admitted, self._in_batch, self._batch_tokens = [], set(), 0
+        self._running_ids, self._waiting_ids = {id(s) for s in self.running}, {id(s) for s in self.waiting}
+        self._by_id = {s.id: s for s in (*self.running, *self.waiting)}
         step = StepView(self, batch, self.num_steps)
-        self._admitted = []
         waiting_before = list(self.waiting)
         try:
             self._build(step)
@@ -185,9 +193,9 @@ class Scheduler:
         if seq is None:
             raise self._error("unknown_request", step, req_id(req), "it is not waiting or running "
                               "(finished, aborted, or never added)")
-        if seq in batch:
+        if id(seq) in self._in_batch:
             raise self._error("duplicate", step, seq.id, "it is already in this step")
-        waiting = seq not in self.running
+        waiting = id(seq) not in self._running_ids
         if waiting and batch.preempted:
             return False                        # a step that preempted admits nobody new
         hit = self.bm.cached_prefix_tokens(seq) if waiting else 0
@@ -196,8 +204,8 @@ class Scheduler:
             if seq.num_output_tokens and left == 1:
                 raise self._error("decode_one_token", step, seq.id, f"it is decoding, asked for {n!r} tokens")
             raise self._error("tokens", step, seq.id, f"asked for {n!r} tokens; it has {left} left to compute")
-        if batch.items and batch.num_tokens + n > self.token_budget:
-            raise self._error("budget", step, seq.id, f"{n} more tokens would make {batch.num_tokens + n}, "
+        if batch.items and self._batch_tokens + n > self.token_budget:
+            raise self._error("budget", step, seq.id, f"{n} more tokens would make {self._batch_tokens + n}, "
                               f"over the budget of {self.token_budget}")
         if len(batch.items) >= self.max_num_seqs:
             raise self._error("max_num_seqs", step, seq.id, f"the step already holds {len(batch.items)} "
@@ -206,8 +214,19 @@ class Scheduler:
             return self._admit(step, seq, n)
         if not self._reserve(step, seq, n):
             return False
-        batch.items.append((seq, n))
+        self._place(batch, seq, n)
         return True
+
+    def _place(self, batch: Batch, seq: Sequence, n: int):
+        batch.items.append((seq, n))
+        self._in_batch.add(id(seq))
+        self._batch_tokens += n
+
+    def _unplace(self, batch: Batch, seq: Sequence):
+        if id(seq) in self._in_batch:
+            self._batch_tokens -= next(n for s, n in batch.items if s is seq)
+            self._in_batch.discard(id(seq))
+            batch.remove(seq)
 
     def _admit(self, step: StepView, seq: Sequence, n: int) -> bool:
         if len(self.running) >= self.max_num_seqs:
@@ -220,17 +239,19 @@ class Scheduler:
             raise self._error("kv_capacity", step, seq.id, f"admitting it with {n} tokens needs {need} "
                               f"more blocks, {self.bm.num_free} are free")
         self.waiting.remove(seq)
+        self._waiting_ids.discard(id(seq))
         seq.status = Status.RUNNING
         self.running.append(seq)
+        self._running_ids.add(id(seq))
         self._admitted.append(seq)
-        step._batch.items.append((seq, n))
+        self._place(step._batch, seq, n)
         return True
 
     def _drop(self, step: StepView, req):
         seq = self._check_open(step, req)
-        if seq is None or seq not in step._batch:
+        if seq is None or id(seq) not in self._in_batch:
             raise self._error("not_in_step", step, req_id(req), "drop() of a request this step does not hold")
-        step._batch.remove(seq)
+        self._unplace(step._batch, seq)
 
     def _reserve(self, step: StepView, seq: Sequence, n: int) -> bool:
         """Blocks for n more tokens of a running seq; while the cache is full, the policy's victim is
@@ -238,7 +259,7 @@ class Scheduler:
         while not self.bm.allocate(seq, seq.num_computed_tokens + n):
             choice = self.policy_object.victim(step, step._view(seq))
             victim = self._find(choice)
-            if victim is None or victim not in self.running:
+            if victim is None or id(victim) not in self._running_ids:
                 raise self._error("victim", step, seq.id, f"victim() chose {req_id(choice)!r}, "
                                   "which is not running")
             self._preempt(victim, step._batch)
@@ -249,22 +270,21 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: Batch):
         """Recompute preemption: drop its KV and its place in this step; it goes back to the head of the queue."""
         self.running.remove(seq)
-        batch.remove(seq)
+        self._running_ids.discard(id(seq))
+        self._unplace(batch, seq)
         self.bm.free(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+        self._waiting_ids.add(id(seq))
         batch.preempted.append(seq)
 
     # ---- bookkeeping ----
     def _find(self, req, must: bool = False) -> Sequence | None:
-        """The waiting or running sequence a RequestView or id names."""
-        if isinstance(req, RequestView):
-            seq = req._seq
-            found = seq if (seq in self.running or seq in self.waiting) else None
-        else:
-            found = next((s for s in (*self.running, *self.waiting) if s.id == req), None)
+        """The waiting or running sequence (of the step being built) a RequestView or id names."""
+        seq = req._seq if isinstance(req, RequestView) else self._by_id.get(req) if isinstance(req, str) else None
+        found = seq if seq is not None and (id(seq) in self._running_ids or id(seq) in self._waiting_ids) else None
         if found is None and must:
             raise KeyError(f"no waiting or running request {req_id(req)!r}")
         return found
@@ -295,13 +315,13 @@ class Scheduler:
         prefills = [(s, n) for s, n in batch.items if not s.is_prefill_done]
         by, by_n = max(prefills, key=lambda item: item[1]) if prefills else (None, None)
         for s in self.running:
-            if not s.is_prefill_done or s in batch:
+            if not s.is_prefill_done or id(s) in self._in_batch:
                 continue
             if prefills:
                 batch.left_out[s.id] = (self.policy_object.prefill_cause, by.id, by_n)
             elif len(batch.items) >= self.max_num_seqs:
                 batch.left_out[s.id] = ("no_slot", None, None)
-            elif batch.num_tokens >= self.token_budget:
+            elif self._batch_tokens >= self.token_budget:
                 batch.left_out[s.id] = ("budget", None, None)
             else:
                 batch.left_out[s.id] = ("policy", None, None)
