@@ -94,12 +94,13 @@ def calibrate(engine_kwargs: dict, budget: int, max_num_seqs: int) -> CostFit:
 
 
 def physical_fit(points, device: str) -> CostFit:
-    """app/analysis.py's fit, with no negative cost: a term that comes out negative (noise on a busy
-    machine) is dropped, context first, then tokens."""
+    """app/analysis.py's fit, with no negative cost (no step ever predicted below zero): when a
+    coefficient comes out negative (noise on a busy machine) the context term is dropped, then the
+    tokens term (a: the mean step)."""
     fit = fit_cost(points, device)
-    if fit.c < 0 or fit.b < 0:
+    if min(fit.a, fit.b, fit.c) < 0:
         fit = fit_cost([p._replace(context=0) for p in points], device)          # a + b*tokens
-    if fit.b < 0:
+    if min(fit.a, fit.b) < 0:
         fit = fit_cost([p._replace(context=0, tokens=0) for p in points], device)  # a: the mean step
     return fit
 
