@@ -3,6 +3,7 @@
     batchscope serve --port 8000 --step-delay 0.5
     batchscope compare --scenario long-prompt-interrupts --out out/report.html
     batchscope bench --help
+    batchscope arena my_policy.py --workload long-documents     # a scheduling policy of one's own, scored
 """
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ COMMANDS = {
     "serve": ("app.__main__", "the app: UI, OpenAI API and step stream on one port (flags of `python -m app`)"),
     "compare": ("demos.compare", "run a classroom scenario under several policies; write the HTML report"),
     "bench": ("demos.bench", "benchmark the engine against transformers generate"),
+    "arena": ("demos.arena", "score a scheduling policy file against the built-in ones (docs/arena.md)"),
 }
 
 
 def usage() -> str:
-    lines = ["usage: batchscope {serve,compare,bench} [flags]   (batchscope COMMAND --help for its flags)", ""]
+    lines = ["usage: batchscope {serve,compare,bench,arena} [flags]   (batchscope COMMAND --help for its flags)", ""]
     lines += [f"  {name:<8} {text}" for name, (_, text) in COMMANDS.items()]
     return "\n".join(lines)
 

@@ -33,6 +33,12 @@ trace and a GPU run give the same numbers.
   output tokens/s   all output tokens / (last token time - first arrival).
   budget fill  step num_tokens / token_budget (above 1 when a whole prompt
                longer than the budget runs in one step).
+  goodput      DistServe's: the share of requests that met both their SLOs, a TTFT
+               limit and a time-between-tokens limit (their longest TBT, so one
+               freeze fails the request). `slo_attainment` takes each request's two
+               limits in seconds and, optionally, the times they were due to arrive
+               (a request due mid-step is taken in after the step; its TTFT counts
+               from when it was due). A request that never produced a token misses.
   KV transfer  disaggregated: a request's KV handed from the prefill worker to
                the decode worker (its `kv_transfer` event): seconds from the
                export's start to the import's end, and bytes. A stretch's
@@ -307,3 +313,27 @@ def _stretch(run: list[dict], arr: dict[str, float], toks: dict[str, list[Token]
         **transfer_summary([e for e in moved if run[0]["t_start"] <= e["t"] <= run[-1]["t_end"]
                             and (after is None or e["t"] > after)]),
     }
+
+
+# ---- SLOs: goodput ----
+def slo_attainment(stream: Iterable[dict], slos: dict[str, tuple[float, float]],
+                   due: dict[str, float] | None = None) -> dict[str, dict]:
+    """req -> {ttft_s, longest_tbt_s, ttft_ok, tbt_ok, ok} for each request of `slos` (req -> (TTFT limit,
+    TBT limit) in seconds); TTFT from `due` where given, else from the arrived event."""
+    stream = list(stream)
+    arr, toks = arrivals(stream), tokens(stream)
+    out = {}
+    for req, (ttft_limit, tbt_limit) in slos.items():
+        mine, start = toks.get(req, []), (due or {}).get(req, arr.get(req))
+        ttft = mine[0].t - start if mine and start is not None else None
+        longest = max((tk.gap for tk in mine if tk.gap is not None), default=0.0) if mine else None
+        ttft_ok = ttft is not None and ttft <= ttft_limit
+        tbt_ok = longest is not None and longest <= tbt_limit
+        out[req] = {"ttft_s": ttft, "longest_tbt_s": longest, "ttft_ok": ttft_ok, "tbt_ok": tbt_ok,
+                    "ok": ttft_ok and tbt_ok}
+    return out
+
+
+def goodput(attainment: dict[str, dict]) -> float | None:
+    """The share of requests that met both SLOs (None for no requests)."""
+    return sum(a["ok"] for a in attainment.values()) / len(attainment) if attainment else None

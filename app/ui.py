@@ -24,6 +24,7 @@ from app import ui_scenarios
 from app.assets import SCRIPTS, STATIC, STATIC_URL, head_html, stage_html  # noqa: F401 (SCRIPTS: tests/browser.py)
 from app.rate_limit import client_of
 from app.room import Room
+from app.leaderboard import mount_leaderboard
 from app.ui_room import mount_room
 from app.ui_sessions import Session, Sessions, Turn, check_message, drive, fresh, stream_all
 from app.ui_text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, t
@@ -353,6 +354,7 @@ def mount_ui(app: FastAPI, service, path: str = "/", **options) -> FastAPI:
     app.mount(STATIC_URL, StaticFiles(directory=STATIC), name="batchscope-static")
     app.state.room = Room(reserved=[name for name, _ in USERS])
     mount_room(app, service, app.state.room, head_html(), max_tokens=options.get("max_tokens", 128))
+    mount_leaderboard(app, head_html(), STATIC_URL)
     blocks = build_ui(service, **options)
     return gr.mount_gradio_app(app, blocks, path=path, head=head_html(), theme=gr.themes.Default(),
                                footer_links=[], ssr_mode=False)

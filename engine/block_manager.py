@@ -110,17 +110,15 @@ class BlockManager:
         seq.block_hashes = []
 
     # ---- prefix cache ----
-    def match_prefix(self, seq: Sequence) -> int:
-        """At admission: reuse cached blocks that hold seq's leading tokens.
+    def _prefix_hits(self, seq: Sequence) -> list[tuple[int, int]]:
+        """(block id, hash) of the cached blocks holding seq's leading tokens, in order; nothing is taken.
 
         At least one token is left to compute, since its logits give the next token.
-        Returns the number of tokens served from the cache.
         """
-        assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
-            return 0
+            return []
         tokens, bs = seq.all_token_ids, self.block_size
-        prev, parent = None, None
+        prev, parent, hits = None, None, []
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = self._hash(prev, chunk)
@@ -130,14 +128,27 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.token_ids != chunk or block.parent != parent:
                 break                                     # a hash collision, not our prefix
+            hits.append((block_id, h))
+            prev, parent = h, (block_id, block.gen)
+        return hits
+
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens of a waiting seq the prefix cache would serve if it were admitted now (a policy's peek)."""
+        return len(self._prefix_hits(seq)) * self.block_size
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """At admission: reuse cached blocks that hold seq's leading tokens.
+        Returns the number of tokens served from the cache."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        for block_id, h in self._prefix_hits(seq):
+            block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_ids[block_id]
             block.ref_count += 1
             self._note("share", block_id, seq)
             seq.block_table.append(block_id)
             seq.block_hashes.append(h)
-            prev, parent = h, (block_id, block.gen)
-        hit = len(seq.block_table) * bs
+        hit = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens = hit
         self.num_hit_tokens += hit
         return hit

@@ -60,7 +60,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.block_manager.log = []            # block changes, sent with each step record (the KV map)
         self.scheduler = Scheduler(self.block_manager, config.policy, config.max_num_batched_tokens,
-                                   config.max_num_seqs, config.max_prefill_chunk)
+                                   config.max_num_seqs, config.max_prefill_chunk, clock=lambda: self.clock())
         # ---- requests, records, counters ----
         self.requests: dict[str, Sequence] = {}              # live
         self.done: OrderedDict[str, Sequence] = OrderedDict()  # finished or aborted, newest last

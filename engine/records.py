@@ -113,7 +113,7 @@ def kv_map(bm: BlockManager, seqs: Iterable[Sequence]) -> tuple[KVBlock, ...]:
                  for b in bm.blocks if b.id in holders or b.hash is not None)
 
 
-STALL_CAUSES = ("prefill", "static_batch", "budget", "no_slot")
+STALL_CAUSES = ("prefill", "static_batch", "budget", "no_slot", "policy")
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,8 @@ class StallCause(Record):
     req: str = doc("the running request left out of the step (one of the step's `stalled`)")
     cause: str = doc("why the scheduler left it out: `prefill` (continuous: a whole prompt ran first), "
                      "`static_batch` (static: the batch's members were still prefilling), "
-                     "`budget` (the token budget was spent) or `no_slot` (`max_num_seqs` reached)")
+                     "`budget` (the token budget was spent), `no_slot` (`max_num_seqs` reached) or `policy` "
+                     "(a policy of one's own left it out with room to spare, engine/policy.py)")
     by: str | None = doc("prefill and static_batch: the request whose prompt took the step (its largest chunk)",
                          optional=True)
     by_tokens: int | None = doc("prefill and static_batch: that request's tokens in the step", optional=True)
@@ -166,7 +167,8 @@ class StepRecord(Record):
     t_start: float = doc("when the step began (before scheduling)")
     t_end: float = doc("when its forward pass, sampling and bookkeeping ended: "
                        "`t_end - t_start` = `timing.schedule + timing.items + timing.forward`")
-    policy: str = doc("`static`, `continuous`, `chunked` or `disaggregated`: the policy that built this step")
+    policy: str = doc("`static`, `continuous`, `chunked` or `disaggregated`: the policy that built this step "
+                      "(or the `name` of a policy of one's own, engine/policy.py)")
     token_budget: int = doc("`max_num_batched_tokens` in force for this step")
     max_num_seqs: int = doc("most sequences allowed in one step")
     items: tuple[StepItem, ...] = doc("one entry per sequence in the forward pass, decodes first")

@@ -40,7 +40,7 @@
       "stalls.caption": "Every step that ran while a reply waited, charged to its cause; on the chart a line joins each stall to the prompt that took its place.",
       "cause.prefill": "prefill of another prompt", "cause.static_batch": "static batch still prefilling",
       "cause.budget": "token budget spent", "cause.no_slot": "no sequence slot", "cause.preempted": "preempted (KV full)",
-      "cause.unknown": "not recorded",
+      "cause.policy": "left out by the policy", "cause.unknown": "not recorded",
       "why.by": "prefill of {by} ({n} tokens)",
     },
     zh: {
@@ -66,7 +66,7 @@
       "stalls.caption": "回复等待期间运行的每一步都记到其原因上；图中一条线把每个停顿连到占用它位置的提示。",
       "cause.prefill": "其他提示的预填充", "cause.static_batch": "静态批仍在预填充",
       "cause.budget": "词元预算用完", "cause.no_slot": "没有序列槽位", "cause.preempted": "被抢占（KV已满）",
-      "cause.unknown": "未记录",
+      "cause.policy": "被策略排除", "cause.unknown": "未记录",
       "why.by": "{by} 的预填充（{n} 个词元）",
     },
   });
