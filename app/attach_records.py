@@ -33,7 +33,7 @@ def read_hello(host: str, port: int, timeout: float) -> tuple[socket.socket, dic
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as e:
         raise RecordsUnavailable(f"no vLLM recording scheduler publishes records at {where} ({e.strerror or e}). "
-                                 f"Start vLLM with --scheduler-cls integrations.vllm.RecordingAsyncScheduler "
+                                 f"Start vLLM with --scheduler-cls integrations.vllm.RecordingScheduler "
                                  f"(docs/vllm.md), or name its record port with --attach-records") from None
     try:
         line = sock.makefile("rb").readline(1 << 16)

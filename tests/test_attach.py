@@ -163,7 +163,7 @@ def test_unreachable_vllm_and_missing_recorder_are_named():
     vllm = Thread(uvicorn.Config(fake_vllm(sent), host="127.0.0.1", port=vport, log_level="warning"))
     vllm.run_in_thread()
     try:
-        with pytest.raises(ConnectionError, match="--scheduler-cls integrations.vllm.RecordingAsyncScheduler"):
+        with pytest.raises(ConnectionError, match="--scheduler-cls integrations.vllm.RecordingScheduler"):
             AttachedService(AttachConfig(f"http://127.0.0.1:{vport}", f"127.0.0.1:{dead}", timeout_s=2)).start()
     finally:
         vllm.should_exit = True

@@ -12,7 +12,9 @@ from the main suite); skipped elsewhere.
 from __future__ import annotations
 
 import functools
+import json
 import random
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -42,9 +44,14 @@ NAMES = ["Alice", "Bob", "Chen", "Dara", "Doc"]
 
 
 def model_folder() -> str:
-    """A config.json is all a model-free scheduler reads (no weights, no tokenizer)."""
-    from tests.helpers import default_model_folder
-    return str(default_model_folder())
+    """A config.json is all a model-free scheduler reads (no weights, no tokenizer): a small Llama's."""
+    folder = Path(tempfile.mkdtemp(prefix="vllm-config-"))
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32000,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "torch_dtype": "float32"}))
+    return str(folder)
 
 
 @functools.cache
@@ -72,9 +79,9 @@ def make_scheduler(vc, *, chunked: bool, budget: int, seqs: int, blocks: int, th
     sc.long_prefill_token_threshold, sc.async_scheduling = threshold, asynchronous
     vc.cache_config.num_gpu_blocks = blocks
     kv = kv_cache(blocks)
-    cls = RecordingAsyncScheduler if asynchronous else RecordingScheduler
-    sched = cls(vllm_config=vc, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(vc),
-                block_size=BLOCK, log_stats=True)
+    sched = RecordingScheduler(vllm_config=vc, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(vc),
+                               block_size=BLOCK, log_stats=True)
+    assert isinstance(sched, RecordingAsyncScheduler) == asynchronous, "the one class name picks vLLM's base"
     got: list[dict] = []
     sched.recording.listeners.subscribe(got.append)
     return sched, got
@@ -263,12 +270,11 @@ def test_labels_are_the_ids_clients_sent():
     assert len(label_of("chatcmpl-" + "x" * 80 + "-0123abcd")) == 32
 
 
-def test_the_wrong_class_for_the_async_setting_is_refused(monkeypatch):
+def test_the_async_class_named_with_async_scheduling_off_is_refused(monkeypatch):
     vllm_config = shared_config()
-    """vLLM runs a custom scheduler class whatever its async setting: the recorder names the right class."""
     monkeypatch.setenv("BATCHSCOPE_RECORDS_PORT", "off")
-    vllm_config.scheduler_config.async_scheduling = True
+    vllm_config.scheduler_config.async_scheduling = False
     vllm_config.cache_config.num_gpu_blocks = 100
-    with pytest.raises(ValueError, match="RecordingAsyncScheduler"):
-        RecordingScheduler(vllm_config=vllm_config, kv_cache_config=kv_cache(100),
-                           structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK)
+    with pytest.raises(ValueError, match="integrations.vllm.RecordingScheduler"):
+        RecordingAsyncScheduler(vllm_config=vllm_config, kv_cache_config=kv_cache(100),
+                                structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK)

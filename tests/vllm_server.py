@@ -60,7 +60,7 @@ def start(model: Path, port: int, records_port: int, log: Path, *extra: str) -> 
     cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", "4096",
            "--host", "127.0.0.1", "--port", str(port),
-           "--scheduler-cls", "integrations.vllm.RecordingAsyncScheduler", *extra]
+           "--scheduler-cls", "integrations.vllm.RecordingScheduler", *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 

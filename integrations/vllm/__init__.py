@@ -1,7 +1,7 @@
 """batchscope's recorder for vLLM (v1 engine): a scheduler subclass that publishes every step as a
 StepRecord, for `batchscope serve --attach` (docs/vllm.md).
 
-    vllm serve MODEL --scheduler-cls integrations.vllm.RecordingAsyncScheduler
+    vllm serve MODEL --scheduler-cls integrations.vllm.RecordingScheduler
 
   reading.py    one scheduling step read as records (pure: no vLLM import)
   recorder.py   the hooks around vLLM's scheduler methods, the record's assembly

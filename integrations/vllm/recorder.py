@@ -1,7 +1,6 @@
 """A vLLM v1 scheduler that records each step as a batchscope StepRecord.
 
-    vllm serve MODEL --scheduler-cls integrations.vllm.RecordingAsyncScheduler     # async scheduling (default)
-    vllm serve MODEL --no-async-scheduling --scheduler-cls integrations.vllm.RecordingScheduler
+    vllm serve MODEL --scheduler-cls integrations.vllm.RecordingScheduler      (scheduler.py picks the base)
 
 The subclass calls vLLM's own methods unchanged and only reads around them:
   add_request        -> an `arrived` event
@@ -58,8 +57,9 @@ class Recording:
 
     def hello(self) -> dict:
         cfg = self.sched.vllm_config
+        name = str(cfg.model_config.served_model_name)
         return {"type": "hello", "engine": self.engine, "lane": self.lane or 0, "lanes": self.lanes,
-                "model": cfg.model_config.served_model_name, "max_model_len": cfg.model_config.max_model_len,
+                "model": os.path.basename(name.rstrip("/")),      # never a machine path "max_model_len": cfg.model_config.max_model_len,
                 "device": self.device, "settings": self.settings, "time": time.time()}
 
     def emit(self, record):

@@ -34,22 +34,25 @@ from integrations.vllm.recorder import StepRecorder  # noqa: E402  (after the ve
 
 
 class RecordingScheduler(StepRecorder, Scheduler):
-    """vLLM's scheduler, recording. For `--no-async-scheduling`."""
+    """vLLM's scheduler, recording: the one name for --scheduler-cls. vLLM runs a custom class as it is,
+    whether its async scheduling is on or off, so this one becomes the async variant when it is on
+    (vLLM's default where the executor supports it) and stays the plain one when it is off."""
+
+    def __new__(cls, *args, **kwargs):
+        if cls is RecordingScheduler and _async(args, kwargs):
+            cls = RecordingAsyncScheduler
+        return super().__new__(cls)
+
+
+class RecordingAsyncScheduler(RecordingScheduler, AsyncScheduler):
+    """vLLM's async scheduler, recording (RecordingScheduler picks it when async scheduling is on)."""
 
     def __init__(self, *args, **kwargs):
-        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
-        if vllm_config is not None and vllm_config.scheduler_config.async_scheduling:
-            raise ValueError("async scheduling is on: use --scheduler-cls integrations.vllm.RecordingAsyncScheduler "
-                             "(or start vLLM with --no-async-scheduling)")
-        super().__init__(*args, **kwargs)
-
-
-class RecordingAsyncScheduler(StepRecorder, AsyncScheduler):
-    """vLLM's async scheduler (its default), recording."""
-
-    def __init__(self, *args, **kwargs):
-        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
-        if vllm_config is not None and not vllm_config.scheduler_config.async_scheduling:
+        if not _async(args, kwargs):
             raise ValueError("async scheduling is off: use --scheduler-cls integrations.vllm.RecordingScheduler")
         super().__init__(*args, **kwargs)
 
+
+def _async(args: tuple, kwargs: dict) -> bool:
+    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    return bool(vllm_config is not None and vllm_config.scheduler_config.async_scheduling)
