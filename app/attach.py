@@ -108,7 +108,10 @@ class AttachedService:
 
     # ================= lifecycle =================
     def start(self, timeout: float | None = None):
-        """Reach vLLM and its recorder; raises ConnectionError saying which is missing and what to do."""
+        """Reach vLLM and its recorder; raises ConnectionError saying which is missing and what to do.
+        Once attached, a second call (the app's lifespan after `python -m app` started it) does nothing."""
+        if self.accepting:
+            return
         timeout = timeout or self.attach.timeout_s
         try:
             r = httpx.get(f"{self.attach.base}/v1/models", timeout=timeout, trust_env=False)

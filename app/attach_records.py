@@ -81,7 +81,7 @@ class Lanes:
                 try:
                     sock, _ = read_hello(self.host, self.port + lane, 5.0)
                 except RecordsUnavailable as e:
-                    self.errors[lane] = str(e)
+                    self.errors[lane] = f"vLLM engine {lane}: {e}"
                     self._stop.wait(RETRY_S)
                     continue
             self.errors.pop(lane, None)

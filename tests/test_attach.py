@@ -110,6 +110,8 @@ def test_records_from_vllm_reach_the_trace_renumbered_and_on_the_apps_clock(atta
         assert time.monotonic() < deadline, "the records did not arrive"
         time.sleep(0.05)
     assert [(r["step"], r["lane_step"]) for r in steps] == [(0, 500), (1, 501)]
+    service.start()                             # as the app's lifespan does after `python -m app` started it
+    assert pub.num_readers == 1, "attached once: every record read once"
     assert 0 <= steps[0]["t_start"] < 60, "seconds since the app attached"
     trace = http.get("/api/trace").json()
     assert trace["engine"] == "vllm 0.32.0" and trace["settings"]["max_num_batched_tokens"] == 64
@@ -175,3 +177,49 @@ def test_serve_with_attach_exits_with_the_reason(capsys):
     from app.__main__ import main
     assert main(["--attach", f"http://127.0.0.1:{free_port()}", "--port", "0"]) == 1
     assert "vLLM does not answer" in capsys.readouterr().err
+
+
+def test_data_parallel_engines_become_one_stream_with_lanes():
+    """Two engines' recorders (ports P and P+1): the app learns of the second from the first's hello,
+    reads both, numbers their steps as one stream and keeps each step's engine in `lane`."""
+    hello = lambda lane: {"type": "hello", "engine": "vllm 0.32.0", "lane": lane, "lanes": 2,
+                          "device": "cpu/float32", "settings": SETTINGS, "time": time.time()}
+    for _ in range(20):                         # two neighbouring free ports
+        first = Publisher("127.0.0.1", 0, hello(0))
+        p = first.port
+        try:
+            pubs = [first, Publisher("127.0.0.1", p + 1, hello(1))]
+            break
+        except OSError:
+            first.close()
+    sent: list[dict] = []
+    vport = free_port()
+    vllm = Thread(uvicorn.Config(fake_vllm(sent), host="127.0.0.1", port=vport, log_level="warning"))
+    vllm.run_in_thread()
+    service = AttachedService(AttachConfig(f"http://127.0.0.1:{vport}", f"127.0.0.1:{p}"), ServerConfig())
+    try:
+        service.start()
+        deadline = time.monotonic() + 10
+        while any(pub.num_readers == 0 for pub in pubs):
+            assert time.monotonic() < deadline, "the app did not connect to both engines"
+            time.sleep(0.05)
+        t = time.time()
+        for lane, pub in enumerate(pubs):
+            pub.publish(step(7, t + lane, [{"req": f"r{lane}", "label": "Alice", "kind": "decode", "tokens": 1,
+                                            "start": 5}]))
+        while len(steps := [r for r in service.ring.last_steps(10)[1] if r["type"] == "step"]) < 2:
+            assert time.monotonic() < deadline, "the records did not arrive"
+            time.sleep(0.05)
+        assert sorted(r["step"] for r in steps) == [0, 1] and {r["lane"] for r in steps} == {0, 1}
+        assert {r["lane_step"] for r in steps} == {7}
+        assert service.health() == (True, "ok")
+        pubs[1].close()                         # one engine's stream drops: health names it
+        while service.health()[0]:
+            assert time.monotonic() < deadline + 10, "a lost lane was not noticed"
+            time.sleep(0.1)
+        assert "engine 1" in service.health()[1] and "engine 0" not in service.health()[1]
+    finally:
+        vllm.should_exit = True
+        service.stop()
+        for pub in pubs:
+            pub.close()

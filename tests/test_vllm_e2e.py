@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -41,14 +42,15 @@ def vllm(tmp_path_factory):
                              "--max-num-seqs", "8")
     try:
         ready = vllm_server.wait_ready(proc, port, log)
+        print(f"vLLM answered after {ready:.0f} s")
         yield f"http://127.0.0.1:{port}", f"127.0.0.1:{records}", ready
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(30)
-        except Exception:
+        except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-        print(f"vLLM: ready after {ready:.0f} s; whole run {time.monotonic() - t0:.0f} s" if "ready" in dir() else "")
+        print(f"vLLM's whole run: {time.monotonic() - t0:.0f} s")
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +97,9 @@ def test_chats_and_a_document_through_the_app_show_vllms_chunks_beside_decodes(a
     assert len(set(replies)) == 1, "greedy replies to one prompt agree"
     records = httpx.get(f"{app_url}/api/trace", params={"last": 2000}, trust_env=False).json()["records"]
     steps = [r for r in records if r["type"] == "step"]
+    assert len({r["step"] for r in steps}) == len(steps) and all(r.get("lane_step") is not None for r in steps)
+    for r in steps:
+        assert len({it["req"] for it in r["items"]}) == len(r["items"]) and r["num_tokens"] <= BUDGET
     by_label = lambda label, kind: [(r["step"], it) for r in steps for it in r["items"]
                                     if it["label"] == label and it["kind"] == kind]
     chunks = by_label("Doc", "prefill")

@@ -27,6 +27,7 @@ from integrations.vllm import reading
 
 log = logging.getLogger("batchscope.vllm")
 DEFAULT_RECORDS_PORT = 8765     # engine with data-parallel rank r listens on this + r
+MAX_PENDING = 16                # steps scheduled and not yet processed (async scheduling keeps 1-2)
 
 
 class Recording:
@@ -39,7 +40,7 @@ class Recording:
         self.labels: dict[str, str] = {}
         self.arrival: dict[str, float] = {}     # live request -> its arrival time
         self.produced: dict[str, int] = {}      # live request -> reply tokens published
-        self.pending: dict[int, tuple] = {}     # id(SchedulerOutput) -> what schedule() read
+        self.pending: dict[int, tuple] = {}     # id(SchedulerOutput) -> (it, what schedule() read)
         cfg = sched.vllm_config
         sc, par = cfg.scheduler_config, cfg.parallel_config
         self.lane = par.data_parallel_index if par.data_parallel_size > 1 else None
@@ -87,14 +88,16 @@ class Recording:
         for rid in preempted:
             self.emit(RequestEvent("preempted", rid, self.labels.get(rid) or reading.label_of(rid), t_sched,
                                    step=self.step))
-        self.pending[id(out)] = (self.step, items, stalled, causes, preempted, t_start, t_sched, time.time())
+        self.pending[id(out)] = (out, (self.step, items, stalled, causes, preempted, t_start, t_sched, time.time()))
         self.step += 1
+        while len(self.pending) > MAX_PENDING:          # outputs vLLM never processed (an empty step at shutdown)
+            del self.pending[next(iter(self.pending))]
 
     def updated(self, out: Any, outputs: dict):
-        read = self.pending.pop(id(out), None)
-        if read is None:
+        entry = self.pending.pop(id(out), None)
+        if entry is None or entry[0] is not out:         # id() of an output long gone, reused
             return
-        step, items, stalled, causes, preempted, t_start, t_sched, t_items = read
+        step, items, stalled, causes, preempted, t_start, t_sched, t_items = entry[1]
         t_end = time.time()
         finished = []
         for eco in outputs.values():

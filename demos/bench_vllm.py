@@ -1,0 +1,94 @@
+"""What the recording scheduler costs vLLM: output tokens/s of one workload with vLLM's own scheduler
+and with integrations.vllm.RecordingScheduler (its records read by a client, as attach mode does).
+
+Runs in the vLLM environment (scripts/install_vllm.sh), from the repository root:
+    .venv-vllm/bin/python -m demos.bench_vllm --model FOLDER [--requests 16 --prompt 256 --output 64]
+
+Each side runs in its own process (vLLM's scheduler class is fixed when its engine starts), one after
+the other, with the same prompts (fixed lengths, ignore_eos: every request gives exactly --output tokens).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def one(args) -> dict:
+    """One side, in this process: load, warm up, time the workload."""
+    from vllm import LLM, SamplingParams
+    kwargs = {"scheduler_cls": "integrations.vllm.RecordingScheduler"} if args.recorder else {}
+    llm = LLM(model=args.model, dtype="float32", max_model_len=2048, max_num_batched_tokens=args.budget,
+              max_num_seqs=args.requests, seed=0, **kwargs)
+    lines = {"records": 0}
+    if args.recorder:
+        threading.Thread(target=read_records, args=(int(os.environ["BATCHSCOPE_RECORDS_PORT"]), lines),
+                         daemon=True).start()
+    sp = SamplingParams(max_tokens=args.output, ignore_eos=True, temperature=0)
+    prompts = [{"prompt_token_ids": [(i * 7919 + j) % 30000 + 10 for j in range(args.prompt)]}
+               for i in range(args.requests)]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)      # warm up
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    time.sleep(0.5)
+    return {"recorder": args.recorder, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "records_read": lines["records"]}
+
+
+def read_records(port: int, lines: dict):
+    for _ in range(600):
+        try:
+            sock = socket.create_connection(("127.0.0.1", port))
+            break
+        except OSError:
+            time.sleep(0.1)
+    for _ in sock.makefile("rb"):
+        lines["records"] += 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(prog="python -m demos.bench_vllm", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="local model folder vLLM can load")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
+    ap.add_argument("--output", type=int, default=64, help="output tokens per request")
+    ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
+    ap.add_argument("--recorder", action="store_true", help=argparse.SUPPRESS)     # one side, in this process
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        print("RESULT " + json.dumps(one(args)), flush=True)
+        return
+    rows = []
+    for recorder in (False, True):
+        env = {**os.environ, "BATCHSCOPE_RECORDS_PORT": str(free_port()), "PYTHONPATH": os.getcwd()}
+        cmd = [sys.executable, "-m", "demos.bench_vllm", "--one", "--model", args.model, "--requests",
+               str(args.requests), "--prompt", str(args.prompt), "--output", str(args.output), "--budget",
+               str(args.budget)] + (["--recorder"] if recorder else [])
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        result = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+        if run.returncode or not result:
+            sys.exit(f"the {'recording' if recorder else 'plain'} run failed:\n{run.stderr[-3000:]}")
+        rows.append(json.loads(result[0][7:]))
+    plain, rec = rows
+    for r in rows:
+        print(f"{'recording' if r['recorder'] else 'vLLM alone':<11} {r['tokens_per_s']:8.1f} tok/s "
+              f"({r['tokens']} tokens in {r['seconds']:.1f} s; {r['records_read']} records read)")
+    print(f"recording / alone: {rec['tokens_per_s'] / plain['tokens_per_s']:.3f}  (load {os.getloadavg()[0]:.1f})")
+
+
+if __name__ == "__main__":
+    main()
