@@ -2,7 +2,7 @@
 and with integrations.vllm.RecordingScheduler (its records read by a client, as attach mode does).
 
 Runs in the vLLM environment (scripts/install_vllm.sh), from the repository root:
-    .venv-vllm/bin/python -m demos.bench_vllm --model FOLDER [--requests 16 --prompt 256 --output 64]
+    .venv-vllm/bin/python -m demos.bench_vllm --model FOLDER [--requests 8 --prompt 256 --output 64]
 
 Each side runs in its own process (vLLM's scheduler class is fixed when its engine starts), one after
 the other, with the same prompts (fixed lengths, ignore_eos: every request gives exactly --output tokens).
@@ -19,11 +19,16 @@ import threading
 import time
 
 
+# vLLM's CPU build: 2 GiB of KV cache, loopback only, compute on every core (docs/vllm.md); the
+# environment's own values win
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
 def one(args) -> dict:
     """One side, in this process: load, warm up, time the workload."""
     from vllm import LLM, SamplingParams
     kwargs = {"scheduler_cls": "integrations.vllm.RecordingScheduler"} if args.recorder else {}
-    llm = LLM(model=args.model, dtype="float32", max_model_len=2048, max_num_batched_tokens=args.budget,
+    llm = LLM(model=args.model, dtype="float32", max_model_len=4096, max_num_batched_tokens=args.budget,
               max_num_seqs=args.requests, seed=0, **kwargs)
     lines = {"records": 0}
     if args.recorder:
@@ -62,10 +67,10 @@ def free_port() -> int:
 def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(prog="python -m demos.bench_vllm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="local model folder vLLM can load")
-    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=8, help="requests, all at once (also max_num_seqs)")
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
     ap.add_argument("--output", type=int, default=64, help="output tokens per request")
-    ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
+    ap.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens")
     ap.add_argument("--recorder", action="store_true", help=argparse.SUPPRESS)     # one side, in this process
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None):
         return
     rows = []
     for recorder in (False, True):
-        env = {**os.environ, "BATCHSCOPE_RECORDS_PORT": str(free_port()), "PYTHONPATH": os.getcwd()}
+        env = {**CPU_ENV, **os.environ, "BATCHSCOPE_RECORDS_PORT": str(free_port()), "PYTHONPATH": os.getcwd()}
         cmd = [sys.executable, "-m", "demos.bench_vllm", "--one", "--model", args.model, "--requests",
                str(args.requests), "--prompt", str(args.prompt), "--output", str(args.output), "--budget",
                str(args.budget)] + (["--recorder"] if recorder else [])

@@ -38,8 +38,10 @@ def vllm(tmp_path_factory):
     port, records = vllm_server.free_port(), vllm_server.free_port()
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     t0 = time.monotonic()
+    # -O0: no torch.compile, so vLLM answers in about a minute instead of compiling for several (its compile
+    # cache does not reload on this CPU build: every start compiles again)
     proc = vllm_server.start(folder, port, records, log, "--max-num-batched-tokens", str(BUDGET),
-                             "--max-num-seqs", "8")
+                             "--max-num-seqs", "8", "--optimization-level", "0")
     try:
         ready = vllm_server.wait_ready(proc, port, log)
         print(f"vLLM answered after {ready:.0f} s")
@@ -114,6 +116,9 @@ def test_chats_and_a_document_through_the_app_show_vllms_chunks_beside_decodes(a
     from app import metrics
     summary_metrics = metrics.summarize(records)
     assert summary_metrics["output_tokens"] >= 3 * 40
+    # the recorder's own share of vLLM's step loop: reading the step and assembling its record
+    own = sum(r["timing"]["items"] + r["timing"]["record"] for r in steps)
+    print(f"{len(steps)} steps; the recorder's share of their time: {own / sum(r['t_end'] - r['t_start'] for r in steps):.4%}")
     from tests.browser import CHROMIUM, chromium, live_page
     if not CHROMIUM.exists():
         print("Chromium is not installed: the page was not checked")
