@@ -3,6 +3,7 @@ and with integrations.vllm.RecordingScheduler (its records read by a client, as 
 
 Runs in the vLLM environment (scripts/install_vllm.sh), from the repository root:
     .venv-vllm/bin/python -m demos.bench_vllm --model FOLDER [--requests 8 --prompt 256 --output 64]
+    .venv-vllm/bin/python -m demos.bench_vllm --model FOLDER --hooks     # the recorder's cost per step alone
 
 Each side runs in its own process (vLLM's scheduler class is fixed when its engine starts), one after
 the other, with the same prompts (fixed lengths, ignore_eos: every request gives exactly --output tokens).
@@ -29,7 +30,7 @@ def one(args) -> dict:
     from vllm import LLM, SamplingParams
     kwargs = {"scheduler_cls": "integrations.vllm.RecordingScheduler"} if args.recorder else {}
     llm = LLM(model=args.model, dtype="float32", max_model_len=4096, max_num_batched_tokens=args.budget,
-              max_num_seqs=args.requests, seed=0, **kwargs)
+              max_num_seqs=args.requests, seed=0, optimization_level=args.opt, **kwargs)
     lines = {"records": 0}
     if args.recorder:
         threading.Thread(target=read_records, args=(int(os.environ["BATCHSCOPE_RECORDS_PORT"]), lines),
@@ -45,6 +46,63 @@ def one(args) -> dict:
     time.sleep(0.5)
     return {"recorder": args.recorder, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "records_read": lines["records"]}
+
+
+def hook_cost(model: str, steps: int = 3000, rounds: int = 5) -> dict:
+    """Microseconds per step that the recording adds to vLLM's scheduler alone, with no model behind it
+    (the same requests decoding, driven as the engine core drives it: schedule, then update_from_output),
+    plain and recording scheduler taking turns. Compared with a real step's time, it is the recorder's
+    share of vLLM's step loop, free of the machine's drift between two separate server runs."""
+    import torch
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.sampling_params import SamplingParams as SP
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from integrations.vllm import RecordingScheduler
+    os.environ.setdefault("BATCHSCOPE_RECORDS_PORT", "0")    # a real socket, with a reader (below)
+    init_none_hash(sha256)
+    vc = VllmConfig(model_config=ModelConfig(model=model, dtype="float32", skip_tokenizer_init=True, max_model_len=4096),
+                    scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=4096,
+                                                     is_encoder_decoder=False),
+                    cache_config=CacheConfig(block_size=16, enable_prefix_caching=True))
+    vc.cache_config.num_gpu_blocks = 2000
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=2000, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    hasher = get_request_block_hasher(16, sha256)
+
+    def per_step(cls) -> float:
+        sched = cls(vllm_config=vc, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(vc),
+                    block_size=16, log_stats=True)
+        pub = getattr(sched, "publisher", None)
+        if pub is not None:
+            threading.Thread(target=read_records, args=(pub.port, {"records": 0}), daemon=True).start()
+        for i in range(8):
+            sched.add_request(Request(f"chatcmpl-u{i}-0000000{i}", [100 + i] * 200, SP(max_tokens=10**6,
+                                      ignore_eos=True), None, block_hasher=hasher))
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = sched.schedule()
+            ids = list(out.num_scheduled_tokens)
+            sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)},
+                                                            sampled_token_ids=[[5] for _ in ids]))
+        seconds = (time.perf_counter() - t) / steps
+        if pub is not None:
+            pub.close()
+        return seconds
+
+    plain, rec = [], []
+    for _ in range(rounds):
+        plain.append(per_step(Scheduler))
+        rec.append(per_step(RecordingScheduler))
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    return {"plain_us_per_step": med(plain) * 1e6, "recording_us_per_step": med(rec) * 1e6,
+            "added_us_per_step": (med(rec) - med(plain)) * 1e6}
 
 
 def read_records(port: int, lines: dict):
@@ -71,18 +129,26 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
     ap.add_argument("--output", type=int, default=64, help="output tokens per request")
     ap.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens")
+    ap.add_argument("--hooks", action="store_true", help="only the model-free cost of the recording per step")
+    ap.add_argument("--opt", type=int, default=0, help="vLLM's -O level (0: no compile, starts in a minute)")
     ap.add_argument("--recorder", action="store_true", help=argparse.SUPPRESS)     # one side, in this process
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
         print("RESULT " + json.dumps(one(args)), flush=True)
         return
+    if args.hooks:
+        cost = hook_cost(args.model)
+        print(f"scheduler alone {cost['plain_us_per_step']:.0f} us/step, recording {cost['recording_us_per_step']:.0f} "
+              f"us/step: the recorder adds {cost['added_us_per_step']:.0f} us per step (8 decoding requests; "
+              f"load {os.getloadavg()[0]:.1f})")
+        return
     rows = []
     for recorder in (False, True):
         env = {**CPU_ENV, **os.environ, "BATCHSCOPE_RECORDS_PORT": str(free_port()), "PYTHONPATH": os.getcwd()}
         cmd = [sys.executable, "-m", "demos.bench_vllm", "--one", "--model", args.model, "--requests",
                str(args.requests), "--prompt", str(args.prompt), "--output", str(args.output), "--budget",
-               str(args.budget)] + (["--recorder"] if recorder else [])
+               str(args.budget), "--opt", str(args.opt)] + (["--recorder"] if recorder else [])
         run = subprocess.run(cmd, env=env, capture_output=True, text=True)
         result = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
         if run.returncode or not result:

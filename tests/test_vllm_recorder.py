@@ -278,3 +278,12 @@ def test_the_async_class_named_with_async_scheduling_off_is_refused(monkeypatch)
     with pytest.raises(ValueError, match="integrations.vllm.RecordingScheduler"):
         RecordingAsyncScheduler(vllm_config=vllm_config, kv_cache_config=kv_cache(100),
                                 structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK)
+
+
+def test_only_the_tested_vllm_versions_load_the_recorder():
+    from integrations.vllm.scheduler import check_version
+    check_version("0.32.0")
+    check_version("0.32.7+cpu")
+    for untested in ("0.31.2", "0.33.0", "1.0.0", "dev"):
+        with pytest.raises(ImportError, match="tested with vLLM 0.32"):
+            check_version(untested)

@@ -1,10 +1,12 @@
 """The record stream of one vLLM engine: newline-delimited JSON over TCP, never in vLLM's way.
 
-vLLM's step loop only puts each record (a dict) on a bounded queue, without waiting: when the
-queue is full the record is dropped and counted, and the next record that gets through is
-preceded by a `{"type": "gap", "dropped": N}` line, so a slow or stuck reader costs vLLM
-nothing but those records. One sender thread serialises and writes to every connected
-reader; a reader that cannot keep up for `SEND_TIMEOUT_S` is disconnected.
+vLLM's step loop only appends each record (a frozen Record of engine/records.py, or a dict) to a
+bounded deque: no lock, no wake-up of another thread (waking one would make the step loop hand it
+the GIL), no serialising. When the deque is full the record is dropped and counted, and the next
+record that gets through is preceded by a `{"type": "gap", "dropped": N}` line, so a slow or stuck
+reader costs vLLM nothing but those records. One sender thread wakes every POLL_S, serialises what
+piled up and writes it to every connected reader; a reader that cannot keep up for
+`SEND_TIMEOUT_S` is disconnected.
 
 Each reader first gets a `hello` line (what the engine is, its settings in force and its
 data-parallel lane), then every record from the moment it connected.
@@ -15,15 +17,15 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import select
 import socket
 import threading
+from collections import deque
 
 log = logging.getLogger("batchscope.vllm")
 QUEUE_RECORDS = 4096        # records held while the sender is behind (a few seconds of steps)
 SEND_TIMEOUT_S = 2.0
-POLL_S = 0.05
+POLL_S = 0.02           # the sender's wake-up period: records reach readers within it
 
 
 class Publisher:
@@ -32,7 +34,7 @@ class Publisher:
         self.hello = hello
         self.dropped = 0                    # records dropped, in all
         self._unsent_gap = 0                # dropped since the last record that got through
-        self._queue: queue.Queue[dict] = queue.Queue(QUEUE_RECORDS)
+        self._queue: deque = deque()           # appended by vLLM's thread, popped by the sender (both atomic)
         self._server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -49,16 +51,16 @@ class Publisher:
         self._thread.start()
 
     # ---- vLLM's step loop: never blocks ----
-    def publish(self, obj: dict):
-        try:
-            if self._unsent_gap:
-                self._queue.put_nowait({"type": "gap", "dropped": self._unsent_gap,
-                                        "reason": "the recorder's queue was full"})
-                self._unsent_gap = 0
-            self._queue.put_nowait(obj)
-        except queue.Full:
+    def publish(self, obj):
+        """obj: a Record (serialised on the sender thread: records are frozen) or a dict."""
+        if len(self._queue) >= QUEUE_RECORDS:
             self.dropped += 1
             self._unsent_gap += 1
+            return
+        if self._unsent_gap:
+            self._queue.append({"type": "gap", "dropped": self._unsent_gap, "reason": "the recorder's queue was full"})
+            self._unsent_gap = 0
+        self._queue.append(obj)
 
     def close(self):
         self._stop.set()
@@ -71,20 +73,13 @@ class Publisher:
     # ---- the sender thread ----
     def _run(self):
         try:
-            while not self._stop.is_set():
+            while not self._stop.wait(POLL_S):
                 self._accept()
-                try:
-                    obj = self._queue.get(timeout=POLL_S)
-                except queue.Empty:
-                    continue
-                lines = [obj]
-                while len(lines) < 256:                 # what piled up goes out in one write per reader
-                    try:
-                        lines.append(self._queue.get_nowait())
-                    except queue.Empty:
-                        break
-                if self._readers:
-                    self._send("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines).encode())
+                batch = []
+                while self._queue and len(batch) < 512:     # what piled up goes out in one write per reader
+                    batch.append(self._queue.popleft())
+                if batch and self._readers:
+                    self._send("".join(json.dumps(_plain(x), separators=(",", ":")) + "\n" for x in batch).encode())
         finally:
             for s in self._readers:
                 s.close()
@@ -110,3 +105,7 @@ class Publisher:
             except OSError:                             # gone, or too slow for SEND_TIMEOUT_S
                 self._readers.remove(conn)
                 conn.close()
+
+
+def _plain(obj) -> dict:
+    return obj.to_dict() if hasattr(obj, "to_dict") else obj

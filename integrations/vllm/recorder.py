@@ -10,6 +10,7 @@ The subclass calls vLLM's own methods unchanged and only reads around them:
                         the KV cache and queue sizes after it; the record is published
   finish_requests    -> `aborted` events (a client that went away)
 Records go to a Publisher (publisher.py) and to any listener added with `recording.listeners`.
+The step loop only builds the frozen records; turning them into JSON is the publisher thread's work.
 
 Times are wall-clock seconds (time.time()), so the lanes of several engines share one clock;
 the app attached to them rebases them to its own start. With async scheduling vLLM schedules
@@ -35,7 +36,8 @@ class Recording:
 
     def __init__(self, sched: Any, engine: str):
         self.sched, self.engine = sched, engine
-        self.listeners = Listeners()
+        self.listeners = Listeners()            # in-process readers (tests): each gets a dict of its own
+        self.publisher = None                   # the socket (start_publishing): gets the Record itself
         self.step = 0
         self.labels: dict[str, str] = {}
         self.arrival: dict[str, float] = {}     # live request -> its arrival time
@@ -64,7 +66,10 @@ class Recording:
                 "device": self.device, "settings": self.settings, "time": time.time()}
 
     def emit(self, record):
-        self.listeners.emit(record)
+        if self.publisher is not None:
+            self.publisher.publish(record)      # serialised on the publisher's thread, not here
+        if self.listeners:
+            self.listeners.emit(record)
 
     def policy_event(self) -> PolicyEvent:
         s = self.settings
@@ -154,8 +159,7 @@ def start_publishing(rec: Recording):
         return None
     host = os.environ.get("BATCHSCOPE_RECORDS_HOST", "127.0.0.1")
     base = int(port)
-    pub = Publisher(host, base + (rec.lane or 0) if base else 0, rec.hello())
-    rec.listeners.subscribe(pub.publish)
+    pub = rec.publisher = Publisher(host, base + (rec.lane or 0) if base else 0, rec.hello())
     log.info("batchscope: step records of this engine at tcp://%s:%d", pub.host, pub.port)
     return pub
 
