@@ -31,7 +31,6 @@ def vllm_python() -> Path | None:
 
 def vllm_model_folder(source: Path, dest: Path) -> Path:
     """dest: source's files, with the embedding stored under both names (once; reused after)."""
-    import torch
     from safetensors.torch import load_file, save_file
     if (dest / "model.safetensors").exists():
         return dest
@@ -44,7 +43,6 @@ def vllm_model_folder(source: Path, dest: Path) -> Path:
         tensors["model.embed_tokens.weight"] = tensors["lm_head.weight"].clone()
     save_file({k: v.contiguous() for k, v in tensors.items()}, dest / "model.safetensors.tmp", metadata={"format": "pt"})
     os.replace(dest / "model.safetensors.tmp", dest / "model.safetensors")
-    del torch
     return dest
 
 
