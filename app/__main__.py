@@ -80,6 +80,12 @@ def parse_args(argv: list[str] | None = None, env: dict | None = None, prog: str
         p.add_argument(f"--{flag}", dest=name, type=kind, default=default, metavar=flag.split("-")[-1].upper(),
                        choices=POLICIES if flag == "policy" else None,
                        help=f"{text} (env {var}; default {field.default!r})")
+    # attach mode (app/attach.py): the page over a vLLM server's records, no engine of its own
+    p.add_argument("--attach", default=env.get("BATCHSCOPE_ATTACH"), metavar="URL",
+                   help="draw a vLLM server (http://HOST:PORT) that runs batchscope's recording scheduler "
+                        "instead of loading a model (env BATCHSCOPE_ATTACH); docs/vllm.md")
+    p.add_argument("--attach-records", default=env.get("BATCHSCOPE_ATTACH_RECORDS"), metavar="HOST:PORT",
+                   help="where its first engine publishes records (default: the --attach host, port 8765)")
     p.add_argument("--log-level", default=env.get("BATCHSCOPE_LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
@@ -93,7 +99,11 @@ def build(args: argparse.Namespace, env: dict | None = None) -> tuple[EngineServ
     engine_config = EngineConfig(**{n: values[n] for c, n, _ in FLAGS.values() if c is EngineConfig})
     server_config = ServerConfig(**{n: values[n] for c, n, _ in FLAGS.values() if c is ServerConfig},
                                  presenter_key=env.get("PRESENTER_KEY") or None)
-    service = EngineService(engine_config, server_config)
+    if args.attach:
+        from app.attach import AttachConfig, AttachedService
+        service = AttachedService(AttachConfig(args.attach, args.attach_records), server_config)
+    else:
+        service = EngineService(engine_config, server_config)
     app = create_app(service)
     if gradio_installed():
         __import__("app.ui").ui.mount_ui(app, service)   # the teaching UI at /; Gradio loads only here
@@ -132,11 +142,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m app") -> int:
     except ValueError as e:
         print(f"batchscope: {e}", file=sys.stderr)
         return 2
-    print("batchscope: loading the model...", file=sys.stderr, flush=True)
+    print(f"batchscope: attaching to vLLM at {args.attach}..." if args.attach else "batchscope: loading the model...",
+          file=sys.stderr, flush=True)
     try:
         service.start()                 # before listening: the URL is printed only once the model is ready
     except Exception as e:
-        print(f"batchscope: could not load the model: {e}", file=sys.stderr)
+        print(f"batchscope: {e}" if args.attach else f"batchscope: could not load the model: {e}", file=sys.stderr)
         return 1
     cfg = service.config
     # no per-message deflate: compressing every record for every viewer costs more CPU (taken from the

@@ -24,7 +24,7 @@ the records the engine publishes, so it lives with the app that shows them.
                one step (a step ran that gave the request no token), one part per
                such step: its cause and its seconds (that step's wall time). Causes:
                the step's `stall_causes` entry (prefill, static_batch, budget,
-               no_slot, policy), `preempted` from the step that preempted the request until
+               no_slot, kv_full, policy), `preempted` from the step that preempted the request until
                its next token, `unknown` for a stalled request without a recorded
                cause (traces from before causes were recorded).
   cause time   per stretch of settings (app/metrics.py): summed part seconds by
@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 from app.metrics import events, produces_token, setting, steps
 
-CAUSES = ("prefill", "static_batch", "budget", "no_slot", "policy", "preempted", "unknown")
+CAUSES = ("prefill", "static_batch", "budget", "no_slot", "kv_full", "policy", "preempted", "unknown")
 PIVOT_EPS = 1e-9
 
 

@@ -7,6 +7,7 @@
     baselines.py  the transformers baselines bench.py times
     figure.py     python -m demos.figure: a small SVG of TBT around a long prompt, for docs
     trace.py      save / load traces, convert them for Perfetto
+    bench_vllm.py what the vLLM recorder costs vLLM (runs in the vLLM environment, docs/vllm.md)
 
 The scenarios (app/scenarios.py, with their replay) and the metrics (app/metrics.py)
 are shared with the app, which does not import demos/.

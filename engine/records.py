@@ -113,7 +113,7 @@ def kv_map(bm: BlockManager, seqs: Iterable[Sequence]) -> tuple[KVBlock, ...]:
                  for b in bm.blocks if b.id in holders or b.hash is not None)
 
 
-STALL_CAUSES = ("prefill", "static_batch", "budget", "no_slot", "policy")
+STALL_CAUSES = ("prefill", "static_batch", "budget", "no_slot", "kv_full", "policy")
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,8 @@ class StallCause(Record):
     req: str = doc("the running request left out of the step (one of the step's `stalled`)")
     cause: str = doc("why the scheduler left it out: `prefill` (continuous: a whole prompt ran first), "
                      "`static_batch` (static: the batch's members were still prefilling), "
-                     "`budget` (the token budget was spent), `no_slot` (`max_num_seqs` reached) or `policy` "
+                     "`budget` (the token budget was spent), `no_slot` (`max_num_seqs` reached), `kv_full` "
+                     "(vLLM: no KV block was free for its next token, even after preempting) or `policy` "
                      "(a policy of one's own left it out with room to spare, engine/policy.py)")
     by: str | None = doc("prefill and static_batch: the request whose prompt took the step (its largest chunk)",
                          optional=True)
@@ -198,6 +199,9 @@ class StepRecord(Record):
                                   optional=True)
     threads: int | None = doc("`disaggregated` only: torch threads of the worker that ran the step (its share "
                               "of the cores)", optional=True)
+    lane: int | None = doc("a vLLM server with several data-parallel engines only: the engine (its data-parallel "
+                           "rank) that ran the step; each engine schedules its own requests", optional=True)
+    lane_step: int | None = doc("with `lane`: the step's index among its own engine's steps", optional=True)
 
     def to_dict(self) -> dict:
         return {"type": self.type, **super().to_dict()}
@@ -250,6 +254,8 @@ class PolicyEvent(Record):
     max_num_batched_tokens: int = doc("token budget of one step")
     max_num_seqs: int = doc("most sequences in one step")
     max_prefill_chunk: int | None = doc("cap on one request's prefill chunk; null: no cap")
+    engine: str | None = doc("records from another serving engine: its name and version (`vllm 0.32.0`); "
+                             "left out for batchscope's own", optional=True)
 
     def to_dict(self) -> dict:
         return {"type": self.type, **super().to_dict()}

@@ -11,7 +11,7 @@
   const BS = (window.BS = window.BS || {});
   const R = BS.rec;
   const PIVOT_EPS = 1e-9;
-  const CAUSES = ["prefill", "static_batch", "budget", "no_slot", "policy", "preempted", "unknown"];
+  const CAUSES = ["prefill", "static_batch", "budget", "no_slot", "kv_full", "policy", "preempted", "unknown"];
 
   const contextRead = (s) => R.items(s).reduce((a, it) => a + R.start(it) + R.tokens(it), 0);
 

