@@ -6,7 +6,7 @@
   const R = BS.rec;                    // record fields are read through record.js
   const REPLAY_RATE = 8;      // steps per second while replaying
   const view = BS.view;
-  let gantt, bar, tip, dirty = true, lastVersion = -1, replayAcc = 0, lastFrame = 0, sawWorkers = false;
+  let gantt, bar, tip, dirty = true, lastVersion = -1, replayAcc = 0, lastFrame = 0, sawWorkers = false, lastRunningDraw = 0;
 
   // ---- hover ----
   const plotX = (canvas, ev) => (ev.clientX - canvas.getBoundingClientRect().left) / BS.chartScale - BS.draw.LABEL_W;
@@ -137,6 +137,9 @@
     tickReplay(dt);
     const v = BS.store.version;
     if (!sawWorkers && v !== lastVersion) followWorkers();
+    if (view.mode === "live" && BS.store.runningFor() != null && now - lastRunningDraw > 100) {   // the clock ticks
+      lastRunningDraw = now; dirty = true;
+    }
     if ((view.mode === "live" && v !== lastVersion) || dirty) {
       lastVersion = v; dirty = false;
       if (gantt.isConnected) {
