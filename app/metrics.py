@@ -299,7 +299,7 @@ class StretchMeter:
     """stretches(), one record at a time, for a run that never ends (the server keeps one for late
     viewers, app/broadcast.py). Feed step records in step order and request events as they come
     (an arrival before its request's first token). Keeps per stretch only what its numbers need:
-    its TTFTs and TBTs, a few maxima and sums; a closed stretch is summarised once."""
+    its TTFTs and TBTs, a few maxima and sums; a stretch is summarised again only when it has grown."""
 
     def __init__(self):
         self.clock = TokenClock()
@@ -321,7 +321,7 @@ class StretchMeter:
             run.add(obj, self.clock.step(obj), self.arrived)
 
     def stretches(self) -> list[dict]:
-        return [run.summary(self.moved, closed=i < len(self.runs) - 1) for i, run in enumerate(self.runs)]
+        return [run.summary(self.moved) for run in self.runs]
 
 
 class _Run:
@@ -352,8 +352,8 @@ class _Run:
         self.waiting_max = max(self.waiting_max, rec["waiting"])
         self.busy += rec["t_end"] - rec["t_start"]
 
-    def summary(self, moved: list[dict], closed: bool) -> dict:
-        if self._summary is None or not closed:
+    def summary(self, moved: list[dict]) -> dict:
+        if self._summary is None or self._summary["num_steps"] != self.num_steps:     # grown since
             span = self.last["t_end"] - self.first["t_start"]
             policy, budget, max_seqs = self.setting
             self._summary = {
