@@ -112,9 +112,10 @@
       g.fillStyle = C().ink; g.textAlign = "left";
       g.font = (rowH >= 18 ? "bold 14px" : "bold 11px") + " sans-serif";
       const text = r.mine ? BS.t("row.you") + " · " + r.label : r.label;
-      g.fillText(ellipsize(g, text, LABEL_W - 60), 19, y + rowH / 2);
+      const narrow = plotW < 360;             // a phone: the name gets the whole label, the request id goes
+      g.fillText(ellipsize(g, text, LABEL_W - (narrow ? 24 : 60)), 19, y + rowH / 2);
       g.font = (rowH >= 18 ? "11px" : "9px") + " sans-serif"; g.fillStyle = C().muted; g.textAlign = "right";
-      g.fillText(r.rid, LABEL_W - 6, y + rowH / 2);
+      if (!narrow) g.fillText(r.rid, LABEL_W - 6, y + rowH / 2);
       if (r.mine) { g.strokeStyle = C().ink; g.lineWidth = 2; g.strokeRect(1, y + 1, LABEL_W + plotW - 2, rowH - 2); }
     });
   }
@@ -315,11 +316,11 @@
     for (const s of slow) {
       const x0 = LABEL_W + win.x(s), cw = Math.max(2, win.w(s));
       if (x0 + cw < LABEL_W) continue;
-      g.strokeStyle = C().ink; g.lineWidth = 2; g.strokeRect(x0 - 1, TOP - 1, cw + 2, avail + 2);
       const x = x0 + cw / 2, txt = fmtMs(R.dur(s)), tw = g.measureText(txt).width + 10;
       const bx = Math.max(LABEL_W, Math.min(x - tw / 2, g.canvas.width / (window.devicePixelRatio || 1) / BS.chartScale - tw));
       if (taken.some(([a, b]) => bx + tw > a && bx < b)) { out.push({ step: R.step(s), text: txt, shown: false }); continue; }
       taken.push([bx, bx + tw]);
+      g.strokeStyle = C().ink; g.lineWidth = 2; g.strokeRect(x0 - 1, TOP - 1, cw + 2, avail + 2);
       g.fillStyle = C().ink; g.fillRect(bx, TOP + 2, tw, 18);
       g.fillStyle = C().paper; g.fillText(txt, bx + tw / 2, TOP + 11.5);
       out.push({ step: R.step(s), text: txt, shown: true, x: bx * BS.chartScale, y: (TOP + 2) * BS.chartScale });

@@ -22,6 +22,8 @@
     if (!cap) return;
     cap.textContent = src ? src.textContent.replace(/\s+/g, " ").trim() : "";
     cap.dataset.lesson = String(k);
+    const steps = BS.store.steps;            // where this lesson's steps begin (the what-if panel replays from it)
+    BS.lessonStart = steps.length ? steps[steps.length - 1].step + 1 : 0;
     cap.hidden = !cap.textContent;
     BS.fitChart();
     cap.scrollIntoView({ block: "start" });

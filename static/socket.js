@@ -165,11 +165,20 @@
   // seconds since the newest step arrived while the engine still had requests (a step is running),
   // or null: idle, offline, disconnected, or a step came in the last RUNNING_AFTER seconds
   const RUNNING_AFTER = 0.7;
+  let openAt = -1, open = false;             // is any request in the store not ended? (cached per version)
+  function anyOpen() {
+    if (openAt !== store.version) {
+      openAt = store.version; open = false;
+      for (const r of store.reqs.values()) if (r.end == null) { open = true; break; }
+    }
+    return open;
+  }
   store.lastStepAt = null;
   store.runningFor = function () {
     const last = store.steps[store.steps.length - 1];
     if (BS.offline || !store.connected || !last || store.lastStepAt == null) return null;
     if (!((last.running || 0) + (last.waiting || 0) > 0)) return null;     // counted after the step: work is left
+    if (!anyOpen()) return null;             // ...unless it has all ended since (aborted: no step follows)
     const s = (performance.now() - store.lastStepAt) / 1000;
     const pause = (store.settings && +store.settings.step_delay) || 0;   // slow motion is not a running step
     return s >= RUNNING_AFTER + pause ? s : null;

@@ -35,10 +35,25 @@
     $("whatif-log").textContent = `log: ${log.requests} request(s), ${log.steps} step(s)` + (log.full ? " (full)" : "");
   }
 
+  const since = () => Math.max(0, parseInt($("whatif-since").value, 10) || 0);
+
+  // before a replay starts: how long it would take for the range and settings chosen, against the limit
+  function showEstimate(s) {
+    const e = s.estimate, n = settings().length, el = $("whatif-estimate");
+    if (!e || s.running) return;
+    const total = e.seconds_per_setting * Math.max(1, n), over = total > s.time_limit_s;
+    el.textContent = e.requests ? `${e.requests} request(s) since step ${e.since_step}: about ${Math.round(total)} s` +
+      ` (limit ${Math.round(s.time_limit_s)} s)` + (over ? ": too long, choose a later step or fewer settings" : "")
+      : `no finished request since step ${e.since_step}`;
+    el.dataset.bad = over || !e.requests ? "1" : "";
+    $("whatif-run").disabled = over || !e.requests || !n;
+  }
+
   async function poll() {
     try {
-      const s = await call("GET", "/api/whatif");
+      const s = await call("GET", "/api/whatif?since_step=" + since());
       showLog(s.log);
+      showEstimate(s);
       const bar = $("whatif-progress");
       if (s.running && s.progress) {
         const p = s.progress;
@@ -69,7 +84,7 @@
     say("starting…");
     polling = setInterval(poll, 500);
     try {
-      const result = await call("POST", "/api/whatif", { settings: chosen, since_step: 0 });
+      const result = await call("POST", "/api/whatif", { settings: chosen, since_step: since() });
       const runs = (await call("GET", "/api/whatif/result?format=json")).runs;
       draw(runs, result);
       say(`replayed ${result.requests} request(s)` +
@@ -207,6 +222,16 @@
     root.dataset.ready = "1";
     $("whatif-run").addEventListener("click", run);
     $("whatif-clear").addEventListener("click", clearLog);
+    $("whatif-since").addEventListener("change", poll);
+    root.querySelectorAll("input[data-whatif-policy], [data-testid=whatif-budget]").forEach((c) => c.addEventListener("change", poll));
+    // the step the last lesson pressed in this tab began at; else where the newest setting began
+    $("whatif-last-lesson").addEventListener("click", () => {
+      const st = BS.store && BS.store.stretches, segs = BS.store && BS.store.steps.length ? BS.segments(BS.store.steps.length - 1) : [];
+      const step = BS.lessonStart != null ? BS.lessonStart : st && st.length ? st[st.length - 1].first_step
+        : segs.length ? R.step(segs[segs.length - 1].first) : 0;
+      $("whatif-since").value = step;
+      poll();
+    });
     root.querySelectorAll("[data-download]").forEach((b) => b.addEventListener("click", () => download(b.dataset.download)));
     poll();
     return true;
