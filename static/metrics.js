@@ -148,7 +148,7 @@
     head.append(el("th", BS.t("metrics.segment")));
     for (const m of ms) {
       const th = el("th", null, "bs-seg bs-seg-" + m.policy);
-      th.append(el("span", BS.t("policy." + m.policy), "bs-seg-policy"), el("span", " · " + m.budget + " tok", "bs-seg-budget"));
+      th.append(el("span", BS.t("policy." + m.policy), "bs-seg-policy"), el("span", " · " + m.budget + " " + BS.t("metrics.tok"), "bs-seg-budget"));
       th.dataset.policy = m.policy;
       head.append(th);
     }

@@ -199,7 +199,8 @@
     store.connected = ok;
     document.querySelectorAll("[data-testid=conn]").forEach((el) => {
       el.dataset.state = ok ? "live" : "lost";
-      el.textContent = BS.t(ok ? "conn.live" : "conn.lost");
+      el.dataset.i18n = ok ? "conn.live" : "conn.lost";      // a language switch rewrites it too
+      el.textContent = BS.t(el.dataset.i18n);
     });
   }
 

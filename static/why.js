@@ -73,6 +73,7 @@
 
   const fill = (key, vars) => BS.t(key).replace(/\{(\w+)\}/g, (_, k) => vars[k]);
   const ms = (sec) => (sec !== 0 && Math.abs(sec) < 1e-5 ? (sec * 1e6).toFixed(2) + " µs"   // a GPU's per-token cost
+    : Math.abs(sec) >= 1 ? sec.toFixed(2) + " s"                                          // a stall: 34.59 s
     : (Math.abs(sec) < 0.01 ? (sec * 1000).toFixed(2) : (sec * 1000).toFixed(1)) + " ms");
   const $ = (sel) => root.querySelector(sel);
 
@@ -230,6 +231,9 @@
 
   function adviceFor(fit, ctx) {
     const input = $("[data-testid=tbt-target]"), out = $("[data-role=advice]"), apply = $("[data-testid=apply-budget]");
+    if (!input.dataset.touched && fit.b > 0) {   // a default this machine can meet: 1.2x a 32-token step, to 10 ms
+      input.value = Math.max(10, Math.ceil(1.2 * (fit.a + 32 * fit.b + fit.c * (ctx || 0)) * 100) * 10);
+    }
     const target = parseFloat(input.value) / 1000;
     let best = null;
     if (target > 0) {
@@ -365,7 +369,7 @@
     root = stage;
     BS.initKvMap(stage);
     if (!$("[data-testid=cost-model]")) return;
-    $("[data-testid=tbt-target]").addEventListener("input", () => { lastKey = ""; });
+    $("[data-testid=tbt-target]").addEventListener("input", (e) => { e.target.dataset.touched = "1"; lastKey = ""; });
     $("[data-testid=gpu-compare]").addEventListener("change", () => { lastKey = ""; });
     $("[data-testid=apply-budget]").addEventListener("click", () => {
       const b = parseInt($("[data-role=advice]").dataset.budget, 10);
