@@ -183,6 +183,7 @@
     for (const c of [gantt, bar]) c.addEventListener("mouseleave", () => { tip.hidden = true; });
     for (const c of [gantt, bar]) c.addEventListener("click", (ev) => {     // a column picked: views that show one step
       const d = view.drawn, s = d && d.win ? d.win.at(plotX(c, ev)) : null;
+      if (s) view.picked = R.step(s);        // the step the views that show one step follow (X-ray, KV map)
       if (s && BS.onStepClick) BS.onStepClick(s);
     });
     const on = (id, fn) => { const b = root.querySelector("[data-testid=" + id + "]"); if (b) b.addEventListener("click", fn); };

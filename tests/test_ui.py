@@ -35,7 +35,7 @@ def test_every_string_exists_in_both_languages():
     assert set(TEXT["en"]) == set(TEXT["zh"])
     assert set(SCENARIO_BUTTONS["en"]) == set(SCENARIO_BUTTONS["zh"]) == set(SCENARIOS)
     assert all(len(SHORT[code]) == len(USERS) for code in LANGS.values())
-    for name in ("why.js", "kvmap.js"):          # view files with their own strings: both languages, same keys
+    for name in ("why.js", "kvmap.js", "whatif.js"):   # view files with their own strings: both languages, same keys
         src = (STATIC / name).read_text()
         assert keys(src[src.index("en: {"):src.index("zh: {")]) == keys(src[src.index("zh: {"):]), name
 
@@ -74,7 +74,7 @@ def test_stage_has_the_test_ids_and_the_i18n_keys_it_uses():
                 "row-labels", "student-name", "student-box", "student-send"):
         assert f'data-testid="{tid}"' in html
     # view files bring their own strings (BS.addStrings)
-    js = "".join((STATIC / name).read_text() for name in ("i18n.js", "room.js", "why.js", "kvmap.js"))
+    js = "".join((STATIC / name).read_text() for name in ("i18n.js", "room.js", "why.js", "kvmap.js", "whatif.js"))
     for key in re.findall(r'data-i18n(?:-placeholder)?="([\w.]+)"', html):
         assert f'"{key}":' in js, key
     # every key the scripts ask for by name exists (in both languages: the test above)
