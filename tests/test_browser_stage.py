@@ -125,3 +125,34 @@ def test_join_on_a_phone_fits_the_screen(server, browser):  # noqa: F811
         pg.screenshot(path=str(DOCS / "ui_join_phone.png"), full_page=True)
     finally:
         ctx.close()
+
+
+def test_a_slow_step_after_a_setting_change_keeps_its_duration_and_a_running_step_counts(browser):  # noqa: F811
+    """Lesson 2 after a chunked setting: the setting flag and the 10 s prefill share a column; the
+    duration sits on the column, drawn after the flag. Then no step comes for 3 s while a reply is
+    under way: the chart says a step is running, and for how long."""
+    from tests.browser import load_stage
+    from tests.test_metrics import arrived, dec, pre, step
+    s, t = [arrived("a", 0.0), arrived("d", 0.4)], 0.0
+    for i in range(10):
+        s.append(step(i, t, t + 0.05, [pre("a", 8, 0, 8)] if i == 0 else [dec("a")]))
+        t += 0.05
+    s.append(step(10, t, t + 10.0, [pre("d", 1500, 0, 1500)], stalled=["a"], policy="continuous"))
+    t += 10.0
+    for i in range(11, 16):
+        s.append(step(i, t, t + 0.05, [dec("a"), dec("d")], policy="continuous"))
+        t += 0.05
+    pg = browser.new_page(viewport={"width": 1366, "height": 768})
+    try:
+        load_stage(pg, s)
+        wait_js(pg, "BS.view.drawn && BS.view.drawn.slow && BS.view.drawn.slow.length")
+        drawn = pg.evaluate("({slow: BS.view.drawn.slow, markers: BS.view.drawn.markers.map(m => m.step)})")
+        assert 10 in drawn["markers"]
+        assert drawn["slow"] == [{"step": 10, "text": "10.00 s", "shown": True, "x": drawn["slow"][0]["x"], "y": 26}]
+        # live again, the newest step 3 s old, a reply still under way: "step running… 3.0 s"
+        pg.evaluate("""() => { BS.offline = false; BS.store.connected = true;
+                               BS.store.lastStepAt = performance.now() - 3000; BS.redrawChart(); }""")
+        wait_js(pg, "BS.view.drawn.running && BS.view.drawn.running.seconds >= 3")
+        assert pg.evaluate("BS.view.drawn.running.text").startswith("step running… 3.")
+    finally:
+        pg.close()
