@@ -171,7 +171,9 @@
       let xa = win.xOfTime(r.arrived);
       if (xa == null) continue;
       const fs = req.firstStep != null && req.firstStep <= win.last.step ? BS.layout.stepRec(req.firstStep) : null;
-      let xb = fs ? win.x(fs) : plotW;
+      // until its first step; a request that ended without one (aborted while queued) until its end
+      const xe = !fs && req.end != null ? win.xOfTime(req.end) : null;
+      let xb = fs ? win.x(fs) : xe != null ? xe : plotW;
       xa = Math.max(0, xa); xb = Math.min(plotW, xb);
       if (xb - xa > 2) { g.beginPath(); g.moveTo(LABEL_W + xa, y); g.lineTo(LABEL_W + xb - 2, y); g.stroke(); }
     }

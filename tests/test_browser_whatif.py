@@ -1,5 +1,6 @@
 """The what-if panel in Chromium: refused without the presenter key, then run with it: the range and its
-estimate before the replay, one Gantt per run, the per-user table with the change, downloads. Keeps a screenshot when BATCHSCOPE_SCREENSHOT_DIR is set."""
+estimate before the replay, one Gantt per run, the per-user table with the change, downloads. Keeps a
+screenshot when BATCHSCOPE_SCREENSHOT_DIR is set."""
 import os
 import threading
 import time
