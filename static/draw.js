@@ -5,7 +5,7 @@
   const BS = (window.BS = window.BS || {});
   const R = BS.rec;                    // record fields are read through record.js
   const C = () => BS.colors;
-  const LABEL_W = 132;        // px for row labels, left of both plots
+  let LABEL_W = 132;          // px for row labels, left of both plots (narrower on a phone: see drawGantt)
   const TOP = 24;             // px above the rows, for setting-change flags
   const AXIS = 20;            // px below the rows, for the x axis
   const ROW_H = 30, MIN_ROWS = 5;   // the chart grows with its rows, up to BS.chartMaxH px
@@ -51,6 +51,7 @@
   function drawGantt(gantt, resized) {
     const { g, w, h } = fit(gantt), S = BS.chartScale;
     g.clearRect(0, 0, w, h);
+    LABEL_W = BS.draw.LABEL_W = w < 480 ? 100 : 132;     // a phone keeps two thirds of its width for the steps
     const plotW = w - LABEL_W - 8;
     const win = BS.layout.windowOf(plotW);
     if (!win) {
@@ -112,7 +113,7 @@
       g.fillStyle = C().ink; g.textAlign = "left";
       g.font = (rowH >= 18 ? "bold 14px" : "bold 11px") + " sans-serif";
       const text = r.mine ? BS.t("row.you") + " · " + r.label : r.label;
-      const narrow = plotW < 360;             // a phone: the name gets the whole label, the request id goes
+      const narrow = LABEL_W < 132;           // a phone: the name gets the whole label, the request id goes
       g.fillText(ellipsize(g, text, LABEL_W - (narrow ? 24 : 60)), 19, y + rowH / 2);
       g.font = (rowH >= 18 ? "11px" : "9px") + " sans-serif"; g.fillStyle = C().muted; g.textAlign = "right";
       if (!narrow) g.fillText(r.rid, LABEL_W - 6, y + rowH / 2);
