@@ -206,8 +206,7 @@ class UI:
         """Lesson k's caption and, last, the settings each of its passes runs under."""
         lesson = LESSONS[k]
         lines = [setting_line(lang, self.lesson_setting(lesson, p)) for p in lesson.policies]
-        return t(lang, f"step{k + 1}") + "\n\n" + t(lang, "lesson_setting", setting="; then ".join(lines)
-                                                        if lang == "en" else "；然后 ".join(lines))
+        return t(lang, f"step{k + 1}") + "\n\n" + t(lang, "lesson_setting", setting=t(lang, "set.then").join(lines))
 
     # ---- panel management ----
     def resize(self, delta: int, request: gr.Request):

@@ -76,7 +76,7 @@ TEXT = {
         "in_force": "Settings in force: {setting}",
         "set.policy": "{policy}", "set.budget": "budget {n} tokens", "set.seqs": "at most {n} sequences",
         "set.chunk": "prefill chunks of at most {n} tokens", "set.no_chunk": "no chunk cap",
-        "set.delay": "{ms} ms pause per step", "set.no_delay": "no slow motion",
+        "set.delay": "{ms} ms pause per step", "set.no_delay": "no slow motion", "set.then": "; then ",
     },
     "zh": {
         "title": "## batchscope：一步一步看 LLM 引擎如何批处理请求",
@@ -122,7 +122,7 @@ TEXT = {
         "in_force": "当前设置：{setting}",
         "set.policy": "{policy}", "set.budget": "预算 {n} 个 token", "set.seqs": "最多 {n} 个序列",
         "set.chunk": "每块预填充最多 {n} 个 token", "set.no_chunk": "不限块大小",
-        "set.delay": "每步暂停 {ms} ms", "set.no_delay": "不慢放",
+        "set.delay": "每步暂停 {ms} ms", "set.no_delay": "不慢放", "set.then": "；然后 ",
     },
 }
 
