@@ -7,7 +7,7 @@ from pathlib import Path
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 SCRIPTS = ["record.js", "i18n.js", "palette.js", "socket.js", "layout.js", "draw.js", "interact.js", "controls.js",
-           "metrics.js", "analysis.js", "kvmap.js", "why.js", "room.js", "main.js", "whatif.js"]
+           "metrics.js", "analysis.js", "kvmap.js", "why.js", "room.js", "lesson.js", "main.js", "whatif.js"]
 STATIC_URL = "/static/batchscope"     # Gradio serves its own assets under /static/js, /static/fonts, ...
 
 
@@ -23,5 +23,7 @@ def head_html() -> str:
 
 def stage_html() -> str:
     """The lecturer's stage: the engine controls, then the chart and the metrics every role shares."""
+    caption = '<div class="bs-lesson-now" data-testid="lesson-caption" aria-live="polite" hidden></div>\n'
     parts = [(STATIC / name).read_text() for name in ("controls.html", "chart.html", "why.html")]
+    parts.insert(1, caption)                # the pressed lesson's caption, just above the chart
     return '<div class="bs-stage" data-testid="stage" data-role="lecturer">\n' + "".join(parts) + "</div>"

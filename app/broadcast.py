@@ -6,14 +6,25 @@ Each viewer keeps only a cursor into the ring: it reads what it has not seen
 yet, serialised once and shared by all. A viewer that falls more than
 `buffer` records behind skips ahead and gets an explicit gap marker, so a
 stuck browser neither slows the engine nor grows memory.
+
+The ring holds only the recent past, so the per-setting metrics of a viewer that
+joins late would come out wrong. The hub therefore also feeds every record to one
+app/metrics.py StretchMeter (the one definition, kept for the whole run) and sends
+its `stretches` with every snapshot, then in a "stretches" message about once a
+second while steps run; the page shows those for any setting it did not watch whole.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
+
+from app.metrics import StretchMeter
+
+STRETCHES_EVERY = 1.0       # seconds between two "stretches" messages while steps run
 
 
 class TooManySubscribers(Exception):
@@ -86,6 +97,7 @@ class Subscription:
         self.closed = False
         self._event = asyncio.Event()
         self._direct: deque[dict] = deque(maxlen=16)   # replies to this viewer only (pong, errors)
+        self.stretches_seen: Entry | None = None        # the last "stretches" message this viewer got
 
     def post(self, obj: dict):
         self._direct.append(obj)
@@ -117,8 +129,15 @@ class Subscription:
         if self.snapshot_wanted:
             self.cursor, records = ring.last_steps(self.snapshot_wanted)
             self.snapshot_wanted = 0
-            out.append({"type": "snapshot", **self.hub.describe(), "records": records})
+            stretches = self.hub.stretches()
+            self.stretches_seen = stretches
+            out.append({"type": "snapshot", **self.hub.describe(), "records": records,
+                        "stretches": stretches.obj["stretches"]})
             return out
+        stretches = self.hub.stretches(max_age=STRETCHES_EVERY)
+        if stretches is not self.stretches_seen and ring.head > self.cursor:   # only while records flow
+            self.stretches_seen = stretches
+            out.append(stretches)
         head = ring.head
         if head - self.cursor > self.buffer:
             skipped = head - self.buffer - self.cursor
@@ -145,6 +164,11 @@ class Broadcaster:
         self._flushed = 0                   # ring head at the last wake-up
         self.dropped = 0                    # records skipped over, all viewers together
         self.describe: Callable[[], dict] = dict   # what a snapshot says about the engine; the service sets it
+        self.meter = StretchMeter()         # the per-setting metrics of the whole run, for late viewers
+        self._meter_lock = threading.Lock()
+        self._stretches: Entry | None = None
+        self._stretches_at = (-1, 0.0)      # (meter steps, monotonic time) when _stretches was made
+        self._meter_steps = 0
 
     @property
     def num_subscribers(self) -> int:
@@ -153,6 +177,21 @@ class Broadcaster:
     def publish(self, obj: dict):
         """Engine thread: O(1), whatever the number of viewers. Viewers learn of it at the next flush()."""
         self.ring.append(obj)
+        with self._meter_lock:              # O(items): the stretch's running numbers
+            self.meter.observe(obj)
+            self._meter_steps += obj.get("type") == "step"
+
+    def stretches(self, max_age: float = 0.0) -> Entry:
+        """The "stretches" message: app/metrics.py stretches() of every step so far, one dict per setting.
+        Made again when steps have run since and it is older than max_age seconds; the same Entry
+        otherwise (shared by all viewers, serialised once)."""
+        steps, made = self._stretches_at
+        now = time.monotonic()
+        if self._stretches is None or (self._meter_steps != steps and now - made >= max_age):
+            with self._meter_lock:
+                steps, rows = self._meter_steps, self.meter.stretches()
+            self._stretches, self._stretches_at = Entry({"type": "stretches", "stretches": rows}), (steps, now)
+        return self._stretches
 
     def flush(self):
         """Engine thread, once per step (and after commands): one loop wake-up for all new records,

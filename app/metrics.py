@@ -93,19 +93,33 @@ def produces_token(item: dict) -> bool:
     return item["kind"] == "decode" or bool(item.get("completes_prompt"))
 
 
+class TokenClock:
+    """The tokens of each step as it comes (steps in step order): the one place a TBT and a stall are made."""
+
+    def __init__(self):
+        self.last: dict[str, float] = {}    # req -> time of its latest token
+        self.left_out: set[str] = set()     # requests some step has left out since their last token
+
+    def step(self, rec: dict) -> list[tuple[str, Token]]:
+        out = []
+        for item in rec["items"]:
+            if produces_token(item):
+                req, prev = item["req"], self.last.get(item["req"])
+                gap = rec["t_end"] - prev if prev is not None else None
+                out.append((req, Token(rec["step"], rec["t_end"], gap, gap is not None and req in self.left_out)))
+                self.last[req] = rec["t_end"]
+                self.left_out.discard(req)
+        self.left_out.update(rec.get("stalled", ()))
+        return out
+
+
 def tokens(stream: Iterable[dict]) -> dict[str, list[Token]]:
     """req -> its output tokens in order, each with its TBT and whether that TBT was a stall."""
     out: dict[str, list[Token]] = {}
-    left_out: set[str] = set()      # requests some step has left out since their last token
+    clock = TokenClock()
     for rec in steps(stream):
-        for item in rec["items"]:
-            if produces_token(item):
-                req = item["req"]
-                mine = out.setdefault(req, [])
-                gap = rec["t_end"] - mine[-1].t if mine else None
-                mine.append(Token(rec["step"], rec["t_end"], gap, gap is not None and req in left_out))
-                left_out.discard(req)
-        left_out.update(rec.get("stalled", ()))
+        for req, tk in clock.step(rec):
+            out.setdefault(req, []).append(tk)
     return out
 
 
@@ -279,40 +293,90 @@ def stretches(stream: Iterable[dict]) -> list[dict]:
     highest KV use and waiting queue after any of its steps; busy = summed step times.
     """
     stream = list(stream)
-    recs, arr, toks = steps(stream), arrivals(stream), tokens(stream)
-    runs: list[list[dict]] = []
-    for rec in recs:
-        if runs and setting(runs[-1][-1]) == setting(rec):
-            runs[-1].append(rec)
-        else:
-            runs.append([rec])
-    moved = events(stream, "kv_transfer")
-    return [_stretch(run, arr, toks, moved, runs[i - 1][-1]["t_end"] if i else None) for i, run in enumerate(runs)]
+    meter = StretchMeter()
+    for e in events(stream):            # a stream at rest has every arrival and hand-over: first
+        meter.observe(e)
+    for rec in steps(stream):
+        meter.observe(rec)
+    return meter.stretches()
 
 
-def _stretch(run: list[dict], arr: dict[str, float], toks: dict[str, list[Token]], moved: list[dict],
-             after: float | None) -> dict:
-    s0, s1 = run[0]["step"], run[-1]["step"]
-    ttft = [tks[0].t - arr[req] for req, tks in toks.items() if s0 <= tks[0].step <= s1 and req in arr]
-    mine = [tk for tks in toks.values() for tk in tks if s0 <= tk.step <= s1]
-    tbt = [tk.gap for tk in mine if tk.gap is not None]
-    span = run[-1]["t_end"] - run[0]["t_start"]
-    policy, budget, max_seqs = setting(run[0])
-    return {
-        "policy": policy, "token_budget": budget, "max_num_seqs": max_seqs,
-        "first_step": s0, "last_step": s1, "num_steps": len(run),
-        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-        "tbt_p50_s": percentile(tbt, 50), "tbt_p99_s": percentile(tbt, 99),
-        "longest_gap_s": max(tbt, default=None),
-        "stall_max_s": max((tk.gap for tk in mine if tk.stalled), default=0.0),
-        "output_tokens": len(mine),
-        "output_tokens_per_s": len(mine) / span if span > 0 else None,
-        "kv_used_max": max(r["kv"]["used"] / r["kv"]["total"] if r["kv"]["total"] else 0.0 for r in run),
-        "waiting_max": max(r["waiting"] for r in run),
-        "busy_s": sum(r["t_end"] - r["t_start"] for r in run),
-        **transfer_summary([e for e in moved if run[0]["t_start"] <= e["t"] <= run[-1]["t_end"]
-                            and (after is None or e["t"] > after)]),
-    }
+class StretchMeter:
+    """stretches(), one record at a time, for a run that never ends (the server keeps one for late
+    viewers, app/broadcast.py). Feed step records in step order and request events as they come
+    (an arrival before its request's first token). Keeps per stretch only what its numbers need:
+    its TTFTs and TBTs, a few maxima and sums; a stretch is summarised again only when it has grown."""
+
+    def __init__(self):
+        self.clock = TokenClock()
+        self.arrived: dict[str, float] = {}
+        self.moved: list[dict] = []         # kv_transfer events
+        self.runs: list[_Run] = []
+
+    def observe(self, obj: dict):
+        kind = obj.get("type")
+        if kind == "request" and obj.get("event") == "arrived":
+            self.arrived[obj["req"]] = obj["t"]
+        elif kind == "request" and obj.get("event") == "kv_transfer":
+            self.moved.append(obj)
+        elif kind == "step":
+            run = self.runs[-1] if self.runs else None
+            if run is None or run.setting != setting(obj):
+                run = _Run(obj, run.last["t_end"] if run else None)
+                self.runs.append(run)
+            run.add(obj, self.clock.step(obj), self.arrived)
+
+    def stretches(self) -> list[dict]:
+        return [run.summary(self.moved) for run in self.runs]
+
+
+class _Run:
+    """The accumulators of one stretch."""
+
+    def __init__(self, first: dict, after: float | None):
+        self.setting, self.first, self.last, self.after = setting(first), first, first, after
+        self.num_steps = self.output_tokens = self.waiting_max = 0
+        self.ttft: list[float] = []
+        self.tbt: list[float] = []
+        self.stall_max = self.kv_used_max = self.busy = 0.0
+        self._summary: dict | None = None
+
+    def add(self, rec: dict, new: list[tuple[str, Token]], arrived: dict[str, float]):
+        self.last = rec
+        self.num_steps += 1
+        for req, tk in new:
+            self.output_tokens += 1
+            if tk.gap is None:
+                if req in arrived:
+                    self.ttft.append(tk.t - arrived[req])
+            else:
+                self.tbt.append(tk.gap)
+                if tk.stalled:
+                    self.stall_max = max(self.stall_max, tk.gap)
+        kv = rec["kv"]
+        self.kv_used_max = max(self.kv_used_max, kv["used"] / kv["total"] if kv["total"] else 0.0)
+        self.waiting_max = max(self.waiting_max, rec["waiting"])
+        self.busy += rec["t_end"] - rec["t_start"]
+
+    def summary(self, moved: list[dict]) -> dict:
+        if self._summary is None or self._summary["num_steps"] != self.num_steps:     # grown since
+            span = self.last["t_end"] - self.first["t_start"]
+            policy, budget, max_seqs = self.setting
+            self._summary = {
+                "policy": policy, "token_budget": budget, "max_num_seqs": max_seqs,
+                "first_step": self.first["step"], "last_step": self.last["step"], "num_steps": self.num_steps,
+                "ttft_p50_s": percentile(self.ttft, 50), "ttft_p99_s": percentile(self.ttft, 99),
+                "tbt_p50_s": percentile(self.tbt, 50), "tbt_p99_s": percentile(self.tbt, 99),
+                "longest_gap_s": max(self.tbt, default=None),
+                "stall_max_s": self.stall_max,
+                "output_tokens": self.output_tokens,
+                "output_tokens_per_s": self.output_tokens / span if span > 0 else None,
+                "kv_used_max": self.kv_used_max, "waiting_max": self.waiting_max, "busy_s": self.busy,
+            }
+        # hand-overs may be reported after the stretch has closed: counted afresh each time (few of them)
+        t0, t1 = self.first["t_start"], self.last["t_end"]
+        return {**self._summary, **transfer_summary(
+            [e for e in moved if t0 <= e["t"] <= t1 and (self.after is None or e["t"] > self.after)])}
 
 
 # ---- SLOs: goodput ----

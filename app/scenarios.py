@@ -83,7 +83,7 @@ class Scenario:
     description: str                   # one paragraph for the lecturer: what to look at
     arrivals: tuple[Arrival, ...]      # sorted by `at`
     clock: str = "step"                # "step" or "wall", see the module docstring
-    engine: dict = field(default_factory=dict)   # EngineConfig budgets it is meant for
+    engine: dict = field(default_factory=dict)   # EngineConfig budgets it is meant for, chunk cap included
     focus: str | None = None           # label of the arrival whose effect on the others is the point
 
     def __post_init__(self):
@@ -147,7 +147,7 @@ def long_prompt_interrupts(users: int = 3, reply_tokens: int = 64, doc_at: int =
                      "but the document waits for the whole batch to finish. The token budget (128) sets "
                      "the chunk size: the height of the chunked steps, and so the TBT, that replies see "
                      "while the document is read."),
-        arrivals=tuple(arrivals), engine={"max_num_batched_tokens": 128, "max_num_seqs": 16},
+        arrivals=tuple(arrivals), engine={"max_num_batched_tokens": 128, "max_num_seqs": 16, "max_prefill_chunk": None},
         focus="Doc")
 
 
@@ -175,7 +175,8 @@ def static_vs_continuous(reply_tokens: tuple[int, ...] = (8, 96, 16, 64, 24, 128
                      f"{max(reply_tokens)} tokens. Static batching holds a batch until its longest reply "
                      "is done, so finished slots sit idle while others wait; continuous batching refills "
                      "a slot the step after it frees."),
-        arrivals=arrivals, engine={"max_num_batched_tokens": 256, "max_num_seqs": max_num_seqs})
+        arrivals=arrivals, engine={"max_num_batched_tokens": 256, "max_num_seqs": max_num_seqs,
+                                   "max_prefill_chunk": None})
 
 
 def bursty(rate: float = 4.0, n: int = 24, seed: int = 7, min_tokens: int = 16,
@@ -194,7 +195,8 @@ def bursty(rate: float = 4.0, n: int = 24, seed: int = 7, min_tokens: int = 16,
         description=(f"{n} requests arriving as a Poisson process at {rate:g} per second (seed {seed}), "
                      f"replies of {min_tokens} to {max_tokens} tokens. Bursts queue up: watch TTFT grow "
                      "under static batching, and the running count rise and fall."),
-        arrivals=tuple(arrivals), clock="wall", engine={"max_num_batched_tokens": 256, "max_num_seqs": 16})
+        arrivals=tuple(arrivals), clock="wall",
+        engine={"max_num_batched_tokens": 256, "max_num_seqs": 16, "max_prefill_chunk": None})
 
 
 def shared_system_prompt(users: int = 6, every: int = 8, reply_tokens: int = 32) -> Scenario:
@@ -212,7 +214,7 @@ def shared_system_prompt(users: int = 6, every: int = 8, reply_tokens: int = 32)
         description=("Every request starts with the same ~350-token system prompt. The first one computes "
                      "it; later ones find its full KV blocks in the prefix cache and prefill only their "
                      "question (see items[].cached and the kv 'cached' count)."),
-        arrivals=arrivals, engine={"max_num_batched_tokens": 256, "max_num_seqs": 16})
+        arrivals=arrivals, engine={"max_num_batched_tokens": 256, "max_num_seqs": 16, "max_prefill_chunk": None})
 
 
 def budget_shapes(reply_tokens: int = 12) -> Scenario:
@@ -244,6 +246,40 @@ SCENARIOS = {
     "bursty": bursty,
     "shared-system-prompt": shared_system_prompt,
 }
+
+
+# ---- the lessons: a scenario and the full setting of each of its passes ----
+
+SETTING_KEYS = ("policy", "max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk", "step_delay")
+
+
+@dataclass(frozen=True)
+class Lesson:
+    """A numbered lesson of the page: one scenario, played once per policy, in order.
+
+    Each pass sets every setting (SETTING_KEYS) before it starts, so nothing an
+    earlier lesson, scenario or presenter changed survives into it: the
+    scenario's budgets, its chunk cap or none, and the step delay the server
+    was started with (its --step-delay) unless the lesson names its own.
+    Its texts are app/ui_text.py's step{k} and step{k}_btn.
+    """
+    scenario: str
+    policies: tuple[str, ...]
+    step_delay: float | None = None          # seconds; None: the server's own
+
+    def setting(self, scenario: Scenario, policy: str, server_step_delay: float) -> dict:
+        """The full setting of one pass (POST /api/engine's fields, all of them)."""
+        out = {"max_prefill_chunk": None, **scenario.engine, "policy": policy,
+               "step_delay": server_step_delay if self.step_delay is None else self.step_delay}
+        missing = set(SETTING_KEYS) - set(out)
+        if missing:
+            raise ValueError(f"lesson {self.scenario!r} leaves {sorted(missing)} to chance")
+        return out
+
+
+LESSONS = (Lesson("static-vs-continuous", ("static",)), Lesson("long-prompt-interrupts", ("continuous",)),
+           Lesson("long-prompt-interrupts", ("chunked",)), Lesson("budget-shapes", ("chunked",)),
+           Lesson("split-prefill-decode", ("chunked", "disaggregated")))
 
 
 def get_scenario(name: str, **params) -> Scenario:

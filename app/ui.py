@@ -27,16 +27,11 @@ from app.room import Room
 from app.leaderboard import mount_leaderboard
 from app.ui_room import mount_room
 from app.ui_sessions import Session, Sessions, Turn, check_message, drive, fresh, stream_all
-from app.ui_text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, t
-from app.scenarios import SCENARIOS, get_scenario, load_text
+from app.ui_text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, setting_line, t
+from app.scenarios import LESSONS, SCENARIOS, Lesson, get_scenario, load_text
 from engine import SamplingParams
 
 MAX_PANELS = len(USERS)
-# (the policies a lesson runs its scenario under, one pass each, in order; the scenario);
-# its texts are ui_text's step{k} and step{k}_btn
-LESSONS = [(("static",), "static-vs-continuous"), (("continuous",), "long-prompt-interrupts"),
-           (("chunked",), "long-prompt-interrupts"), (("chunked",), "budget-shapes"),
-           (("chunked", "disaggregated"), "split-prefill-decode")]
 KEY_JS = "(...a) => [...a.slice(0, -1), (window.sessionStorage && sessionStorage.getItem('batchscope.key')) || '']"
 
 
@@ -140,20 +135,26 @@ class UI:
             yield self.render_all(s, columns=False) + ["" if clear else gr.skip()]
             clear = False
 
+    def lesson_setting(self, lesson: Lesson, policy: str) -> dict:
+        """Everything one pass of a lesson sets (app/scenarios.py Lesson.setting)."""
+        scenario = get_scenario(lesson.scenario, **self.scenario_params.get(lesson.scenario, {}))
+        return lesson.setting(scenario, policy, self.service.config.step_delay)
+
     async def run_scenario(self, name: str, policies: tuple[str, ...] | str | None, key: str, request: gr.Request):
-        """Play the scenario once per policy, one after the other (none: once, under the current settings)."""
+        """Play the scenario once per policy, one after the other, each pass under its lesson's full
+        setting (none: once, under the current settings)."""
         policies = (policies,) if isinstance(policies, str) else tuple(policies or ())
         s = self.session(request)
         scenario = get_scenario(name, **self.scenario_params.get(name, {}))
+        lesson = Lesson(name, policies) if policies else None
         allowed = self.authorised(key)
         note = "" if allowed or not policies else t(s.lang, "locked")
         first = True
         for policy in (policies if allowed and policies else (None,)):
-            if allowed:
-                change = dict(scenario.engine)
-                if policy:
-                    change["policy"] = policy
+            if allowed and lesson is not None:
+                change = lesson.setting(scenario, policy, self.service.config.step_delay)
                 await self.service.set_policy(**change)
+                note = t(s.lang, "in_force", setting=setting_line(s.lang, change))
                 if policy == "disaggregated":
                     yield self.render_all(s, columns=first) + [t(s.lang, "pair_starting")]
                     first = False
@@ -178,6 +179,12 @@ class UI:
                 return t(lang, "pair_failed", why=state["disaggregated"])
             await asyncio.sleep(0.5)
         return t(lang, "pair_failed", why=f"not ready after {timeout:.0f} s")
+
+    def lesson_text(self, lang: str, k: int) -> str:
+        """Lesson k's caption and, last, the settings each of its passes runs under."""
+        lesson = LESSONS[k]
+        lines = [setting_line(lang, self.lesson_setting(lesson, p)) for p in lesson.policies]
+        return t(lang, f"step{k + 1}") + "\n\n" + t(lang, "lesson_setting", setting=t(lang, "set.then").join(lines))
 
     # ---- panel management ----
     def resize(self, delta: int, request: gr.Request):
@@ -209,8 +216,8 @@ def build_ui(service, **options) -> gr.Blocks:
         with gr.Row(equal_height=True):
             lesson_md, lesson_btn = [], []
             for k in range(len(LESSONS)):
-                with gr.Column(elem_classes="bs-lesson"):
-                    lesson_md.append(gr.Markdown(t("en", f"step{k + 1}")))
+                with gr.Column(elem_classes="bs-lesson", min_width=160):
+                    lesson_md.append(gr.Markdown(ui.lesson_text("en", k), elem_id=f"bs-lesson-text-{k + 1}"))
                     lesson_btn.append(gr.Button(t("en", f"step{k + 1}_btn"), variant="primary",
                                                 elem_id=f"bs-lesson-{k + 1}"))
         with gr.Row(equal_height=True):
@@ -220,21 +227,21 @@ def build_ui(service, **options) -> gr.Blocks:
         note = gr.Markdown("", elem_id="bs-note")
         key = gr.Textbox(visible=False)
 
-        # ---- the stage: controls, chart, metrics (static/) ----
-        gr.HTML(stage_html(), js_on_load=None, elem_id="bs-stage")
-        gr.HTML((STATIC / "whatif.html").read_text(), js_on_load=None, elem_id="bs-whatif")   # presenter: replay
-
-        # ---- chat panels ----
-        with gr.Row():
-            add_btn = gr.Button(t("en", "add"), size="sm", elem_id="bs-add")
-            remove_btn = gr.Button(t("en", "remove"), size="sm", elem_id="bs-remove")
-            clear_btn = gr.Button(t("en", "clear"), size="sm", elem_id="bs-clear")
-            stop_btn = gr.Button(t("en", "stop"), size="sm", variant="stop", elem_id="bs-stop")
-        mine = gr.HTML(mine_html(Session()), elem_classes="bs-mine", js_on_load=None)
-        cols, chats, boxes, notices, sends, shorts, longs, alls = [], [], [], [], [], [], [], []
-        for row in range(0, MAX_PANELS, 4):
-            with gr.Row(equal_height=True):
-                for i in range(row, row + 4):
+        # ---- the stage (controls, chart, metrics: static/) with the chat panels in a column beside it,
+        # so a lecturer types into a chat with the chart in view ----
+        with gr.Row(equal_height=False, elem_id="bs-main"):
+            with gr.Column(scale=3, min_width=620, elem_id="bs-left"):
+                gr.HTML(stage_html(), js_on_load=None, elem_id="bs-stage")
+                gr.HTML((STATIC / "whatif.html").read_text(), js_on_load=None, elem_id="bs-whatif")   # replay
+            with gr.Column(scale=1, min_width=300, elem_id="bs-chats"):
+                with gr.Row(elem_classes="bs-chatbar"):
+                    add_btn = gr.Button(t("en", "add"), size="sm", elem_id="bs-add", min_width=60)
+                    remove_btn = gr.Button(t("en", "remove"), size="sm", elem_id="bs-remove", min_width=60)
+                    clear_btn = gr.Button(t("en", "clear"), size="sm", elem_id="bs-clear", min_width=60)
+                    stop_btn = gr.Button(t("en", "stop"), size="sm", variant="stop", elem_id="bs-stop", min_width=60)
+                mine = gr.HTML(mine_html(Session()), elem_classes="bs-mine", js_on_load=None)
+                cols, chats, boxes, notices, sends, shorts, longs, alls = [], [], [], [], [], [], [], []
+                for i in range(MAX_PANELS):
                     panel = _panel(i)
                     for part, store in zip(panel, (cols, chats, boxes, notices, sends, alls, shorts, longs)):
                         store.append(part)
@@ -252,9 +259,10 @@ def build_ui(service, **options) -> gr.Blocks:
             streaming.append(alls[i].click(_typed_send_all(ui, i), [boxes[i]],
                                            chats + notices + cols + [mine, boxes[i]], **every))
         everyone = chats + notices + cols + [mine, note]
-        for k, (policies, name) in enumerate(LESSONS):
-            streaming.append(lesson_btn[k].click(_typed_scenario(ui, name, policies), [key], everyone,
-                                                 js=KEY_JS, **every))
+        for k, lesson in enumerate(LESSONS):
+            play = _typed_scenario(ui, lesson.scenario, lesson.policies)
+            show = f"(...a) => {{ if (window.BS && BS.showLesson) BS.showLesson({k + 1}); return ({KEY_JS})(...a); }}"
+            streaming.append(lesson_btn[k].click(play, [key], everyone, js=show, **every))
         for name, btn in scen_btn.items():
             streaming.append(btn.click(_typed_scenario(ui, name, ()), [key], everyone, js=KEY_JS, **every))
 
@@ -275,7 +283,7 @@ def build_ui(service, **options) -> gr.Blocks:
             code = LANGS.get(choice, "en")
             ui.session(request).lang = code
             return ([t(code, "title"), t(code, "subtitle"), gr.update(label=t(code, "lang")), t(code, "steps_title")]
-                    + [t(code, f"step{k + 1}") for k in range(len(LESSONS))]
+                    + [ui.lesson_text(code, k) for k in range(len(LESSONS))]
                     + [gr.update(value=t(code, f"step{k + 1}_btn")) for k in range(len(LESSONS))]
                     + [t(code, "scenarios")]
                     + [gr.update(value=SCENARIO_BUTTONS[code].get(n, n)) for n in scen_btn]
@@ -299,17 +307,16 @@ def _panel(i: int) -> tuple:
     """One user's chat panel: (column, chatbot, textbox, notice, send, send-to-all, short, long)."""
     with gr.Column(visible=i < 4, min_width=200, elem_classes="bs-panel", elem_id=f"bs-panel-{i}") as col:
         gr.HTML(panel_head(i), js_on_load=None)
-        chat = gr.Chatbot(height=210, show_label=False, render_markdown=False, buttons=[],
+        chat = gr.Chatbot(height=130, show_label=False, render_markdown=False, buttons=[],
                           feedback_options=None, elem_id=f"bs-chat-{i}")
         box = gr.Textbox(show_label=False, lines=1, max_lines=4, elem_id=f"bs-box-{i}",
                          placeholder=t("en", "placeholder", name=USERS[i][0]))
         notice = gr.HTML("", js_on_load=None, elem_id=f"bs-notice-{i}")
-        with gr.Row():
-            send = gr.Button(t("en", "send"), size="sm", variant="primary", elem_id=f"bs-send-{i}", min_width=60)
-            every = gr.Button(t("en", "all"), size="sm", elem_id=f"bs-all-{i}", min_width=60)
-        with gr.Row():
-            short = gr.Button(t("en", "short"), size="sm", elem_id=f"bs-short-{i}", min_width=60)
-            long = gr.Button(t("en", "long"), size="sm", elem_id=f"bs-long-{i}", min_width=60)
+        with gr.Row(elem_classes="bs-panel-buttons"):
+            send = gr.Button(t("en", "send"), size="sm", variant="primary", elem_id=f"bs-send-{i}", min_width=50)
+            every = gr.Button(t("en", "all"), size="sm", elem_id=f"bs-all-{i}", min_width=50)
+            short = gr.Button(t("en", "short"), size="sm", elem_id=f"bs-short-{i}", min_width=50)
+            long = gr.Button(t("en", "long"), size="sm", elem_id=f"bs-long-{i}", min_width=50)
     return col, chat, box, notice, send, every, short, long
 
 

@@ -52,12 +52,19 @@ def page(role: str, head: str, top: str) -> str:
         title="batchscope · " + ("projector" if role == "projector" else "join"))
 
 
-def join_box(url: str) -> str:
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def join_box(url: str, loopback: bool = False) -> str:
+    """loopback: the server listens on this machine only, so phones cannot reach the address: say so,
+    and name the flag that fixes it."""
+    warn = ('<div class="bs-join-warn" data-testid="join-warning" role="alert" data-i18n="room.loopback"></div>'
+            if loopback else "")
     return ('<aside class="bs-joinbox" data-testid="join-box">'
             '<div class="bs-join-title" data-i18n="room.projector"></div>'
             '<div class="bs-join-hint" data-i18n="room.scan"></div>'
             f'<div class="bs-qr" data-testid="join-qr" data-url="{html.escape(url)}">{qr_svg(url)}</div>'
-            f'<div class="bs-join-url" data-testid="join-url">{html.escape(url)}</div>'
+            f'<div class="bs-join-url" data-testid="join-url">{html.escape(url)}</div>{warn}'
             '<div class="bs-join-count"><span data-testid="room-count">0</span> '
             '<span data-i18n="room.people"></span></div></aside>')
 
@@ -114,7 +121,8 @@ def mount_room(app: FastAPI, service, room: Room, head: str, max_tokens: int = 1
 
     @app.get("/projector", response_class=HTMLResponse)
     async def projector_page(request: Request):
-        return page("projector", head, join_box(url_for(request)))
+        loopback = cfg.host in LOOPBACK and not cfg.public_url
+        return page("projector", head, join_box(url_for(request), loopback))
 
     @app.get("/api/room")
     async def room_state(request: Request):

@@ -44,12 +44,15 @@ async def play(service, session: Session, scenario: Scenario, changed: asyncio.E
     clock = StepClock(service.broadcaster.subscribe(0), children) if scenario.clock == "step" else None
 
     def send(a: Arrival):
+        # a plain prompt goes in as it is (no chat template), so it has the scenario's exact token count
         messages = [dict(m) for m in a.messages] if a.messages else [{"role": "user", "content": a.prompt}]
         text = messages[-1]["content"] = fresh(messages[-1]["content"])
         panel = panels[a.label]
         turn = Turn(shown=shorten(text), full=text)
         panel.turns.append(turn)
-        children.append(asyncio.ensure_future(drive(service, panel, turn, messages, a.params(), changed, lang)))
+        job = drive(service, panel, turn, None if a.prompt is not None else messages, a.params(), changed, lang,
+                    prompt=text if a.prompt is not None else None)
+        children.append(asyncio.ensure_future(job))
 
     try:
         replay, start = Replay(scenario), loop.time()

@@ -31,8 +31,10 @@ def fresh(text: str) -> str:
 
     The prefix cache would otherwise serve the second copy of the same
     document from cache, and the prefill (and its stall) would not show.
+    The number has a fixed width, so every copy is the same number of tokens
+    and a lesson's steps are the same however often it has run.
     """
-    return f"(#{next(_serial)}) {text}" if len(text) >= LONG_PROMPT else text
+    return f"(#{next(_serial) % 10_000:04d}) {text}" if len(text) >= LONG_PROMPT else text
 
 
 @dataclass
@@ -115,12 +117,14 @@ def check_message(text: str | None, lang: str) -> str | None:
     return None
 
 
-async def drive(service, panel: Panel, turn: Turn, messages: list[dict], params: SamplingParams,
-                changed: asyncio.Event, lang: str, client: str | None = None):
+async def drive(service, panel: Panel, turn: Turn, messages: list[dict] | None, params: SamplingParams,
+                changed: asyncio.Event, lang: str, client: str | None = None, prompt: str | None = None):
     """Submit one turn and stream its reply into it. Errors end up in the turn, as text.
-    client: the browser's address, for the per-client rate limit (scripted scenarios pass None)."""
+    client: the browser's address, for the per-client rate limit (scripted scenarios pass None).
+    prompt: a plain prompt instead of messages (no chat template: a scenario's exact token count)."""
     try:
-        stream = await service.submit(messages=messages, params=params, label=panel.name, client=client)
+        chat = {"prompt": prompt} if prompt is not None else {"messages": messages}
+        stream = await service.submit(**chat, params=params, label=panel.name, client=client)
     except ValueError as e:
         turn.error = t(lang, "err_long", msg=str(e))
     except QueueFull as e:

@@ -72,6 +72,11 @@ TEXT = {
         "err_down": "The engine is not available right now: {msg}",
         "err_reply": "The reply stopped early: {msg}",
         "doc_shown": "📄 {ask} (a {tokens}-token document: the history of a lighthouse)",
+        "lesson_setting": "*Runs under:* {setting}",
+        "in_force": "Settings in force: {setting}",
+        "set.policy": "{policy}", "set.budget": "budget {n} tokens", "set.seqs": "at most {n} sequences",
+        "set.chunk": "prefill chunks of at most {n} tokens", "set.no_chunk": "no chunk cap",
+        "set.delay": "{ms} ms pause per step", "set.no_delay": "no slow motion", "set.then": "; then ",
     },
     "zh": {
         "title": "## batchscope：一步一步看 LLM 引擎如何批处理请求",
@@ -88,7 +93,7 @@ TEXT = {
         "step3": ("**3 · 分块预填充。** 解码优先：每个进行中的回复先拿到下一个 token，剩下的 token 预算再装入新提示词的"
                   "*一块*。长文分几步读完，每一步仍然带着所有人的 token，停顿就消失了。拨动**分块预填充**开关来对比。"),
         "step3_btn": "▶ 3 · 运行：同样的场景，打开分块预填充",
-        "step4": ("**4 · 词元预算。** 一步最多计算*预算*个 token，不管怎么分。预算为 16（每块预填充最多 4 个 token）时："
+        "step4": ("**4 · token 预算。** 一步最多计算*预算*个 token，不管怎么分。预算为 16（每块预填充最多 4 个 token）时："
                   "先是 8 个回复解码，同时两个新提示词每次读 4 个 token（8 + 2 × 4）；然后 16 个回复一起解码（16 × 1）；"
                   "最后四个 4-token 的新提示词只用预填充就占满一步（4 × 4）。图下方的批次条每个 token 画一格："
                   "看同样的 16 格变成三种形状。"),
@@ -113,6 +118,11 @@ TEXT = {
         "err_down": "引擎暂时不可用：{msg}",
         "err_reply": "回复提前停止：{msg}",
         "doc_shown": "📄 {ask}（一篇 {tokens} token 的文章：一座灯塔的历史）",
+        "lesson_setting": "*运行设置：* {setting}",
+        "in_force": "当前设置：{setting}",
+        "set.policy": "{policy}", "set.budget": "预算 {n} 个 token", "set.seqs": "最多 {n} 个序列",
+        "set.chunk": "每块预填充最多 {n} 个 token", "set.no_chunk": "不限块大小",
+        "set.delay": "每步暂停 {ms} ms", "set.no_delay": "不慢放", "set.then": "；然后 ",
     },
 }
 
@@ -125,6 +135,21 @@ SCENARIO_BUTTONS = {
            "bursty": "24 个请求突然涌入", "shared-system-prompt": "共享系统提示词（前缀缓存）",
            "budget-shapes": "预算 16：三种形状", "split-prefill-decode": "一篇长文（用于分离式）"},
 }
+
+
+POLICY_NAMES = {"zh": {"static": "静态", "continuous": "连续", "chunked": "分块", "disaggregated": "分离式"}}
+
+
+def setting_line(lang: str, setting: dict) -> str:
+    """One line for a full setting (app/scenarios.py SETTING_KEYS): what a lesson runs under."""
+    policy = setting["policy"]
+    chunk, delay = setting.get("max_prefill_chunk"), setting.get("step_delay") or 0
+    parts = [t(lang, "set.policy", policy=POLICY_NAMES.get(lang, {}).get(policy, policy)),
+             t(lang, "set.budget", n=setting["max_num_batched_tokens"]),
+             t(lang, "set.seqs", n=setting["max_num_seqs"]),
+             t(lang, "set.chunk", n=chunk) if chunk else t(lang, "set.no_chunk"),
+             t(lang, "set.delay", ms=round(delay * 1000)) if delay else t(lang, "set.no_delay")]
+    return " · ".join(parts)
 
 
 def t(lang: str, key: str, **fmt) -> str:

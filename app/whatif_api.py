@@ -1,5 +1,6 @@
 """/api/whatif: replay the live session's arrivals under other settings (app/whatif.py). Presenter only.
 
+    GET    /api/whatif?since_step=N   progress, the log, and the estimate of a replay from step N
     POST   /api/whatif            {"settings": [{"policy": "static"}, ...], "since_step": 0} -> the comparison
     GET    /api/whatif            progress of the replay in progress, and the arrival log's counts
     GET    /api/whatif/result?format=json|chrome|html   the last comparison: records, Chrome trace, HTML report
@@ -40,12 +41,18 @@ def router(service) -> APIRouter:
                                code="presenter_key_required")
 
     @api.get("/api/whatif")
-    async def progress(request: Request):
+    async def progress(request: Request, since_step: str = "0"):
+        """The replay in progress, the log, and what a replay from since_step would cost (before starting)."""
         presenter(request)
+        if not since_step.isdigit():
+            raise APIError(400, f"since_step must be a non-negative integer, got {since_step!r}", param="since_step")
         job = service.whatif
+        logged, records, left_out = service.arrival_log.window(int(since_step))
+        estimate = {"since_step": int(since_step), "requests": len(logged), "left_out_running": left_out,
+                    "seconds_per_setting": busy_seconds(records)}
         return {"running": job is not None, "progress": job.progress if job else None,
                 "log": service.arrival_log.status(), "time_limit_s": TIME_LIMIT_S,
-                "has_result": "job" in last}
+                "has_result": "job" in last, "estimate": estimate}
 
     @api.post("/api/whatif")
     async def run(request: Request):

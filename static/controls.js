@@ -1,4 +1,4 @@
-// Engine controls: policy, the chunked-prefill switch, budgets, slow motion.
+// Engine controls: policy, the chunked-prefill switch, budgets, the chunk cap, slow motion.
 // They write /api/engine and follow the settings in force from the policy events on
 // the socket; when the server has a presenter key, writes carry it in X-Presenter-Key
 // (kept in this tab's sessionStorage only).
@@ -31,9 +31,11 @@
     $("chunked-state").textContent = BS.t(on ? "ctl.on" : "ctl.off");
     renderPair();
     for (const input of root.querySelectorAll("input[data-setting]")) {
-      const v = state[input.dataset.setting];
-      if (v != null && document.activeElement !== input) input.value = v;
+      const name = input.dataset.setting, v = state[name];
+      if (document.activeElement === input || v === undefined) continue;
+      input.value = v == null ? "" : v;         // the chunk cap: empty means no cap
     }
+    $("chunk-cap-clear").disabled = state.max_prefill_chunk == null;
     const d = $("step-delay");
     if (state.step_delay != null && document.activeElement !== d) {
       d.value = Math.round(state.step_delay * 1000);
@@ -124,11 +126,16 @@
       BS.apply({ policy: state.policy === "chunked" ? "continuous" : "chunked" }));
     for (const input of root.querySelectorAll("input[data-setting]")) {
       input.addEventListener("change", () => {
+        if (input.dataset.setting === "max_prefill_chunk" && input.value.trim() === "") {
+          BS.apply({ max_prefill_chunk: null });
+          return;
+        }
         const v = parseInt(input.value, 10);
         if (!(v >= 1)) { status(BS.t("ctl.failed") + ": " + input.value, true); render(); return; }
         BS.apply({ [input.dataset.setting]: v });
       });
     }
+    $("chunk-cap-clear").addEventListener("click", () => BS.apply({ max_prefill_chunk: null }));
     const d = $("step-delay");
     d.addEventListener("input", () => { $("step-delay-value").textContent = d.value; });
     d.addEventListener("change", () => BS.apply({ step_delay: +d.value / 1000 }));

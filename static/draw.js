@@ -5,7 +5,7 @@
   const BS = (window.BS = window.BS || {});
   const R = BS.rec;                    // record fields are read through record.js
   const C = () => BS.colors;
-  const LABEL_W = 132;        // px for row labels, left of both plots
+  let LABEL_W = 132;          // px for row labels, left of both plots (narrower on a phone: see drawGantt)
   const TOP = 24;             // px above the rows, for setting-change flags
   const AXIS = 20;            // px below the rows, for the x axis
   const ROW_H = 30, MIN_ROWS = 5;   // the chart grows with its rows, up to BS.chartMaxH px
@@ -51,6 +51,7 @@
   function drawGantt(gantt, resized) {
     const { g, w, h } = fit(gantt), S = BS.chartScale;
     g.clearRect(0, 0, w, h);
+    LABEL_W = BS.draw.LABEL_W = w < 480 ? 100 : 132;     // a phone keeps two thirds of its width for the steps
     const plotW = w - LABEL_W - 8;
     const win = BS.layout.windowOf(plotW);
     if (!win) {
@@ -84,12 +85,15 @@
     const handovers = drawHandovers(g, win, rowIndex, rowH, plotW);
     const legend = document.querySelector("[data-testid=legend-handover]");
     if (legend) legend.hidden = !BS.layout.lanesOf(win);
-    if (win.axis === "step") { drawGaps(g, win, avail); labelLongSteps(g, win); }
+    if (win.axis === "step") drawGaps(g, win, avail);
     const markers = drawMarkers(g, win, TOP - 20, h - AXIS, true);
+    // after the markers, so that no setting flag ever hides a slow step's duration
+    const slow = win.axis === "step" ? labelLongSteps(g, win, avail) : [];
+    const running = drawRunning(g, win, avail, plotW);
     drawAxis(g, win, h - AXIS, plotW);
     BS.view.drawn = { steps: win.steps.map((s) => R.step(s)),
                       rows: shown.map((r) => ({ rid: r.rid, label: r.label, mine: r.mine, group: r.group, lane: r.lane, header: !!r.header })),
-                      cells, markers, handovers, rowH, win };
+                      cells, markers, handovers, rowH, win, slow, running };
     syncRowLabels(gantt, shown);
     return win;
   }
@@ -109,9 +113,10 @@
       g.fillStyle = C().ink; g.textAlign = "left";
       g.font = (rowH >= 18 ? "bold 14px" : "bold 11px") + " sans-serif";
       const text = r.mine ? BS.t("row.you") + " · " + r.label : r.label;
-      g.fillText(ellipsize(g, text, LABEL_W - 60), 19, y + rowH / 2);
+      const narrow = LABEL_W < 132;           // a phone: the name gets the whole label, the request id goes
+      g.fillText(ellipsize(g, text, LABEL_W - (narrow ? 24 : 60)), 19, y + rowH / 2);
       g.font = (rowH >= 18 ? "11px" : "9px") + " sans-serif"; g.fillStyle = C().muted; g.textAlign = "right";
-      g.fillText(r.rid, LABEL_W - 6, y + rowH / 2);
+      if (!narrow) g.fillText(r.rid, LABEL_W - 6, y + rowH / 2);
       if (r.mine) { g.strokeStyle = C().ink; g.lineWidth = 2; g.strokeRect(1, y + 1, LABEL_W + plotW - 2, rowH - 2); }
     });
   }
@@ -167,7 +172,9 @@
       let xa = win.xOfTime(r.arrived);
       if (xa == null) continue;
       const fs = req.firstStep != null && req.firstStep <= win.last.step ? BS.layout.stepRec(req.firstStep) : null;
-      let xb = fs ? win.x(fs) : plotW;
+      // until its first step; a request that ended without one (aborted while queued) until its end
+      const xe = !fs && req.end != null ? win.xOfTime(req.end) : null;
+      let xb = fs ? win.x(fs) : xe != null ? xe : plotW;
       xa = Math.max(0, xa); xb = Math.min(plotW, xb);
       if (xb - xa > 2) { g.beginPath(); g.moveTo(LABEL_W + xa, y); g.lineTo(LABEL_W + xb - 2, y); g.stroke(); }
     }
@@ -299,22 +306,46 @@
   }
 
   // the step axis hides how long a step took: say it above the steps far slower than the rest
-  function labelLongSteps(g, win) {
+  // step axis: a step far slower than its neighbours gets an ink frame over its whole column and its
+  // duration in a box on the column, at the top of the plot (below the setting flags, drawn over them)
+  function labelLongSteps(g, win, avail) {
     const d = win.steps.map((s) => R.dur(s)).sort((a, b) => a - b);
-    const median = d[d.length >> 1] || 0;
-    if (d.length < 5) return;
+    const median = d[d.length >> 1] || 0, out = [];
+    if (d.length < 5) return out;
     const slow = win.steps.filter((s) => R.dur(s) >= Math.max(4 * median, 0.2))
       .sort((a, b) => R.dur(b) - R.dur(a));
-    g.font = "bold 12px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
+    g.font = "bold 13px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
     const taken = [];                     // the longest get their label first; others only where it fits
     for (const s of slow) {
-      const x = LABEL_W + win.x(s) + win.w(s) / 2, txt = fmtMs(R.dur(s)), tw = g.measureText(txt).width + 8;
-      if (taken.some(([a, b]) => x + tw / 2 > a && x - tw / 2 < b)) continue;
-      taken.push([x - tw / 2, x + tw / 2]);
-      g.fillStyle = C().paper; g.fillRect(x - tw / 2, TOP - 19, tw, 16);
-      g.strokeStyle = C().ink; g.lineWidth = 1; g.strokeRect(x - tw / 2 + 0.5, TOP - 18.5, tw - 1, 15);
-      g.fillStyle = C().ink; g.fillText(txt, x, TOP - 10.5);
+      const x0 = LABEL_W + win.x(s), cw = Math.max(2, win.w(s));
+      if (x0 + cw < LABEL_W) continue;
+      const x = x0 + cw / 2, txt = fmtMs(R.dur(s)), tw = g.measureText(txt).width + 10;
+      const bx = Math.max(LABEL_W, Math.min(x - tw / 2, g.canvas.width / (window.devicePixelRatio || 1) / BS.chartScale - tw));
+      if (taken.some(([a, b]) => bx + tw > a && bx < b)) { out.push({ step: R.step(s), text: txt, shown: false }); continue; }
+      taken.push([bx, bx + tw]);
+      g.strokeStyle = C().ink; g.lineWidth = 2; g.strokeRect(x0 - 1, TOP - 1, cw + 2, avail + 2);
+      g.fillStyle = C().ink; g.fillRect(bx, TOP + 2, tw, 18);
+      g.fillStyle = C().paper; g.fillText(txt, bx + tw / 2, TOP + 11.5);
+      out.push({ step: R.step(s), text: txt, shown: true, x: bx * BS.chartScale, y: (TOP + 2) * BS.chartScale });
     }
+    return out;
+  }
+
+  // live, and no step has come for a while though requests are in: a step is running (a long prefill,
+  // say). Say so at the chart's right edge, with the time it has taken so far, instead of freezing.
+  function drawRunning(g, win, avail, plotW) {
+    const el = BS.store.runningFor();
+    if (el == null || BS.view.mode !== "live") return null;
+    const x = Math.min(LABEL_W + plotW - 4, LABEL_W + win.x(win.last) + win.w(win.last) + 2);
+    g.save(); g.setLineDash([5, 4]); g.strokeStyle = C().ink; g.lineWidth = 2;
+    g.beginPath(); g.moveTo(x + 1, TOP); g.lineTo(x + 1, TOP + avail); g.stroke(); g.restore();
+    const txt = BS.t("chart.running") + " " + fmtMs(el);
+    g.font = "bold 13px sans-serif"; g.textAlign = "left"; g.textBaseline = "middle";
+    const tw = g.measureText(txt).width + 10, bx = Math.max(LABEL_W, Math.min(x + 4, LABEL_W + plotW - tw));
+    g.fillStyle = C().paper; g.fillRect(bx, TOP + avail / 2 - 10, tw, 20);
+    g.strokeStyle = C().ink; g.lineWidth = 1.5; g.strokeRect(bx + 0.5, TOP + avail / 2 - 9.5, tw - 1, 19);
+    g.fillStyle = C().ink; g.fillText(txt, bx + 5, TOP + avail / 2 + 0.5);
+    return { seconds: el, text: txt };
   }
 
   function drawMarkers(g, win, yTop, yBottom, flags) {

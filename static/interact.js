@@ -6,7 +6,8 @@
   const R = BS.rec;                    // record fields are read through record.js
   const REPLAY_RATE = 8;      // steps per second while replaying
   const view = BS.view;
-  let gantt, bar, tip, dirty = true, lastVersion = -1, replayAcc = 0, lastFrame = 0, sawWorkers = false;
+  let gantt, bar, tip, dirty = true, lastVersion = -1, replayAcc = 0, lastFrame = 0, sawWorkers = false, lastRunningDraw = 0;
+  let autoTime = false;                // the axis went to wall time by itself (followWorkers), not by the viewer
 
   // ---- hover ----
   const plotX = (canvas, ev) => (ev.clientX - canvas.getBoundingClientRect().left) / BS.chartScale - BS.draw.LABEL_W;
@@ -136,7 +137,10 @@
     lastFrame = now;
     tickReplay(dt);
     const v = BS.store.version;
-    if (!sawWorkers && v !== lastVersion) followWorkers();
+    if (v !== lastVersion) followWorkers();
+    if (view.mode === "live" && BS.store.runningFor() != null && now - lastRunningDraw > 100) {   // the clock ticks
+      lastRunningDraw = now; dirty = true;
+    }
     if ((view.mode === "live" && v !== lastVersion) || dirty) {
       lastVersion = v; dirty = false;
       if (gantt.isConnected) {
@@ -152,13 +156,20 @@
 
   // the first disaggregated steps switch the x axis to wall time, once: two workers run steps at
   // the same time, and only a time axis shows their lanes side by side (the radio switches back)
+  // and back to step index once the newest step is one engine's again, unless the viewer chose the axis
   function followWorkers() {
     const steps = BS.store.steps;
-    if (!steps.length || !R.worker(steps[steps.length - 1])) return;
-    sawWorkers = true;
-    if (view.axis === "time") return;
-    BS.play.setAxis("time");
-    document.querySelectorAll("input[name=bs-axis]").forEach((r) => { r.checked = r.value === "time"; });
+    if (!steps.length) return;
+    const workers = !!R.worker(steps[steps.length - 1]);
+    if (workers === sawWorkers) return;
+    sawWorkers = workers;
+    if (workers && view.axis !== "time") { autoTime = true; showAxis("time"); }
+    else if (!workers && autoTime) { autoTime = false; showAxis("step"); }
+  }
+
+  function showAxis(axis) {
+    BS.play.setAxis(axis);
+    document.querySelectorAll("input[name=bs-axis]").forEach((r) => { r.checked = r.value === axis; });
   }
 
   BS.redrawChart = () => { dirty = true; };
@@ -172,6 +183,7 @@
     for (const c of [gantt, bar]) c.addEventListener("mouseleave", () => { tip.hidden = true; });
     for (const c of [gantt, bar]) c.addEventListener("click", (ev) => {     // a column picked: views that show one step
       const d = view.drawn, s = d && d.win ? d.win.at(plotX(c, ev)) : null;
+      if (s) view.picked = R.step(s);        // the step the views that show one step follow (X-ray, KV map)
       if (s && BS.onStepClick) BS.onStepClick(s);
     });
     const on = (id, fn) => { const b = root.querySelector("[data-testid=" + id + "]"); if (b) b.addEventListener("click", fn); };
@@ -181,7 +193,7 @@
     on("step-back", () => BS.play.step(-1));
     on("replay", () => BS.play.replay());
     root.querySelectorAll("input[name=bs-axis]").forEach((r) =>
-      r.addEventListener("change", () => { if (r.checked) BS.play.setAxis(r.value); }));
+      r.addEventListener("change", () => { if (r.checked) { autoTime = false; BS.play.setAxis(r.value); } }));
     const zoom = root.querySelector("[data-testid=zoom]");
     if (zoom) zoom.addEventListener("input", () => BS.play.zoom(+zoom.value));
     const scrub = root.querySelector("[data-testid=scrub]");

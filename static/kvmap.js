@@ -40,7 +40,8 @@
 
   function draw() {
     const steps = BS.store.steps, v = BS.view;
-    const upto = v && v.mode !== "live" && v.cursor != null ? v.cursor : null;
+    // a clicked column first (as the X-ray), else the cursor when paused, else the newest step
+    const upto = v && v.picked != null ? v.picked : v && v.mode !== "live" && v.cursor != null ? v.cursor : null;
     const last = upto == null ? steps[steps.length - 1] : steps[steps.findLastIndex((s) => R.step(s) <= upto)];
     const head = box.querySelector("[data-role=head]");
     if (!last) { shown = null; return; }
@@ -117,7 +118,7 @@
     canvas.addEventListener("mousemove", onMove);
     canvas.addEventListener("mouseleave", () => { tip.hidden = true; });
     BS.kvFrame = (now) => {                // called by main.js's one animation loop
-      const v = BS.store.version + ":" + (BS.view ? BS.view.mode + BS.view.cursor : "") + BS.lang();
+      const v = BS.store.version + ":" + (BS.view ? BS.view.mode + BS.view.cursor + ":" + BS.view.picked : "") + BS.lang();
       if (v !== lastKey && now - lastDraw > 300) { lastKey = v; lastDraw = now; draw(); }
     };
   };

@@ -19,6 +19,7 @@
     axis: "step",             // step | time
     span: 100,                // steps in view (both axes); cells never get narrower than MIN_CELL
     windowSec: 2,             // time mode: seconds shown (follows the steps in view)
+    picked: null,             // .step of the column last clicked (the X-ray and the KV map show it), or null
     drawn: null,              // what the last frame showed: {steps, rows, cells, markers, rowH, win} (hover and tests read it)
   });
 

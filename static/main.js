@@ -36,6 +36,7 @@
     BS.initChart(stage);
     if (stage.querySelector("[data-testid=controls]")) BS.initControls(stage);
     BS.initMetrics(stage);
+    if (BS.fitChart) BS.fitChart();
     BS.initRoom(stage);
     if (stage.querySelector("[data-testid=why]")) BS.initWhy(stage);   // the lecturer's "why" views
     if (!BS.offline) BS.connect();         // offline: a recorded stream is fed by BS.ingestAll

@@ -75,6 +75,27 @@
     };
   };
 
+  // one column of the server's table (app/metrics.py stretches()) in the shape segmentMetrics gives
+  BS.serverMetrics = function (x) {
+    return {
+      policy: x.policy, budget: x.token_budget, maxSeqs: x.max_num_seqs,
+      steps: x.num_steps, from: x.first_step, to: x.last_step,
+      ttft50: x.ttft_p50_s, ttft99: x.ttft_p99_s, tbt50: x.tbt_p50_s, tbt99: x.tbt_p99_s,
+      stall: x.stall_max_s, tps: x.output_tokens_per_s, tokens: x.output_tokens, kvFill: x.kv_used_max,
+      waiting: x.waiting_max, busy: x.busy_s, transfers: x.transfers, transfer50: x.transfer_p50_s,
+      transfer99: x.transfer_p99_s, transferBytes: x.transfer_bytes, server: true,
+    };
+  };
+
+  // the columns to show: this page's own numbers when it saw the whole run (or is looking back at
+  // a cursor), else the server's, so a page opened late shows what one open from the start shows
+  BS.tableMetrics = function () {
+    const steps = BS.store.steps, live = !BS.view || BS.view.mode === "live" || BS.view.cursor == null;
+    if (live && !BS.seenWhole()) return BS.store.stretches.slice(-MAX_SEGMENTS).map(BS.serverMetrics);
+    const upto = live ? steps.length - 1 : steps.findLastIndex((s) => R.step(s) <= BS.view.cursor);
+    return BS.segments(Math.max(0, upto)).map(BS.segmentMetrics);
+  };
+
   const sec = (v) => (v == null ? "–" : v < 1 ? (v * 1000).toFixed(0) + " ms" : v.toFixed(2) + " s");
 
   function cellText(m, row) {
@@ -122,14 +143,12 @@
       table.replaceChildren(el("caption", BS.t("metrics.empty")));
       return;
     }
-    const upto = BS.view && BS.view.mode !== "live" && BS.view.cursor != null
-      ? steps.findLastIndex((s) => R.step(s) <= BS.view.cursor) : steps.length - 1;
-    const ms = BS.segments(Math.max(0, upto)).map(BS.segmentMetrics);
+    const ms = BS.tableMetrics();
     const head = el("tr");
     head.append(el("th", BS.t("metrics.segment")));
     for (const m of ms) {
       const th = el("th", null, "bs-seg bs-seg-" + m.policy);
-      th.append(el("span", BS.t("policy." + m.policy), "bs-seg-policy"), el("span", " · " + m.budget + " tok", "bs-seg-budget"));
+      th.append(el("span", BS.t("policy." + m.policy), "bs-seg-policy"), el("span", " · " + m.budget + " " + BS.t("metrics.tok"), "bs-seg-budget"));
       th.dataset.policy = m.policy;
       head.append(th);
     }

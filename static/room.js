@@ -4,7 +4,9 @@
 (function () {
   const BS = (window.BS = window.BS || {});
   const KEY = "batchscope.room";
-  const PROJECTOR_SCALE = 1.8;   // the projector draws the chart 1.8x: its smallest text is 16 px (docs/ui.md)
+  // the projector draws the chart up to 1.8x (at 1080 px high its smallest text is 16 px, docs/ui.md), less
+  // on a lower screen, so that chart, batch bar and metrics share it
+  const projectorScale = () => Math.max(1.1, Math.min(1.8, window.innerHeight / 600));
   let root, asking = false, lastAsk = 0, me = null, busy = false;
 
   const $ = (id) => root.querySelector("[data-testid=" + id + "]");
@@ -149,8 +151,9 @@
   BS.initRoom = function (stage) {
     root = stage;
     if (BS.role === "projector") {
-      BS.chartScale = PROJECTOR_SCALE;
-      BS.chartMaxH = Math.max(420, Math.round(window.innerHeight * 0.46));
+      const fit = () => { BS.chartScale = projectorScale(); BS.chartMaxH = Math.round(window.innerHeight * 0.3); };
+      fit();
+      window.addEventListener("resize", fit);
     } else if (BS.role === "student") {
       BS.chartMaxH = 560;
       initStudent();

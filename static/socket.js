@@ -16,6 +16,7 @@
     settings: null,     // latest engine settings seen (policy event or snapshot)
     gaps: [],           // {after, before}: step indices missed between two received steps
     transfers: [],      // KV hand-overs between workers (disaggregated), oldest first: {rid, label, t0, t, ...}
+    stretches: null,    // the server's per-setting metrics of the whole run (app/metrics.py stretches()), or null offline
     version: 0,         // bumps whenever anything changes; views redraw when it moves
     connected: false,
     listeners: [],
@@ -128,11 +129,13 @@
   BS.ingest = function (msg) {
     if (!msg || typeof msg !== "object") return;
     switch (R.type(msg)) {
-      case "step": addStep(msg); break;
+      case "step": addStep(msg); settle(); store.lastStepAt = performance.now(); break;
       case "request": addEvent(msg); break;
       case "policy": store.settings = Object.assign({}, store.settings, R.settings(msg)); break;
+      case "stretches": store.stretches = msg.stretches; break;
       case "snapshot": {
         if (msg.settings) store.settings = Object.assign({}, store.settings, R.settings(msg.settings));
+        if (msg.stretches) store.stretches = msg.stretches;
         const before = store.steps.length ? R.step(store.steps[store.steps.length - 1]) : null;
         const recs = msg.records || [];
         for (const m of recs) BS.ingest(m);
@@ -158,6 +161,28 @@
     store.listeners.forEach((fn) => { try { fn(store); } catch (e) { console.error(e); } });
   };
   BS.onStore = (fn) => store.listeners.push(fn);
+
+  // seconds since the newest step arrived while the engine still had requests (a step is running),
+  // or null: idle, offline, disconnected, or a step came in the last RUNNING_AFTER seconds
+  const RUNNING_AFTER = 0.7;
+  let openAt = -1, open = false;             // is any request in the store not ended? (cached per version)
+  function anyOpen() {
+    if (openAt !== store.version) {
+      openAt = store.version; open = false;
+      for (const r of store.reqs.values()) if (r.end == null) { open = true; break; }
+    }
+    return open;
+  }
+  store.lastStepAt = null;
+  store.runningFor = function () {
+    const last = store.steps[store.steps.length - 1];
+    if (BS.offline || !store.connected || !last || store.lastStepAt == null) return null;
+    if (!((last.running || 0) + (last.waiting || 0) > 0)) return null;     // counted after the step: work is left
+    if (!anyOpen()) return null;             // ...unless it has all ended since (aborted: no step follows)
+    const s = (performance.now() - store.lastStepAt) / 1000;
+    const pause = (store.settings && +store.settings.step_delay) || 0;   // slow motion is not a running step
+    return s >= RUNNING_AFTER + pause ? s : null;
+  };
   // a recorded stream (a trace file, a test) taken in at once, as if it had arrived live
   BS.ingestAll = function (list) { for (const m of list) BS.ingest(m); pending = true; BS.flush(); };
 
@@ -174,7 +199,8 @@
     store.connected = ok;
     document.querySelectorAll("[data-testid=conn]").forEach((el) => {
       el.dataset.state = ok ? "live" : "lost";
-      el.textContent = BS.t(ok ? "conn.live" : "conn.lost");
+      el.dataset.i18n = ok ? "conn.live" : "conn.lost";      // a language switch rewrites it too
+      el.textContent = BS.t(el.dataset.i18n);
     });
   }
 
@@ -196,6 +222,23 @@
     };
     ws.onerror = () => { try { ws.close(); } catch (e) { /* already closed */ } };
   };
+
+  // The store holds every step of the run since the first one the server's numbers cover: this page
+  // can compute every per-setting metric itself. Otherwise (opened late, a gap, trimmed) it shows the
+  // server's (store.stretches), which come about once a second while steps run.
+  BS.seenWhole = function () {
+    const st = store.stretches;
+    return !st || !st.length || (store.steps.length > 0 && !store.gaps.length && R.step(store.steps[0]) <= st[0].first_step);
+  };
+
+  // a page that did not see the whole run asks once more when the steps stop, so its numbers
+  // include the last second too (a one-step snapshot carries the latest stretches)
+  let settleTimer = null;
+  function settle() {
+    if (BS.offline || BS.seenWhole()) return;
+    clearTimeout(settleTimer);
+    settleTimer = setTimeout(() => { if (ws && ws.readyState === 1) ws.send(JSON.stringify({ type: "snapshot", last: 1 })); }, 1500);
+  }
 
   // ask the server for the last `steps` steps again (after a gap or a reconnect); at most one pending
   let backfillTimer = null;

@@ -9,6 +9,42 @@
   let root, polling = null;
 
   const $ = (id) => root.querySelector("[data-testid=" + id + "]");
+
+  BS.addStrings({
+    en: {
+      "whatif.title": "What if? Replay this class's own requests under other settings",
+      "whatif.note": "The server keeps a private log of the requests sent since it started (or since the log was cleared): prompts as token ids, arrival steps, seeds. Replaying runs the same arrivals at the same steps on a second engine, between the live engine's steps, so chats keep working meanwhile. Presenter only.",
+      "whatif.budget": "token budget", "whatif.live": "live", "whatif.since": "since step",
+      "whatif.last_lesson": "since the last lesson", "whatif.run": "Replay", "whatif.clear": "Clear log",
+      "whatif.download": "Download:", "whatif.dl_html": "HTML report", "whatif.dl_trace": "trace (Perfetto)",
+      "whatif.dl_log": "arrival log (for demos.compare --trace)",
+      "whatif.log": "log: {n} request(s), {steps} step(s)", "whatif.full": " (full)",
+      "whatif.progress": "setting {k} of {n}: {phase}, {tokens} of {total} tokens",
+      "whatif.estimate": "{n} request(s) since step {step}: about {s} s (limit {limit} s)",
+      "whatif.too_long": ": too long, choose a later step or fewer settings",
+      "whatif.nothing": "no finished request since step {step}",
+      "whatif.tick": "tick at least one policy", "whatif.starting": "starting…",
+      "whatif.done": "replayed {n} request(s)", "whatif.left": "; {n} still running, left out",
+      "whatif.cleared": "log cleared",
+    },
+    zh: {
+      "whatif.title": "如果换一种设置？用这堂课自己的请求重放",
+      "whatif.note": "服务器私下记录了启动（或清空记录）以来发送的请求：提示词的 token id、到达的步数和随机种子。重放会在第二个引擎上、在实时引擎的步与步之间，按同样的步数送入同样的请求，所以聊天照常进行。仅限演示者。",
+      "whatif.budget": "token 预算", "whatif.live": "当前", "whatif.since": "从第几步起",
+      "whatif.last_lesson": "从上一节课起", "whatif.run": "重放", "whatif.clear": "清空记录",
+      "whatif.download": "下载：", "whatif.dl_html": "HTML 报告", "whatif.dl_trace": "轨迹（Perfetto）",
+      "whatif.dl_log": "到达记录（用于 demos.compare --trace）",
+      "whatif.log": "记录：{n} 个请求，{steps} 步", "whatif.full": "（已满）",
+      "whatif.progress": "第 {k} 种设置（共 {n} 种）：{phase}，{tokens} / {total} 个 token",
+      "whatif.estimate": "第 {step} 步以来 {n} 个请求：约 {s} 秒（上限 {limit} 秒）",
+      "whatif.too_long": "：太长，请选更晚的步或更少的设置",
+      "whatif.nothing": "第 {step} 步以来没有已完成的请求",
+      "whatif.tick": "请至少勾选一种策略", "whatif.starting": "开始……",
+      "whatif.done": "已重放 {n} 个请求", "whatif.left": "；{n} 个仍在运行，未计入",
+      "whatif.cleared": "记录已清空",
+    },
+  });
+  const w = (key, vars) => BS.t(key).replace(/\{(\w+)\}/g, (_, k) => vars[k]);
   const url = (p) => (BS.url ? BS.url(p) : p);
 
   function headers() {
@@ -32,19 +68,34 @@
   }
 
   function showLog(log) {
-    $("whatif-log").textContent = `log: ${log.requests} request(s), ${log.steps} step(s)` + (log.full ? " (full)" : "");
+    $("whatif-log").textContent = w("whatif.log", { n: log.requests, steps: log.steps }) + (log.full ? BS.t("whatif.full") : "");
+  }
+
+  const since = () => Math.max(0, parseInt($("whatif-since").value, 10) || 0);
+
+  // before a replay starts: how long it would take for the range and settings chosen, against the limit
+  function showEstimate(s) {
+    const e = s.estimate, n = settings().length, el = $("whatif-estimate");
+    if (!e || s.running) return;
+    const total = e.seconds_per_setting * Math.max(1, n), over = total > s.time_limit_s;
+    el.textContent = e.requests ? w("whatif.estimate", { n: e.requests, step: e.since_step, s: Math.round(total),
+                                                          limit: Math.round(s.time_limit_s) }) + (over ? BS.t("whatif.too_long") : "")
+      : w("whatif.nothing", { step: e.since_step });
+    el.dataset.bad = over || !e.requests ? "1" : "";
+    $("whatif-run").disabled = over || !e.requests || !n;
   }
 
   async function poll() {
     try {
-      const s = await call("GET", "/api/whatif");
+      const s = await call("GET", "/api/whatif?since_step=" + since());
       showLog(s.log);
+      showEstimate(s);
       const bar = $("whatif-progress");
       if (s.running && s.progress) {
         const p = s.progress;
         bar.hidden = false;
         bar.value = p.fraction;
-        say(`setting ${p.setting} of ${p.settings}: ${p.phase}, ${p.tokens} of ${p.tokens_total} tokens`);
+        say(w("whatif.progress", { k: p.setting, n: p.settings, phase: p.phase, tokens: p.tokens, total: p.tokens_total }));
       }
     } catch (e) {
       say(e.message, true);
@@ -62,18 +113,18 @@
 
   async function run() {
     const chosen = settings();
-    if (!chosen.length) return say("tick at least one policy", true);
+    if (!chosen.length) return say(BS.t("whatif.tick"), true);
     $("whatif-run").disabled = true;
     $("whatif-progress").hidden = false;
     $("whatif-progress").value = 0;
-    say("starting…");
+    say(BS.t("whatif.starting"));
     polling = setInterval(poll, 500);
     try {
-      const result = await call("POST", "/api/whatif", { settings: chosen, since_step: 0 });
+      const result = await call("POST", "/api/whatif", { settings: chosen, since_step: since() });
       const runs = (await call("GET", "/api/whatif/result?format=json")).runs;
       draw(runs, result);
-      say(`replayed ${result.requests} request(s)` +
-          (result.left_out_running ? `; ${result.left_out_running} still running, left out` : ""));
+      say(w("whatif.done", { n: result.requests }) +
+          (result.left_out_running ? w("whatif.left", { n: result.left_out_running }) : ""));
     } catch (e) {
       say(e.message, true);
     } finally {
@@ -198,7 +249,7 @@
   }
 
   async function clearLog() {
-    try { showLog(await call("DELETE", "/api/whatif/log")); say("log cleared"); } catch (e) { say(e.message, true); }
+    try { showLog(await call("DELETE", "/api/whatif/log")); say(BS.t("whatif.cleared")); } catch (e) { say(e.message, true); }
   }
 
   function start() {
@@ -207,6 +258,16 @@
     root.dataset.ready = "1";
     $("whatif-run").addEventListener("click", run);
     $("whatif-clear").addEventListener("click", clearLog);
+    $("whatif-since").addEventListener("change", poll);
+    root.querySelectorAll("input[data-whatif-policy], [data-testid=whatif-budget]").forEach((c) => c.addEventListener("change", poll));
+    // the step the last lesson pressed in this tab began at; else where the newest setting began
+    $("whatif-last-lesson").addEventListener("click", () => {
+      const st = BS.store && BS.store.stretches, segs = BS.store && BS.store.steps.length ? BS.segments(BS.store.steps.length - 1) : [];
+      const step = BS.lessonStart != null ? BS.lessonStart : st && st.length ? st[st.length - 1].first_step
+        : segs.length ? R.step(segs[segs.length - 1].first) : 0;
+      $("whatif-since").value = step;
+      poll();
+    });
     root.querySelectorAll("[data-download]").forEach((b) => b.addEventListener("click", () => download(b.dataset.download)));
     poll();
     return true;

@@ -35,7 +35,8 @@
       "xray.pick": "Click a column of the chart to open its step.",
       "xray.req": "request", "xray.kind": "part", "xray.pos": "positions", "xray.ctx": "context read", "xray.blocks": "KV blocks read",
       "xray.packed": "packed tokens", "xray.mask": "attention mask: new tokens × keys read",
-      "xray.step": "step", "xray.left": "left out",
+      "xray.step": "step", "xray.left": "left out", "cost.tokens": "tokens",
+      "xray.legend": "How to read the mask: one band of rows per sequence (its new tokens), in its colour, against the keys it reads (columns, left to right in packed order). The rectangle is its cached context, read in full; the triangle is its own new tokens, each reading itself and those before it (causal). Blank: not read, so sequences never see each other.",
       "stalls.title": "Why replies waited: time in gaps, by cause",
       "stalls.caption": "Every step that ran while a reply waited, charged to its cause; on the chart a line joins each stall to the prompt that took its place.",
       "cause.prefill": "prefill of another prompt", "cause.static_batch": "static batch still prefilling",
@@ -46,33 +47,35 @@
     zh: {
       "why.title": "为什么：一步的代价、步内的批、等待的原因",
       "cost.title": "在这台机器上一步的代价",
-      "cost.axis.x": "本步的词元数", "cost.axis.y": "步耗时（毫秒）",
+      "cost.axis.x": "本步的 token 数", "cost.axis.y": "步耗时（毫秒）",
       "cost.decode": "仅解码", "cost.prefill": "仅预填充", "cost.mixed": "混合", "cost.size": "大小：读取的上下文",
-      "cost.fit": "拟合", "cost.target": "目标词元间隔（毫秒）", "cost.apply": "应用此预算",
-      "cost.advice": "满足目标的最大预算", "cost.none": "没有预算能满足", "cost.free": "此拟合中词元不增加代价",
+      "cost.fit": "拟合", "cost.target": "目标 token 间隔（毫秒）", "cost.apply": "应用此预算",
+      "cost.advice": "满足目标的最大预算", "cost.none": "没有预算能满足", "cost.free": "此拟合中 token 不增加代价",
       "cost.empty": "还没有已计算的步。",
-      "cost.cap.proportional": "在 {dev} 上，一步本身耗时 {a}，每个词元再加 {b}：步的代价与词元数成正比，所以一个预填充块会拖慢所有人的下一个词元。",
-      "cost.cap.flat": "在 {dev} 上，一步本身耗时 {a}，每个词元只加 {b}：填满预算几乎不增加代价，这就是把解码捎带在预填充块上（Sarathi-Serve）可行的原因。",
+      "cost.cap.proportional": "在 {dev} 上，一步本身耗时 {a}，每个 token 再加 {b}：步的代价与 token 数成正比，所以一个预填充块会拖慢所有人的下一个 token。",
+      "cost.cap.flat": "在 {dev} 上，一步本身耗时 {a}，每个 token 只加 {b}：填满预算几乎不增加代价，这就是把解码捎带在预填充块上（Sarathi-Serve）可行的原因。",
       "cost.gpu.toggle": "与录制的 GPU 轨迹对比",
       "cost.gpu.note": "在 {gpu}（{dev}，预算 {budget}）上录制，权重是按 {model} 的形状随机生成的：一步的耗时取决于形状，与权重的数值无关。空心标记，虚线拟合。",
       "cost.gpu.loading": "正在加载 GPU 轨迹……", "cost.gpu.error": "无法加载 GPU 轨迹：{msg}",
       "xray.title": "单步透视：一次前向计算里有什么",
-      "xray.caption": "点击图中的一列。每行是扁平批中的一个序列；掩码显示每个新词元读取了哪些缓存的词元。",
+      "xray.caption": "点击图中的一列。每行是扁平批中的一个序列；掩码显示每个新 token 读取了哪些缓存的 token。",
       "xray.pick": "点击图中的一列以查看该步。",
       "xray.req": "请求", "xray.kind": "部分", "xray.pos": "位置", "xray.ctx": "读取的上下文", "xray.blocks": "读取的KV块",
-      "xray.packed": "打包的词元", "xray.mask": "注意力掩码：新词元 × 读取的键",
-      "xray.step": "步", "xray.left": "被排除",
+      "xray.packed": "打包的 token", "xray.mask": "注意力掩码：新 token × 读取的键",
+      "xray.step": "步", "xray.left": "被排除", "cost.tokens": "token 数",
+      "xray.legend": "怎么读掩码：每个序列一条横带（它的新 token），用它的颜色，对应它读取的键（列，按打包顺序从左到右）。矩形是它缓存的上下文，全部读取；三角形是它自己的新 token，每个读取自己和之前的 token（因果）。空白表示不读取，所以序列之间互不可见。",
       "stalls.title": "回复为何等待：间隔时间按原因统计",
       "stalls.caption": "回复等待期间运行的每一步都记到其原因上；图中一条线把每个停顿连到占用它位置的提示。",
       "cause.prefill": "其他提示的预填充", "cause.static_batch": "静态批仍在预填充",
-      "cause.budget": "词元预算用完", "cause.no_slot": "没有序列槽位", "cause.kv_full": "没有空闲的KV块", "cause.preempted": "被抢占（KV已满）",
+      "cause.budget": "token 预算用完", "cause.no_slot": "没有序列槽位", "cause.kv_full": "没有空闲的KV块", "cause.preempted": "被抢占（KV已满）",
       "cause.policy": "被策略排除", "cause.unknown": "未记录",
-      "why.by": "{by} 的预填充（{n} 个词元）",
+      "why.by": "{by} 的预填充（{n} 个 token）",
     },
   });
 
   const fill = (key, vars) => BS.t(key).replace(/\{(\w+)\}/g, (_, k) => vars[k]);
   const ms = (sec) => (sec !== 0 && Math.abs(sec) < 1e-5 ? (sec * 1e6).toFixed(2) + " µs"   // a GPU's per-token cost
+    : Math.abs(sec) >= 1 ? sec.toFixed(2) + " s"                                          // a stall: 34.59 s
     : (Math.abs(sec) < 0.01 ? (sec * 1000).toFixed(2) : (sec * 1000).toFixed(1)) + " ms");
   const $ = (sel) => root.querySelector(sel);
 
@@ -126,7 +129,7 @@
       terms: fit.terms, regime: A().regime(fit, budget), context: ctx, budget });
     cap.textContent = fill("cost.cap." + A().regime(fit, budget), { dev: device || "?", a: ms(fit.a), b: ms(fit.b) });
     const term = (x) => (x < 0 ? " − " : " + ") + ms(Math.abs(x));    // a negative c reads "− 0.21 ms"
-    info.textContent = BS.t("cost.fit") + ": " + ms(fit.a) + term(fit.b) + " × tokens" + term(fit.c) +
+    info.textContent = BS.t("cost.fit") + ": " + ms(fit.a) + term(fit.b) + " × " + BS.t("cost.tokens") + term(fit.c) +
       " × context · R² " + (fit.r2 == null ? "–" : fit.r2.toFixed(3)) + " · n " + fit.n + " · " + device;
     plotCost(g, w, h, pts, fit, ctx, budget, adviceFor(fit, ctx), false);
     legend(box);
@@ -202,7 +205,7 @@
       regime: A().regime(fit, budget), budget });
     cap.textContent = fill("cost.cap." + A().regime(fit, budget), { dev: device, a: ms(fit.a), b: ms(fit.b) });
     const term = (x) => (x < 0 ? " − " : " + ") + ms(Math.abs(x));
-    info.textContent = BS.t("cost.fit") + ": " + ms(fit.a) + term(fit.b) + " × tokens" + term(fit.c) +
+    info.textContent = BS.t("cost.fit") + ": " + ms(fit.a) + term(fit.b) + " × " + BS.t("cost.tokens") + term(fit.c) +
       " × context · R² " + (fit.r2 == null ? "–" : fit.r2.toFixed(3)) + " · n " + fit.n + " · " + device;
     const { g, w, h } = canvas2d(part.querySelector("canvas"), 220);
     plotCost(g, w, h, pts, fit, ctx, budget, null, true);
@@ -230,6 +233,9 @@
 
   function adviceFor(fit, ctx) {
     const input = $("[data-testid=tbt-target]"), out = $("[data-role=advice]"), apply = $("[data-testid=apply-budget]");
+    if (!input.dataset.touched && fit.b > 0) {   // a default this machine can meet: 1.2x a 32-token step, to 10 ms
+      input.value = Math.max(10, Math.ceil(1.2 * (fit.a + 32 * fit.b + fit.c * (ctx || 0)) * 100) * 10);
+    }
     const target = parseFloat(input.value) / 1000;
     let best = null;
     if (target > 0) {
@@ -256,7 +262,7 @@
     if (!s) { head.textContent = BS.t("xray.pick"); table.replaceChildren(); return; }
     box.dataset.step = R.step(s);
     const bs = R.blockSize(s), items = R.items(s);
-    head.textContent = BS.t("xray.step") + " " + R.step(s) + " · " + R.numTokens(s) + " / " + R.budget(s) + " tokens · " +
+    head.textContent = BS.t("xray.step") + " " + R.step(s) + " · " + R.numTokens(s) + " / " + R.budget(s) + " " + BS.t("cost.tokens") + " · " +
       ms(R.dur(s)) + (R.stalled(s).length ? " · " + BS.t("xray.left") + ": " + R.stalled(s).map((r) => label(r) + " (" + stallWhy(s, r) + ")").join(", ") : "");
     const tr = el("tr");
     for (const k of ["xray.req", "xray.kind", "xray.pos", "xray.ctx", "xray.blocks"]) tr.append(el("th", BS.t(k)));
@@ -365,7 +371,7 @@
     root = stage;
     BS.initKvMap(stage);
     if (!$("[data-testid=cost-model]")) return;
-    $("[data-testid=tbt-target]").addEventListener("input", () => { lastKey = ""; });
+    $("[data-testid=tbt-target]").addEventListener("input", (e) => { e.target.dataset.touched = "1"; lastKey = ""; });
     $("[data-testid=gpu-compare]").addEventListener("change", () => { lastKey = ""; });
     $("[data-testid=apply-budget]").addEventListener("click", () => {
       const b = parseInt($("[data-role=advice]").dataset.budget, 10);

@@ -1,5 +1,6 @@
-"""The what-if panel in Chromium: refused without the presenter key, then run with it: one Gantt per run,
-the per-user table with the change, downloads. Keeps a screenshot when BATCHSCOPE_SCREENSHOT_DIR is set."""
+"""The what-if panel in Chromium: refused without the presenter key, then run with it: the range and its
+estimate before the replay, one Gantt per run, the per-user table with the change, downloads. Keeps a
+screenshot when BATCHSCOPE_SCREENSHOT_DIR is set."""
 import os
 import threading
 import time
@@ -49,6 +50,19 @@ def test_whatif_panel_replays_and_shows_each_user(server):
         page.evaluate(f"sessionStorage.setItem('batchscope.key', '{KEY}')")
         panel.locator("[data-whatif-policy=chunked]").check()
         panel.locator("[data-testid=whatif-budget]").fill("8")
+        # the range to replay, estimated before it starts: nothing after a far step (Replay stays off), then
+        # "since the last lesson" (no lesson pressed in this tab: where the newest setting began)
+        estimate = panel.locator("[data-testid=whatif-estimate]")
+        panel.locator("[data-testid=whatif-since]").fill("100000")
+        panel.locator("[data-testid=whatif-since]").dispatch_event("change")
+        page.wait_for_function("document.querySelector('[data-testid=whatif-estimate]').textContent"
+                               ".includes('since step 100000')")
+        assert "no finished request" in estimate.inner_text()
+        assert panel.locator("[data-testid=whatif-run]").is_disabled()
+        panel.locator("[data-testid=whatif-last-lesson]").click()
+        page.wait_for_function("document.querySelector('[data-testid=whatif-estimate]').textContent"
+                               ".startsWith('2 request(s) since step 0: about')")
+        assert "(limit 240 s)" in estimate.inner_text() and not panel.locator("[data-testid=whatif-run]").is_disabled()
         panel.locator("[data-testid=whatif-run]").click()
         panel.locator("[data-testid=whatif-table]").wait_for(state="visible", timeout=600_000)
         assert panel.locator("figure.bs-whatif-gantt").count() == 2

@@ -269,3 +269,16 @@ def test_a_first_token_is_never_a_stall():
          step(2, 0.2, 0.3, [dec("a")])]
     assert [tk.stalled for tk in metrics.tokens(s)["a"]] == [False, False]
     assert metrics.summarize(s)["stall_count"] == 0 and metrics.stretches(s)[0]["stall_max_s"] == 0.0
+
+
+@settings(max_examples=150, deadline=None)
+@given(random_streams(), st.data())
+def test_the_live_meter_reads_a_stream_record_by_record_as_stretches_reads_it_whole(s, data):
+    """What the server keeps for late viewers (app/broadcast.py): read while the run goes on, at any
+    moments, it always gives what stretches() gives for the records so far."""
+    meter = metrics.StretchMeter()
+    for i, rec in enumerate(s):
+        meter.observe(rec)
+        if data.draw(st.booleans()):
+            assert meter.stretches() == metrics.stretches(s[:i + 1])
+    assert meter.stretches() == metrics.stretches(s)

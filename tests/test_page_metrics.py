@@ -23,6 +23,18 @@ TRACE = Path(__file__).parent / "data" / "page_trace.json"
 pytestmark = MARKS
 ROWS = ["steps", "ttft", "tbt", "stall", "tps", "kv", "waiting"]
 MAX_COLUMNS = 4         # the page shows the newest four stretches
+# the metrics table's columns as the page shows them: per row, the text and the numbers behind it
+TABLE_JS = """() => {
+    const t = document.querySelector('[data-testid=metrics] table');
+    return [...t.tHead.rows[0].querySelectorAll('th[data-policy]')].map((th, i) => {
+        const col = {policy: th.dataset.policy};
+        for (const tr of t.querySelectorAll('tr[data-metric]')) {
+            const td = tr.cells[i + 1];
+            col[tr.dataset.metric] = {text: td.textContent, values: JSON.parse(td.dataset.values)};
+        }
+        return col;
+    });
+}"""
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +49,7 @@ def stage():
             load_stage(page, stream, "window.BS && BS.store && document.querySelector('[data-testid=metrics] table')")
             page.wait_for_function("document.querySelector('[data-testid=metrics] tr[data-metric=steps] td')")
             assert not errors, errors
-            return page.evaluate("""() => {
-                const t = document.querySelector('[data-testid=metrics] table');
-                return [...t.tHead.rows[0].querySelectorAll('th[data-policy]')].map((th, i) => {
-                    const col = {policy: th.dataset.policy};
-                    for (const tr of t.querySelectorAll('tr[data-metric]')) {
-                        const td = tr.cells[i + 1];
-                        col[tr.dataset.metric] = {text: td.textContent, values: JSON.parse(td.dataset.values)};
-                    }
-                    return col;
-                });
-            }""")
+            return page.evaluate(TABLE_JS)
 
         yield show
 

@@ -35,7 +35,7 @@ def test_every_string_exists_in_both_languages():
     assert set(TEXT["en"]) == set(TEXT["zh"])
     assert set(SCENARIO_BUTTONS["en"]) == set(SCENARIO_BUTTONS["zh"]) == set(SCENARIOS)
     assert all(len(SHORT[code]) == len(USERS) for code in LANGS.values())
-    for name in ("why.js", "kvmap.js"):          # view files with their own strings: both languages, same keys
+    for name in ("why.js", "kvmap.js", "whatif.js"):   # view files with their own strings: both languages, same keys
         src = (STATIC / name).read_text()
         assert keys(src[src.index("en: {"):src.index("zh: {")]) == keys(src[src.index("zh: {"):]), name
 
@@ -43,10 +43,28 @@ def test_every_string_exists_in_both_languages():
 def test_every_lesson_has_its_words_a_scenario_and_known_policies():
     from app.ui import LESSONS
     from engine.config import POLICIES
-    assert [policies[-1] for policies, _ in LESSONS] == ["static", "continuous", "chunked", "chunked", "disaggregated"]
-    for k, (policies, name) in enumerate(LESSONS, 1):
-        assert policies and set(policies) <= set(POLICIES) and name in SCENARIOS
+    assert [x.policies[-1] for x in LESSONS] == ["static", "continuous", "chunked", "chunked", "disaggregated"]
+    for k, lesson in enumerate(LESSONS, 1):
+        assert lesson.policies and set(lesson.policies) <= set(POLICIES) and lesson.scenario in SCENARIOS
         assert all(f"step{k}" in TEXT[code] and f"step{k}_btn" in TEXT[code] for code in LANGS.values())
+
+
+def test_every_lesson_pass_states_its_full_setting_and_the_caption_shows_it():
+    from app.scenarios import SETTING_KEYS
+    from app.ui import LESSONS
+    from app.ui_text import setting_line
+    from engine.config import EngineConfig
+    for k, lesson in enumerate(LESSONS):
+        sc = get_scenario(lesson.scenario)
+        for policy in lesson.policies:
+            s = lesson.setting(sc, policy, 0.25)
+            assert set(s) == set(SETTING_KEYS) and s["policy"] == policy and s["step_delay"] == 0.25
+            EngineConfig(**{key: s[key] for key in SETTING_KEYS if key not in ("policy", "step_delay")})
+            assert s["max_prefill_chunk"] == (4 if lesson.scenario == "budget-shapes" else None)
+            for code in LANGS.values():
+                assert "250 ms" in setting_line(code, s)
+    assert "no chunk cap" in setting_line("en", LESSONS[0].setting(get_scenario(LESSONS[0].scenario), "static", 0))
+    assert "at most 4 tokens" in setting_line("en", LESSONS[3].setting(get_scenario("budget-shapes"), "chunked", 0))
 
 
 def test_stage_has_the_test_ids_and_the_i18n_keys_it_uses():
@@ -56,7 +74,7 @@ def test_stage_has_the_test_ids_and_the_i18n_keys_it_uses():
                 "row-labels", "student-name", "student-box", "student-send"):
         assert f'data-testid="{tid}"' in html
     # view files bring their own strings (BS.addStrings)
-    js = "".join((STATIC / name).read_text() for name in ("i18n.js", "room.js", "why.js", "kvmap.js"))
+    js = "".join((STATIC / name).read_text() for name in ("i18n.js", "room.js", "why.js", "kvmap.js", "whatif.js"))
     for key in re.findall(r'data-i18n(?:-placeholder)?="([\w.]+)"', html):
         assert f'"{key}":' in js, key
     # every key the scripts ask for by name exists (in both languages: the test above)

@@ -1,0 +1,75 @@
+"""One truth for every viewer: a page opened late shows the same per-setting metrics as one that
+watched from the start, and both are app/metrics.py's stretches() over the whole stream.
+
+One real server on loopback (default model) that sends a new viewer only its last 6 steps. A
+first page watches from the start; requests run under continuous batching (a long prompt
+stalls two replies), then under chunked prefill; a second page opens after it all. The late
+page's snapshot lacks the early steps, so its table must come from the server's per-setting
+numbers (app/broadcast.py), the early page's from its own records; each cell must hold, in
+numbers and in text, what Python computes from every record the server published.
+"""
+import threading
+import time
+
+import pytest
+
+from tests.browser import MARKS, live_page, served_ui
+from tests.test_browser_ui import api, browser, wait_js  # noqa: F401 (fixtures)
+from tests.test_page_metrics import TABLE_JS, check
+
+pytestmark = MARKS
+
+
+@pytest.fixture(scope="module")
+def server():
+    from engine import EngineConfig
+    with served_ui(EngineConfig(kv_cache_gb=0.25, policy="continuous"), {"snapshot_steps": 6}) as (url, service):
+        yield url, service
+
+
+def chat(url: str, text: str, n: int):
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    api(url, "/v1/chat/completions", body)
+
+
+def traffic(url: str):
+    """Two replies under way, then a long prompt arrives: under continuous it stalls them."""
+    doc = "Summarise this. " + "The lighthouse keeper climbed the stairs every evening at dusk. " * 40
+    jobs = [threading.Thread(target=chat, args=(url, q, 24)) for q in ("Name a colour.", "Name a fruit.")]
+    jobs.append(threading.Thread(target=lambda: (time.sleep(0.6), chat(url, doc, 4))))
+    for j in jobs:
+        j.start()
+    for j in jobs:
+        j.join(120)
+
+
+def table(pg) -> list[dict]:
+    wait_js(pg, "document.querySelector('[data-testid=metrics] tr[data-metric=steps] td')")
+    return pg.evaluate(TABLE_JS)
+
+
+def test_a_page_opened_late_shows_the_metrics_of_one_that_watched_from_the_start(server, browser):  # noqa: F811
+    from app import metrics
+    url, service = server
+    with live_page(browser, url, {"width": 1400, "height": 1000}) as early:
+        traffic(url)
+        api(url, "/api/engine", {"policy": "chunked"})
+        traffic(url)
+        with live_page(browser, url, {"width": 1400, "height": 1000}) as late:
+            _, stream = service.ring.last_steps(service.config.history)
+            steps = [r for r in stream if r["type"] == "step"]
+            assert steps[0]["step"] == 0 and len(steps) > 20     # the whole run is still in the ring
+            want_last = steps[-1]["step"]
+            # both have taken in the last step; the late one the server's numbers after it too (it asks
+            # for them once the steps stop)
+            wait_js(early, f"BS.store.steps.length && BS.store.steps.at(-1).step === {want_last}")
+            wait_js(late, f"BS.store.stretches && BS.store.stretches.at(-1).last_step === {want_last}")
+            time.sleep(1.0)               # the table redraws at most twice a second
+            assert late.evaluate("BS.store.steps[0].step") > 0 and not late.evaluate("BS.seenWhole()")
+            assert early.evaluate("BS.seenWhole()")
+            want = metrics.stretches(stream)
+            assert [m["policy"] for m in want] == ["continuous", "chunked"] and want[0]["stall_max_s"] > 0
+            early_cols, late_cols = table(early), table(late)
+            check(early_cols, stream)
+            check(late_cols, stream)
+            assert early_cols == late_cols
