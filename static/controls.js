@@ -35,7 +35,6 @@
       if (document.activeElement === input || v === undefined) continue;
       input.value = v == null ? "" : v;         // the chunk cap: empty means no cap
     }
-    $("chunk-cap-clear").disabled = state.max_prefill_chunk == null;
     const d = $("step-delay");
     if (state.step_delay != null && document.activeElement !== d) {
       d.value = Math.round(state.step_delay * 1000);
@@ -46,6 +45,7 @@
     // an attached vLLM server fixes its settings at start: shown with the values in force, not editable
     const fixed = !!state.read_only;
     root.querySelectorAll("button, input:not([data-testid=presenter-key])").forEach((e) => { e.disabled = fixed; });
+    $("chunk-cap-clear").disabled = fixed || state.max_prefill_chunk == null;   // nothing to clear
     root.querySelector(".bs-controls").classList.toggle("bs-readonly", fixed);
     if (fixed) status(BS.t("ctl.read_only") + " " + state.read_only, false);
   }
