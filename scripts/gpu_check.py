@@ -128,7 +128,7 @@ def run_engine(eng: LLMEngine, work, arrive_every: int = 0) -> tuple[float, list
             rids.append(eng.add_request(prompt_token_ids=ids, params=SamplingParams(max_tokens=n, ignore_eos=True)))
             if arrive_every:
                 break
-        records.append(eng.step())
+        records.append(eng.step().record)
         step += 1
     sync()
     return time.perf_counter() - t, rids, records
@@ -250,7 +250,7 @@ def engine_sections(folder: Path, p: dict, device: str) -> dict:
             r.graphs = None
         model_steps, engine_steps = [], []
         while len(model_steps) < p["decode_steps"]:
-            rec = eng.step()
+            rec = eng.step().record
             if all(it["kind"] == "decode" for it in rec["items"]) and len(rec["items"]) == b:
                 model_steps.append(last["s"])
                 engine_steps.append(rec["t_end"] - rec["t_start"])
