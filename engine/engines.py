@@ -151,7 +151,8 @@ class EngineSwitch:
                                        steps=self.single.steps)
         except Exception as e:
             log.exception("the disaggregated workers did not start")
-            self.call_soon(lambda: setattr(self, "pair_state", f"failed: {type(e).__name__}: {e}"))
+            state = f"failed: {type(e).__name__}: {e}"       # e is gone once this block ends
+            self.call_soon(lambda: setattr(self, "pair_state", state))
             return
         if self.closed:
             pair.close()                        # closed while the workers were loading

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.errors import ShuttingDown
 from engine.protocol import Engine, RequestOutput
 from engine.requests import RequestBook, StepCounter
 from engine.sequence import Status
@@ -122,7 +123,10 @@ def test_two_engines_sharing_a_counter_number_their_steps_as_one_stream(tiny):
     assert all(p["step"] in range(1, len(numbers) + 1) for p in policies)   # the next step to come
 
 
-def test_the_switch_routes_requests_and_reports_them(tiny):
+def test_the_switch_routes_requests_and_reports_them(tiny, monkeypatch):
+    import time
+
+    import engine.disagg
     from engine.engines import EngineSwitch
     sw = EngineSwitch(EngineConfig(model=str(tiny), dtype="float32", num_kv_blocks=64))
     rid = sw.add_request(prompt_token_ids=[9, 9, 9], params=SamplingParams(max_tokens=4, ignore_eos=True))
@@ -134,6 +138,19 @@ def test_the_switch_routes_requests_and_reports_them(tiny):
         outs += sw.step().outputs
     assert outs[-1].finish_reason == "length" and sw.owner == {}     # ended: no longer routed
     assert sw.stats()["disaggregated"] is None and sw.settings()["policy"] == "chunked"
+
+    def no_pair(*args, **kw):
+        raise RuntimeError("no room for two more models")
+    monkeypatch.setattr(engine.disagg, "DisaggregatedEngine", no_pair)
+    sw.set_policy("disaggregated", max_num_batched_tokens=32)
+    assert sw.pair_state == "starting" and sw.settings()["max_num_batched_tokens"] == 32
+    deadline = time.monotonic() + 30
+    while sw.stats()["disaggregated"] == "starting":       # the helper thread's word joins on this thread
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert sw.pair_state == "failed: RuntimeError: no room for two more models"
+    rid = sw.add_request(prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=1))
+    assert sw.owner[rid] is sw.single                       # requests keep going to the single engine
 
 
 def test_the_service_serves_any_engine_it_is_given(tiny):
@@ -163,14 +180,24 @@ def test_the_service_serves_any_engine_it_is_given(tiny):
             stream.close("client went away")
             rest = [d async for d in stream]
             state = (await http.get("/api/engine")).json()
-        return r, first, rest, state
+            last = await service.submit(prompt_token_ids=[8, 9], params=SamplingParams(max_tokens=200,
+                                                                                      ignore_eos=True))
+            await last.__aiter__().__anext__()
+            service.begin_shutdown()
+            ended = [d async for d in last][-1]
+            with pytest.raises(ShuttingDown):
+                await service.submit(prompt_token_ids=[8, 9])
+        return r, first, rest, state, last, ended
     try:
-        r, first, rest, state = asyncio.run(run())
-        want = built[0].generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True))[0]["text"]
+        r, first, rest, state, last, ended = asyncio.run(run())
     finally:
         service.stop()
+    assert not service.loop.alive                          # the engine is ours again: no other thread uses it
+    want = built[0].generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True))[0]["text"]
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
     assert first.finish_reason is None and rest[-1].finish_reason == "abort" and rest[-1].error == "client went away"
     assert state["live_requests"] == 0 and state["kv"]["used"] == 0 and state["disaggregated"] is None
+    assert (ended.finish_reason, ended.error) == ("abort", "server shutting down")
+    assert isinstance(last.failure, ShuttingDown)        # the type app/errors.py maps to 503
     steps = [x for x in service.ring.last_steps(1024)[1] if x["type"] == "step"]
     assert [s["step"] for s in steps] == list(range(len(steps)))
