@@ -116,7 +116,7 @@ class DisaggregatedEngine:
                           "max_num_seqs": config.max_num_seqs, "max_prefill_chunk": config.max_prefill_chunk}
         # ---- requests (d0, d1...: never an id of the single engine, r0, r1...), records, counters ----
         self.t0 = time.perf_counter() if t0 is None else t0
-        self.book = RequestBook(self.clock, lambda t: self.tokenizer.decode([t]), id_prefix="d",
+        self.book = RequestBook(lambda: self.clock(), lambda t: self.tokenizer.decode([t]), id_prefix="d",
                                 extra_counters=("kv_transfers", "worker_restarts"))
         self.counters = self.book.counters
         self.steps = steps or StepCounter()          # step records relayed, both workers together

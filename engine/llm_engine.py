@@ -68,7 +68,8 @@ class LLMEngine:
                                    config.max_num_seqs, config.max_prefill_chunk)
         # ---- requests, records, counters ----
         self.t0 = time.perf_counter()
-        self.book = RequestBook(self.clock, lambda t: self.tokenizer.decode([t]))
+        # the book reads self.clock at each call: a caller may replace it (the what-if replay's stopwatch)
+        self.book = RequestBook(lambda: self.clock(), lambda t: self.tokenizer.decode([t]))
         self.counters = self.book.counters
         self.steps = steps or StepCounter()
         self._rng = torch.Generator().manual_seed(config.seed)

@@ -106,6 +106,22 @@ def test_request_book_checks_counts_and_forgets():
     assert [(o.request_id, o.finish_reason, o.error) for o in ends] == [("x1", "abort", "gone"), ("x2", "error", "boom")]
 
 
+def test_a_replaced_clock_times_every_request(tiny):
+    """The what-if replay times its engine with a stopwatch put in place of engine.clock: arrivals,
+    events and ends must all read it."""
+    eng, now = tiny_engine(tiny), [100.0]
+    eng.clock = lambda: now[0]
+    events = []
+    eng.subscribe(events.append)
+    rid = eng.add_request(prompt_token_ids=[3, 4], params=SamplingParams(max_tokens=2, ignore_eos=True))
+    while eng.has_unfinished():
+        now[0] += 1.0
+        eng.step()
+    seq = eng.get_request(rid)
+    assert seq.arrival_time == 100.0 and seq.finish_time == 102.0 and seq.token_times == [101.0, 102.0]
+    assert [e["t"] for e in events if e["type"] == "request"] == [100.0, 101.0, 102.0]
+
+
 def test_two_engines_sharing_a_counter_number_their_steps_as_one_stream(tiny):
     steps = StepCounter()
     a, b = tiny_engine(tiny, steps=steps), tiny_engine(tiny, steps=steps)
