@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import html
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from app import ui_scenarios
+from app.auth import key_matches
 from app.rate_limit import client_of
 from app.room import Room
 from app.ui_room import mount_room
@@ -93,8 +93,7 @@ class UI:
         return self.sessions.get(getattr(request, "session_hash", None))
 
     def authorised(self, key: str | None) -> bool:
-        wanted = self.service.config.presenter_key
-        return wanted is None or hmac.compare_digest((key or "").encode(), wanted.encode())
+        return key_matches(self.service.config.presenter_key, key)
 
     def params(self, max_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens or self.max_tokens, temperature=0.6, top_p=0.9)
