@@ -13,17 +13,17 @@ processes (engine/disagg_worker.py), each an LLMEngine with its own share of the
 cores and its own KV cache, a prefill worker and a decode worker, talking with the
 router in typed messages (engine/disagg_messages.py).
 
-  router (here)   keeps the requests in a RequestBook as LLMEngine does, assigns requests, relays records and request events, forwards an
-                  abort to whichever worker holds the request, and restarts a worker
-                  process that dies: its requests fail with the reason, the other
-                  worker's go on.
+  router (here)   keeps the requests in a RequestBook as LLMEngine does, assigns
+                  requests, relays records and request events, forwards an abort to
+                  whichever worker holds the request, and restarts a worker process
+                  that dies: its requests fail with the reason, the other worker's go on.
 
 Both workers run the `chunked` scheduler; their step records say `policy:
 "disaggregated"` and carry `worker`. The router numbers the records of both in the
-order it relays them (`step`, unique as under one engine; `worker_step` is the
-worker's own count), and each worker's clock is set to the router's at start, so
-all times lie on one time line. A `kv_transfer`
-request event tells each hand-over (blocks, bytes, seconds).
+order it relays them (`step`, from its StepCounter, which it may share with another
+engine; `worker_step` is the worker's own count), and each worker's clock is set to
+the router's at start, so all times lie on one time line. A `kv_transfer` request
+event tells each hand-over (blocks, bytes, seconds).
 
 step() is the pump of a driver loop: it relays what the workers published and
 returns their next step record with the requests' new output, waiting for a record
