@@ -96,6 +96,7 @@ class AttachedService:
         self.step_delay, self.crashes, self.last_error = 0.0, 0, None
         self.model_name = self.device = self.dtype = self.engine_name = None
         self.max_model_len = 0
+        self.cuda_graphs = None                 # vLLM keeps its own graphs; /healthz reports none of ours
         self.settings: dict = {}
         self.fixed: dict = {}                   # the recorder's other settings (prefix caching, async scheduling...)
         self.accepting = False
@@ -221,7 +222,7 @@ class AttachedService:
                     text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
                     if text:
                         tokens += 1
-                        stream.queue.put_nowait(Delta(text, tokens))
+                        stream.queue.put_nowait(Delta(stream.id, text, [], tokens))
                     finish = choice.get("finish_reason") or finish
             finish = finish or "error"
             error = error or (None if finish in ("stop", "length") else "vLLM ended the stream without a reason")
@@ -233,7 +234,7 @@ class AttachedService:
             await resp.aclose()
             await http.aclose()
             self._streams.pop(stream.id, None)
-            stream.queue.put_nowait(Delta("", tokens, finish_reason=finish, error=error,
+            stream.queue.put_nowait(Delta(stream.id, "", [], tokens, finish_reason=finish, error=error,
                                           cached_tokens=stream.cached_tokens))
 
     def _abort_stream(self, stream: RequestStream, reason: str):

@@ -12,6 +12,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from engine.errors import PromptTooLong, QueueFull, ServiceUnavailable, ShuttingDown
+
 _TYPES = {400: "invalid_request_error", 403: "permission_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           500: "server_error", 503: "server_error"}
@@ -29,6 +31,28 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def admission_error(e: BaseException, param: str | None = None) -> APIError | None:
+    """The HTTP answer to a request the service did not admit, by the error's type (engine/errors.py);
+    None for any other error. param: the request field a bad prompt came in."""
+    if isinstance(e, PromptTooLong):
+        return APIError(400, str(e), param=param, code="context_length_exceeded")
+    if isinstance(e, ValueError):
+        return APIError(400, str(e), param=param)
+    if isinstance(e, QueueFull):
+        return APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)})
+    if isinstance(e, ServiceUnavailable):
+        return APIError(503, str(e), code="service_unavailable")
+    return None
+
+
+def failure_status(failure: BaseException | None) -> tuple[int, str]:
+    """Status and error code of a request that failed after it was admitted: 503 when the server's end
+    stopped it (the stream's failure is ShuttingDown), 500 for an engine error."""
+    if isinstance(failure, ShuttingDown):
+        return 503, "service_unavailable"
+    return 500, "server_error"
 
 
 async def read_json(request: Request, limit: int) -> dict:

@@ -17,12 +17,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from app.errors import APIError, from_validation, read_json
+from app.errors import APIError, admission_error, failure_status, from_validation, read_json
 from app.openai_requests import (ChatRequest, CompletionRequest, Sampling, chat_params, completion_params, message,
                                  prompt_input)
 from app.rate_limit import client_of
 from app.request_stream import TokenLogprob
-from app.service import EngineService, QueueFull, ServiceUnavailable
+from app.service import EngineService
 from engine import SamplingParams
 
 
@@ -76,14 +76,10 @@ async def _submit(request: Request, service: EngineService, body: Sampling, para
     except BaseException as e:
         for s in streams:
             s.close("another choice of the same request failed")
-        if isinstance(e, ValueError):
-            code = "context_length_exceeded" if "limit is" in str(e) else None
-            raise APIError(400, str(e), param=param, code=code) from None
-        if isinstance(e, QueueFull):
-            raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
-        if isinstance(e, ServiceUnavailable):
-            raise APIError(503, str(e), code="service_unavailable") from None
-        raise
+        error = admission_error(e, param)
+        if error is None:
+            raise
+        raise error from None
     return streams
 
 
@@ -175,8 +171,7 @@ async def _complete(request: Request, streams: list, shape) -> JSONResponse:
             s.close()
     for s in streams:
         if s.finish_reason == "error" or (s.finish_reason == "abort" and s.error):
-            status = 503 if "shutting down" in (s.error or "") else 500
-            raise APIError(status, s.error or "the request failed")
+            raise APIError(failure_status(s.failure)[0], s.error or "the request failed")
     choices = [shape.choice(i, text, s.finish_reason, lp) for i, ((text, lp), s) in enumerate(zip(results, streams))]
     return JSONResponse({**shape.meta, "object": shape.object, "choices": choices, "usage": _usage(streams)})
 
@@ -221,7 +216,7 @@ async def _sse(streams: list, shape, include_usage: bool):
         failed = False
         async for i, d in _merged(streams):
             if d.error:
-                code = "service_unavailable" if "shutting down" in d.error else "server_error"
+                code = failure_status(streams[i].failure)[1]
                 yield event({"error": {"message": d.error, "type": "server_error", "param": None, "code": code}})
                 failed = True
                 break

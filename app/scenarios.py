@@ -344,7 +344,8 @@ def play(engine, scenario: Scenario, on_add: Callable[[int, str], None] | None =
             ids.append(rid := engine.add_request(**a.request_kwargs(), params=a.params(), label=a.label))
             if on_add:
                 on_add(i, rid)
-        if engine.step() is not None:
+        out = engine.step()
+        if out is not None and out.record is not None:       # the pair may return only new output
             steps_done += 1
             yield steps_done
         elif replay.done:

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -19,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
 
 from app import openai_api, whatif_api
+from app.auth import require_presenter
 from app.broadcast import Entry, Subscription, TooManySubscribers
 from app.errors import APIError, from_validation, read_json
 from app.service import EngineService, ServiceUnavailable
@@ -85,11 +85,7 @@ def create_app(service: EngineService, manage_service: bool = True) -> FastAPI:
 
     @app.post("/api/engine")
     async def post_engine(request: Request):
-        if cfg.presenter_key is not None:
-            given = request.headers.get("x-presenter-key", "")
-            if not hmac.compare_digest(given.encode(), cfg.presenter_key.encode()):
-                raise APIError(403, "changing the engine needs the presenter key (X-Presenter-Key header)",
-                               code="presenter_key_required")
+        require_presenter(request, cfg.presenter_key, "changing the engine")
         try:
             update = EngineUpdate.model_validate(await read_json(request, cfg.max_body_bytes))
         except ValidationError as e:

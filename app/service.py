@@ -1,5 +1,8 @@
 """EngineService: admission, limits and settings in front of the engine's thread (app/engine_loop.py).
 
+Calls go one way: the service calls the loop and subscribes to its records
+(`_on_record`, on the engine thread); the loop knows nothing of the service.
+
 It decides whether a request may enter (the server is up, the client is
 within its rate limit, the queue has room), changes settings, reports
 health, and hands records to the viewers (app/broadcast.py) and to the
@@ -23,14 +26,18 @@ from app.config import ServerConfig, check_step_delay
 from app.engine_loop import EngineLoop
 from app.prometheus import Metrics
 from app.rate_limit import RateLimiter
-from app.request_stream import QueueFull, RequestStream, ServiceUnavailable
-from engine import EngineConfig, LLMEngine, SamplingParams
+from app.request_stream import QueueFull, RequestStream, ServiceUnavailable, ShuttingDown
+from engine import EngineConfig, SamplingParams
+from engine.protocol import Engine
 
-__all__ = ["EngineService", "QueueFull", "ServiceUnavailable"]
+__all__ = ["EngineService", "QueueFull", "ServiceUnavailable", "ShuttingDown"]
 
 
 class EngineService:
-    def __init__(self, engine_config: EngineConfig | None = None, config: ServerConfig | None = None):
+    def __init__(self, engine_config: EngineConfig | None = None, config: ServerConfig | None = None,
+                 make_engine: Callable[[Callable], Engine] | None = None):
+        """make_engine(call_soon) -> Engine: what the engine thread runs (default: engine/engines.py's
+        EngineSwitch of engine_config); tests pass one on a tiny model."""
         self.engine_config = engine_config or EngineConfig()
         self.config = config or ServerConfig()
         self.ring = RecordRing(self.config.history)
@@ -39,11 +46,9 @@ class EngineService:
         self.limiter = RateLimiter(self.config.rate_limit_per_minute, self.config.rate_limit_burst)
         self.metrics = Metrics()
         self.arrival_log = ArrivalLog()         # private: token ids for the what-if replay (app/whatif.py)
-        self.whatif = None                      # the WhatIfJob in progress, stepped between live steps
-        self.loop = EngineLoop(self.engine_config, self.broadcaster, self.config.step_delay,
-                               on_load=self._on_load, on_record=self._on_record,
-                               between_steps=self._whatif_slice)
-        # ---- filled in by the engine thread when the model is loaded; read-only afterwards ----
+        self.loop = EngineLoop(self.engine_config, self.broadcaster, self.config.step_delay, make_engine)
+        self.loop.subscribe(self._on_record)
+        # ---- filled in from the loaded engine when start() returns; read-only afterwards ----
         self.model_name = self.device = self.dtype = None
         self.cuda_graphs: dict | None = None    # buckets, capture seconds and graph memory (None: eager steps)
         self.max_model_len = 0
@@ -54,6 +59,13 @@ class EngineService:
     def start(self, timeout: float = 600.0):
         """Load the model on the engine thread and start its loop. Blocks until the model is ready."""
         self.loop.start(timeout)
+        info = self.loop.info
+        name = self.config.served_model_name or info["model_name"]
+        self.model_name = Path(name).name if Path(name).is_dir() else name   # never show a machine path
+        self.device, self.dtype, self.max_model_len = info["device"], info["dtype"], info["max_model_len"]
+        self.settings = info["settings"]
+        self.cuda_graphs = info.get("cuda_graphs")
+        self.metrics.attach(self.loop.engine, self.model_name)   # finds a request on whichever engine runs it
         self.accepting = True
 
     def begin_shutdown(self, reason: str = "server shutting down"):
@@ -71,9 +83,18 @@ class EngineService:
         return self.loop.loaded
 
     @property
-    def engine(self) -> LLMEngine | None:
+    def engine(self) -> Engine | None:
         """The engine itself: touch it only on the engine thread (through call())."""
         return self.loop.engine
+
+    @property
+    def whatif(self):
+        """The what-if replay in progress (app/whatif.py), stepped by the engine thread between live steps."""
+        return self.loop.side_job
+
+    @whatif.setter
+    def whatif(self, job):
+        self.loop.side_job = job
 
     @property
     def step_delay(self) -> float:
@@ -110,7 +131,8 @@ class EngineService:
         """Queue a request; raises ValueError (bad prompt), QueueFull (queue full or client over its
         rate limit) or ServiceUnavailable. client: the sender's address, for the rate limit."""
         if not self.accepting:
-            raise ServiceUnavailable("the server is shutting down" if self.loaded else "the model is loading")
+            raise ShuttingDown("the server is shutting down") if self.loaded else \
+                ServiceUnavailable("the model is loading")
         wait = self.limiter.retry_after(client)
         if wait:
             raise QueueFull(f"too many requests from this client ({self.config.rate_limit_per_minute} a minute); "
@@ -119,15 +141,14 @@ class EngineService:
 
         def add():
             if not self.accepting:
-                raise ServiceUnavailable("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             if self.engine.stats()["waiting"] >= self.config.max_waiting:
                 raise QueueFull(f"{self.config.max_waiting} requests are already waiting; try again shortly",
                                 self.config.retry_after_s)
-            self.loop.add(stream, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
-                          params=ArrivalLog.seeded(params or SamplingParams()), label=label)
-            seq = self.engine.get_request(stream.id)
-            self.arrival_log.arrived(stream.id, seq.label, seq.arrival_time, self.engine.step_index,
-                                     seq.prompt_token_ids, seq.params)
+            info = self.loop.add(stream, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
+                                 params=ArrivalLog.seeded(params or SamplingParams()), label=label)
+            self.arrival_log.arrived(info.request_id, info.label, info.arrival_time, self.engine.step_index,
+                                     info.prompt_token_ids, info.params)
             return stream
         try:
             return await self.loop.call(add)
@@ -163,18 +184,19 @@ class EngineService:
             old_delay = self.loop.step_delay
             if step_delay is not None:
                 self.loop.step_delay = float(step_delay)    # first, so the policy event carries it
-            try:   # `disaggregated` moves new requests to the two-worker engine (app/engine_loop.py)
-                settings = self.loop.select(policy, max_num_batched_tokens=max_num_batched_tokens,
-                                            max_num_seqs=max_num_seqs, **chunk)
+            try:   # `disaggregated` moves new requests to the two-worker engine (engine/engines.py)
+                self.engine.set_policy(policy, max_num_batched_tokens=max_num_batched_tokens,
+                                       max_num_seqs=max_num_seqs, **chunk)
             except Exception:
                 self.loop.step_delay = old_delay            # a rejected change changes nothing
                 raise
-            return {**settings, "step_delay": self.loop.step_delay}
+            return {**self.engine.settings(), "disaggregated": self.engine.stats().get("disaggregated"),
+                    "step_delay": self.loop.step_delay}
         return await self.loop.call(apply)
 
     async def engine_state(self) -> dict:
         def read():
-            return {**self.engine.stats(), "step_delay": self.loop.step_delay, "disaggregated": self.loop.pair_state}
+            return {"disaggregated": None, **self.engine.stats(), "step_delay": self.loop.step_delay}
         return await self.loop.call(read, timeout=10.0)
 
     async def call(self, fn: Callable, timeout: float | None = None):
@@ -182,22 +204,6 @@ class EngineService:
         return await self.loop.call(fn, timeout)
 
     # ================= engine thread =================
-    def _on_load(self, engine: LLMEngine):
-        name = self.config.served_model_name or engine.model_name
-        self.model_name = Path(name).name if Path(name).is_dir() else name   # never show a machine path
-        self.device, self.dtype, self.max_model_len = engine.device, engine.config.dtype, engine.max_model_len
-        self.settings = engine.settings()
-        self.cuda_graphs = engine.stats().get("cuda_graphs")
-        self.metrics.attach(self.loop, self.model_name)      # finds a request on whichever engine runs it
-
-    def _whatif_slice(self) -> float | None:
-        """One step of a what-if replay, if one is running (engine thread). None when there is none."""
-        job = self.whatif
-        if job is None or not job.slice():
-            self.whatif = None
-            return None
-        return 0.02 if job.loading else 0.0     # its engine loads on a helper thread: do not spin meanwhile
-
     def _on_record(self, obj: dict):
         """Engine listener, on the engine thread: O(items)."""
         self.arrival_log.observe(obj)

@@ -13,7 +13,6 @@ from the engine through the service's in-process API (app/ui_sessions.py).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import html
 
 import gradio as gr
@@ -22,6 +21,7 @@ from fastapi.staticfiles import StaticFiles
 
 from app import ui_scenarios
 from app.assets import SCRIPTS, STATIC, STATIC_URL, head_html, stage_html  # noqa: F401 (SCRIPTS: tests/browser.py)
+from app.auth import key_matches
 from app.rate_limit import client_of
 from app.room import Room
 from app.leaderboard import mount_leaderboard
@@ -68,8 +68,7 @@ class UI:
         return self.sessions.get(getattr(request, "session_hash", None))
 
     def authorised(self, key: str | None) -> bool:
-        wanted = self.service.config.presenter_key
-        return wanted is None or hmac.compare_digest((key or "").encode(), wanted.encode())
+        return key_matches(self.service.config.presenter_key, key)
 
     def params(self, max_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens or self.max_tokens, temperature=0.6, top_p=0.9)

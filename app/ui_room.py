@@ -25,10 +25,9 @@ import segno
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
-from app.errors import APIError, read_json
+from app.errors import APIError, admission_error, read_json
 from app.openai_api import AbortOnDisconnect
 from app.rate_limit import client_of
-from app.request_stream import QueueFull, ServiceUnavailable
 from app.room import Member, Room, join_url
 from app.ui_sessions import check_message
 from engine import SamplingParams
@@ -172,12 +171,11 @@ def mount_room(app: FastAPI, service, room: Room, head: str, max_tokens: int = 1
         client = client_of(request.headers, request.client.host if request.client else None)
         try:
             stream = await service.submit(messages=messages, params=params, label=member.label, client=client)
-        except ValueError as e:
-            raise APIError(400, str(e), param="text") from None
-        except QueueFull as e:
-            raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
-        except ServiceUnavailable as e:
-            raise APIError(503, str(e), code="service_unavailable") from None
+        except Exception as e:
+            error = admission_error(e, "text")
+            if error is None:
+                raise
+            raise error from None
         member.rids.append(stream.id)
         member.busy = True
 

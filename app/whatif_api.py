@@ -12,7 +12,6 @@ Every route needs the presenter key when one is set: the log holds prompt token 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import tempfile
 import time
 from dataclasses import asdict
@@ -21,6 +20,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
+from app.auth import require_presenter
 from app.errors import APIError, read_json
 from app.trace import chrome_trace
 from app.whatif import WhatIfError, WhatIfJob, busy_seconds, check_settings, to_scenario
@@ -34,11 +34,7 @@ def router(service) -> APIRouter:
     last: dict = {}                                 # "job": the last finished WhatIfJob
 
     def presenter(request: Request):
-        if cfg.presenter_key is not None:
-            given = request.headers.get("x-presenter-key", "")
-            if not hmac.compare_digest(given.encode(), cfg.presenter_key.encode()):
-                raise APIError(403, "the what-if replay needs the presenter key (X-Presenter-Key header)",
-                               code="presenter_key_required")
+        require_presenter(request, cfg.presenter_key, "the what-if replay")
 
     @api.get("/api/whatif")
     async def progress(request: Request, since_step: str = "0"):

@@ -16,6 +16,7 @@ from app.analysis import CostFit, predict
 from demos.arena_workloads import FIRST_ID, Job, Workload
 from engine.block_manager import BlockManager
 from engine.policy import Policy
+from engine.protocol import StepOutputs
 from engine.records import Listeners, RequestEvent, read_batch, step_record
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -62,7 +63,7 @@ class SimEngine:
     def _emit(self, seq: Sequence, event: str, **extra):
         self.listeners.emit(RequestEvent(event, seq.id, seq.label, self.now, **extra))
 
-    def step(self) -> dict | None:
+    def step(self) -> StepOutputs | None:
         if not self.scheduler.has_work():
             return None
         t_start = self.now
@@ -89,7 +90,7 @@ class SimEngine:
                              (t_start, t_start, t_start, self.now), self.clock, self.device)
         self.step_index += 1
         self.listeners.emit(record)
-        return record.to_dict()
+        return StepOutputs(record.to_dict())      # no text: the simulator samples no tokens
 
 
 @dataclass
@@ -117,7 +118,8 @@ def play(engine, workload: Workload, tau: float, sleep=None) -> Played:
                                      params=SamplingParams(max_tokens=job.max_tokens, ignore_eos=True))
             engine.scheduler.slo_classes[rid] = job.slo
             run.jobs[rid], run.due[rid] = job, t0 + job.at * tau
-        record = engine.step() if engine.has_unfinished() else None
+        out = engine.step() if engine.has_unfinished() else None
+        record = out.record if out is not None else None
         idle = idle + 1 if record is None or not record["items"] else 0
         if idle and pending:                                    # nothing ran: on to the next arrival
             wait = t0 + pending[0].at * tau - engine.clock()

@@ -69,7 +69,7 @@ def run_ours(engine: LLMEngine, workload, progress: bool = True) -> tuple[dict, 
         ids = [engine.add_request(prompt_token_ids=p, params=SamplingParams(max_tokens=o, ignore_eos=True))
                for p, o in workload]
         while not all(engine.get_request(r).is_finished for r in ids):
-            rec = engine.step()
+            rec = engine.step().record
             bar.update(sum(metrics.produces_token(i) for i in rec["items"]))
     finally:
         engine.unsubscribe(stream.append)
@@ -135,7 +135,8 @@ def ours_decode_stepper(engine: LLMEngine, batch: int, context: int, steps: int)
         engine.step()
 
     def step() -> tuple[float, float]:
-        rec = engine.step()
+        out = engine.step()
+        rec = out.record if out else None
         if rec is None or len(rec["items"]) != batch or any(i["kind"] != "decode" for i in rec["items"]):
             raise RuntimeError(f"a decode step did not run all {batch} sequences together (KV cache too small?)")
         return rec["t_end"] - rec["t_start"], rec["timing"]["forward"]

@@ -3,37 +3,35 @@
     engine = DisaggregatedEngine(EngineConfig(policy="disaggregated"))
     rid = engine.add_request(messages=[{"role": "user", "content": "Hi"}], label="Alice")
     while engine.has_unfinished():
-        record = engine.step()          # the next StepRecord of either worker; record["worker"] says which
+        out = engine.step()             # StepOutputs: the next StepRecord of either worker (record["worker"]
+                                        # says which) and the requests' new output (engine/protocol.py)
     engine.get_request(rid).output_text
     engine.close()
 
 The fourth generation of LLM serving (DistServe, Splitwise, Mooncake): two worker
-processes, each an LLMEngine with its own share of the cores and its own KV cache.
+processes (engine/disagg_worker.py), each an LLMEngine with its own share of the
+cores and its own KV cache, a prefill worker and a decode worker, talking with the
+router in typed messages (engine/disagg_messages.py).
 
-  prefill worker  runs prompts (in chunks under its token budget) up to and including
-                  the first token; then copies the request's KV, block by block, into a
-                  staging area in shared memory and frees its own blocks.
-  decode worker   adopts the request (prompt + first token; its KV copied from the
-                  staging area into blocks of its own) and decodes it to the end.
-  router (here)   assigns requests, relays records and request events, forwards an
-                  abort to whichever worker holds the request, and restarts a worker
-                  process that dies: its requests fail with the reason, the other
-                  worker's go on.
+  router (here)   keeps the requests in a RequestBook as LLMEngine does, assigns
+                  requests, relays records and request events, forwards an abort to
+                  whichever worker holds the request, and restarts a worker process
+                  that dies: its requests fail with the reason, the other worker's go on.
 
 Both workers run the `chunked` scheduler; their step records say `policy:
 "disaggregated"` and carry `worker`. The router numbers the records of both in the
-order it relays them (`step`, unique as under one engine; `worker_step` is the
-worker's own count), and each worker's clock is set to the router's at start, so
-all times lie on one time line. A `kv_transfer`
-request event tells each hand-over (blocks, bytes, seconds).
+order it relays them (`step`, from its StepCounter, which it may share with another
+engine; `worker_step` is the worker's own count), and each worker's clock is set to
+the router's at start, so all times lie on one time line. A `kv_transfer` request
+event tells each hand-over (blocks, bytes, seconds).
 
 step() is the pump of a driver loop: it relays what the workers published and
-returns their next step record, waiting for one while requests are in flight (as
-LLMEngine.step waits for its forward pass), and returns None when none is.
+returns their next step record with the requests' new output, waiting for a record
+while requests are in flight (as LLMEngine.step waits for its forward pass), and
+returns None when there is neither.
 """
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import multiprocessing as mp
@@ -46,189 +44,19 @@ from multiprocessing.connection import wait
 from multiprocessing.shared_memory import SharedMemory
 
 from engine.config import DTYPES, EngineConfig, check_budgets
+from engine.disagg_messages import (Abort, Add, Adopt, Ask, Budgets, Dropped, Exported, Imported, Out, Pause,
+                                    Progress, Ready, Release, Reply, Stop)
+from engine.disagg_worker import Staging, worker_main
 from engine.llm_engine import LLMEngine
-from engine.records import KVState, PolicyEvent, RequestEvent, kv_ops
+from engine.protocol import RequestInfo, RequestOutput, StepOutputs
+from engine.records import KVState, PolicyEvent, RequestEvent
+from engine.requests import RequestBook, StepCounter
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, Status
 
 log = logging.getLogger("batchscope.disagg")
 WORKERS = ("prefill", "decode")
 _UNSET = object()
-
-
-# ================= the worker process =================
-@dataclass(frozen=True)
-class Staging:
-    """The shared-memory area KV blocks cross: (slots, layers, 2, block_size, kv_heads, head_dim)."""
-    name: str
-    shape: tuple[int, ...]
-    dtype: str                       # torch dtype name
-
-    def attach(self):
-        import torch
-        shm = SharedMemory(self.name)
-        numel = 1
-        for n in self.shape:
-            numel *= n
-        return shm, torch.frombuffer(shm.buf, dtype=getattr(torch, self.dtype), count=numel).view(self.shape)
-
-
-class Worker:
-    """One LLMEngine in a process of its own, running the router's commands between its steps."""
-
-    def __init__(self, name: str, config: EngineConfig, staging: Staging, busy_slots: list[int],
-                 wall0: float, commands: mp.Queue, results: mp.Queue):
-        self.name, self.commands, self.results = name, commands, results
-        self.engine = e = LLMEngine(config)
-        import torch
-        self.threads = torch.get_num_threads()
-        e.t0 = time.perf_counter() - (time.time() - wall0)      # e.clock() now reads the router's clock
-        self.shm, self.staging = staging.attach()
-        self.free_slots = deque(s for s in range(staging.shape[0]) if s not in set(busy_slots))  # prefill
-        self.outbox: list[Sequence] = []     # prefill: first token out, waiting for staging slots
-        self.inbox: list[tuple[Sequence, list[int], float]] = []   # decode: handed over, waiting for blocks
-        self.sent: dict[str, tuple[int, int]] = {}   # request -> (tokens, characters) already sent
-        self.out: list[dict] = []            # records and events since the last send
-        e.subscribe(self._keep)
-
-    def _keep(self, obj: dict):
-        if obj["type"] == "policy" or (obj["type"] == "request" and obj["event"] == "arrived"):
-            return                           # the router publishes these, once for both workers
-        if obj["type"] == "step":
-            obj["worker"], obj["policy"], obj["threads"] = self.name, "disaggregated", self.threads
-        self.out.append(obj)
-
-    def run(self):
-        e = self.engine
-        self.results.put(("ready", {"pid": os.getpid(), "threads": self.threads,
-                                    "num_blocks": e.block_manager.num_blocks, "max_model_len": e.max_model_len,
-                                    "device": e.device, "attention_backend": e.runner.backend.name,
-                                    "bytes_per_block": e.runner.bytes_per_block}))
-        while True:
-            # idle: sleep until the router says something; busy: take what has come and step
-            cmd = self._next(block=not e.scheduler.has_work())
-            while cmd is not None:
-                if cmd[0] == "stop":
-                    self.results.cancel_join_thread()    # exit now, whether or not the router reads on
-                    return
-                getattr(self, "do_" + cmd[0])(*cmd[1:])
-                cmd = self._next(block=False)
-            if e.scheduler.has_work():
-                e.step()
-            self._send()
-            self._export() if self.name == "prefill" else self._import()
-
-    def _next(self, block: bool):
-        try:
-            return self.commands.get(block)
-        except queue.Empty:
-            return None
-
-    def _send(self):
-        """The records and events of the last step and commands, with the requests' new tokens and text."""
-        if not self.out:
-            return
-        touched = {i["req"] for o in self.out if o["type"] == "step" for i in o["items"]}
-        touched |= {o["req"] for o in self.out if o["type"] == "request"}
-        updates = {}
-        for rid in touched & set(self.sent):
-            seq = self.engine.get_request(rid)
-            updates[rid] = self._progress(seq)
-            if seq.is_finished:
-                del self.sent[rid]
-            elif self.name == "prefill" and seq.is_prefill_done and seq in self.engine.scheduler.running:
-                self.engine.scheduler.running.remove(seq)    # its first token is out: the decode worker goes on
-                self.outbox.append(seq)
-        self.results.put(("out", self.out, updates))
-        self.out = []
-
-    def _progress(self, seq: Sequence) -> dict:
-        n, c = self.sent[seq.id]
-        self.sent[seq.id] = (seq.num_output_tokens, len(seq.output_text))
-        return {"tokens": seq.output_token_ids[n:], "times": seq.token_times[n:], "text": seq.output_text[c:],
-                "logprobs": seq.logprobs[n:], "first_token_time": seq.first_token_time,
-                "num_cached_tokens": seq.num_cached_tokens, "num_preemptions": seq.num_preemptions,
-                "status": seq.status, "finish_reason": seq.finish_reason, "finish_time": seq.finish_time,
-                "error": seq.error}
-
-    # ---- prefill worker ----
-    def do_add(self, request: dict, arrival: float):
-        rid = self.engine.add_request(**request)
-        self.engine.get_request(rid).arrival_time = arrival     # when the router took it
-        self.sent[rid] = (0, 0)
-
-    def do_release(self, slots: list[int]):
-        self.free_slots.extend(slots)
-
-    def _export(self):
-        """Hand over, oldest first, each prompt done whose blocks fit in the free staging slots."""
-        e, bm = self.engine, self.engine.block_manager
-        self.outbox = [s for s in self.outbox if not s.is_finished]      # aborted while waiting
-        while self.outbox and len(bm.export_blocks(self.outbox[0])) <= len(self.free_slots):
-            seq = self.outbox.pop(0)
-            t0, blocks = e.clock(), bm.export_blocks(seq)
-            slots = [self.free_slots.popleft() for _ in blocks]
-            e.runner.copy_blocks_out(blocks, self.staging, slots)
-            e.scheduler.remove(seq)                  # frees its blocks (they stay prefix-cached here)
-            ops = kv_ops(bm)                         # those frees: sent with the hand-over, not with a later step
-            del e.requests[seq.id], self.sent[seq.id]
-            generator, seq.generator = seq.generator, None
-            state = generator.get_state() if generator is not None else None
-            self.results.put(("exported", seq.id, seq, state, slots, t0, ops))
-
-    # ---- decode worker ----
-    def do_adopt(self, seq: Sequence, generator_state, slots: list[int], t0: float):
-        if generator_state is not None:
-            import torch
-            seq.generator = torch.Generator(self.engine.runner.device)
-            seq.generator.set_state(generator_state)
-        self.inbox.append((seq, slots, t0))
-
-    def _import(self):
-        """Adopt, oldest first, each handed-over request its blocks fit in this cache."""
-        e = self.engine
-        while self.inbox:
-            seq, slots, t0 = self.inbox[0]
-            blocks = e.block_manager.import_blocks(seq, seq.num_computed_tokens)
-            if blocks is None:
-                return                               # the cache is full: wait for a reply to end
-            e.runner.copy_blocks_in(self.staging, slots, blocks)
-            self.inbox.pop(0)
-            seq.status, seq.last_scheduled = Status.RUNNING, -1
-            e.requests[seq.id] = seq
-            e.scheduler.running.append(seq)
-            self.sent[seq.id] = (seq.num_output_tokens, len(seq.output_text))
-            self.results.put(("imported", seq.id, slots, t0, e.clock()))
-
-    # ---- both ----
-    def do_abort(self, rid: str, reason: str):
-        for item in self.inbox:
-            if item[0].id == rid:                    # not adopted yet: only its staging slots to give back
-                self.inbox.remove(item)
-                self.results.put(("dropped", rid, item[1]))
-                return
-        try:
-            self.engine.abort(rid, reason)           # frees its blocks, in the cache or the outbox
-        except KeyError:
-            pass                                     # already handed over, or never arrived
-        self.sent.pop(rid, None)
-
-    def do_settings(self, budgets: dict):
-        self.engine.set_policy("chunked", **budgets)
-
-    def do_ask(self, key: int):
-        bm = self.engine.block_manager
-        self.results.put(("reply", key, {"free": bm.num_free, "total": bm.num_blocks,
-                                         "staging_free": len(self.free_slots), "live": len(self.engine.requests),
-                                         "inbox": len(self.inbox), "outbox": len(self.outbox)}))
-
-    def do_pause(self, seconds: float):
-        time.sleep(seconds)                          # tests: hold a request in the middle of a hand-over
-
-
-def _worker_main(*args):
-    Worker(*args).run()
-    os._exit(0)      # nothing left to flush; skips seconds of interpreter teardown of torch and the model
 
 
 # ================= the router, in the caller's process =================
@@ -240,7 +68,7 @@ class Handle:
     commands: mp.Queue
     results: mp.Queue
     restarts: int = 0
-    info: dict | None = None                 # its ready message: pid, threads, blocks; None while loading
+    info: dict | None = None                 # its Ready message: pid, threads, blocks; None while loading
     last: dict | None = None                 # its newest step record
 
 
@@ -260,7 +88,9 @@ class _Router:
 
 class DisaggregatedEngine:
     def __init__(self, config: EngineConfig | None = None, transfer_blocks: int | None = None,
-                 load_timeout: float = 300.0, t0: float | None = None, **overrides):
+                 load_timeout: float = 300.0, t0: float | None = None, steps: StepCounter | None = None,
+                 **overrides):
+        """t0, steps: another engine's clock zero and step counter, to share its time line and numbering."""
         config = replace(config, **overrides) if config else EngineConfig(**overrides)
         self.config = config = replace(config, policy="disaggregated")
         from transformers import AutoConfig, AutoTokenizer
@@ -284,22 +114,20 @@ class DisaggregatedEngine:
         self.worker_config = replace(config, policy="chunked", cpu_threads=max(1, cores // 2))
         self._settings = {"policy": "disaggregated", "max_num_batched_tokens": config.max_num_batched_tokens,
                           "max_num_seqs": config.max_num_seqs, "max_prefill_chunk": config.max_prefill_chunk}
-        # ---- requests, records, counters ----
-        self.requests: dict[str, Sequence] = {}
-        self.done: dict[str, Sequence] = {}
-        self.max_done = 4096
-        self.listeners: list = []
+        # ---- requests (d0, d1...: never an id of the single engine, r0, r1...), records, counters ----
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.book = RequestBook(lambda: self.clock(), lambda t: self.tokenizer.decode([t]), id_prefix="d",
+                                extra_counters=("kv_transfers", "worker_restarts"))
+        self.counters = self.book.counters
+        self.steps = steps or StepCounter()          # step records relayed, both workers together
         self.router = _Router()
         self._steps: deque[dict] = deque()          # step records relayed, not yet returned by step()
         self._replies: dict[int, dict] = {}
         self._keys = itertools.count()
-        self._ids = itertools.count()
-        self.step_index = 0                          # step records relayed, both workers together
-        self.counters = dict(steps=0, requests_finished=0, requests_aborted=0, requests_failed=0,
-                             preemptions=0, prompt_tokens=0, output_tokens=0, kv_transfers=0, worker_restarts=0)
+        self.handlers = {Ready: self._on_ready, Out: self._on_out, Exported: self._on_exported,
+                         Imported: self._on_imported, Dropped: self._on_dropped, Reply: self._on_reply}
         self.closed = False
         # ---- start both workers; they load the model side by side ----
-        self.t0 = time.perf_counter() if t0 is None else t0     # t0: another engine's, to share its clock
         self._ctx = mp.get_context("spawn")
         self.workers = {name: self._spawn(name, []) for name in WORKERS}
         self._wait_ready(load_timeout)
@@ -308,11 +136,16 @@ class DisaggregatedEngine:
     def clock(self) -> float:
         return time.perf_counter() - self.t0
 
+    @property
+    def step_index(self) -> int:
+        """The number the next relayed step record gets."""
+        return self.steps.value
+
     # ---- worker processes ----
     def _spawn(self, name: str, busy_slots: list[int], restarts: int = 0) -> Handle:
         commands, results = self._ctx.Queue(), self._ctx.Queue()
         wall0 = time.time() - self.clock()          # wall time of this clock's zero
-        process = self._ctx.Process(target=_worker_main, name=f"batchscope-{name}", daemon=True,
+        process = self._ctx.Process(target=worker_main, name=f"batchscope-{name}", daemon=True,
                                     args=(name, self.worker_config, self.staging, busy_slots, wall0,
                                           commands, results))
         process.start()
@@ -330,7 +163,7 @@ class DisaggregatedEngine:
                 raise TimeoutError(f"the workers did not load the model within {timeout:.0f} s")
             self._pump(0.2)
 
-    def _send(self, name: str, *command):
+    def _send(self, name: str, command):
         self.workers[name].commands.put(command)
 
     def _watch(self):
@@ -341,10 +174,10 @@ class DisaggregatedEngine:
             reason = f"the {name} worker process died (exit code {w.process.exitcode}); it is being restarted"
             log.error(reason)
             for rid in [r for r, h in self.router.holder.items() if h == name]:
-                self._end(self.requests[rid], "error", reason)
+                self._end(self.book.live[rid], "error", reason)
             if name == "decode":                     # hand-overs it never adopted: their slots are free again
                 for rid in list(self.router.transfers):
-                    self._send("prefill", "release", self.router.transfers.pop(rid).slots)
+                    self._send("prefill", Release(self.router.transfers.pop(rid).slots))
             busy = [s for t in self.router.transfers.values() for s in t.slots]
             w.commands.cancel_join_thread()
             self.workers[name] = self._spawn(name, busy, w.restarts + 1)
@@ -363,23 +196,22 @@ class DisaggregatedEngine:
                     msg = w.results.get_nowait()
                 except queue.Empty:
                     break
-                getattr(self, "_on_" + msg[0])(w, *msg[1:])
+                self.handlers[type(msg)](w, msg)
                 n += 1
         return n
 
     # ---- messages from the workers ----
-    def _on_ready(self, w: Handle, info: dict):
-        w.info = info
+    def _on_ready(self, w: Handle, m: Ready):
+        w.info = m.info
 
-    def _on_out(self, w: Handle, objs: list[dict], updates: dict[str, dict]):
-        for rid, update in updates.items():          # text and token times first: listeners read them
-            if rid in self.requests:
-                self._apply(self.requests[rid], update)
-        for obj in objs:
+    def _on_out(self, w: Handle, m: Out):
+        for rid, progress in m.progress.items():     # text and token times first: listeners read them
+            if rid in self.book.live:
+                self._apply(self.book.live[rid], progress)
+        for obj in m.records:
             if obj["type"] == "step":        # one step numbering for both workers: every reader's `step`
-                obj["worker_step"], obj["step"] = obj["step"], self.step_index
+                obj["worker_step"], obj["step"] = obj["step"], self.steps.take()
                 w.last = obj
-                self.step_index += 1
                 self.counters["steps"] += 1
                 self.counters["output_tokens"] += sum(i["kind"] == "decode" or bool(i.get("completes_prompt"))
                                                       for i in obj["items"])
@@ -390,69 +222,58 @@ class DisaggregatedEngine:
                 obj["step"] = self.step_index         # preempted: while the next relayed step was built
             elif obj["event"] == "preempted":
                 self.counters["preemptions"] += 1
-            self._emit(obj)
+            self.book.emit(obj)
 
-    def _apply(self, seq: Sequence, u: dict):
-        seq.output_token_ids.extend(u["tokens"])
-        seq.token_times.extend(u["times"])
-        seq.logprobs.extend(u["logprobs"])
-        seq.output_text += u["text"]
-        seq.first_token_time, seq.num_cached_tokens = u["first_token_time"], u["num_cached_tokens"]
-        seq.num_preemptions = u["num_preemptions"]
-        if u["status"] in (Status.FINISHED, Status.ABORTED):
-            seq.status, seq.finish_reason, seq.finish_time, seq.error = (u["status"], u["finish_reason"],
-                                                                         u["finish_time"], u["error"])
-            key = {"stop": "requests_finished", "length": "requests_finished", "error": "requests_failed"}
-            self.counters[key.get(seq.finish_reason, "requests_aborted")] += 1
-            self._retire(seq)
+    def _apply(self, seq: Sequence, p: Progress):
+        seq.output_token_ids.extend(p.tokens)
+        seq.token_times.extend(p.times)
+        seq.logprobs.extend(p.logprobs)
+        seq.output_text += p.text
+        seq.first_token_time, seq.num_cached_tokens = p.first_token_time, p.num_cached_tokens
+        seq.num_preemptions = p.num_preemptions
+        if p.status in (Status.FINISHED, Status.ABORTED):
+            self._retire(seq, p.status, p.finish_reason, p.error, p.finish_time)
 
-    def _on_exported(self, w: Handle, rid: str, seq: Sequence, generator_state, slots: list[int], t0: float,
-                     ops: tuple):
-        if rid not in self.requests:                 # ended while its KV was being copied out
-            self._send("prefill", "release", slots)
+    def _on_exported(self, w: Handle, m: Exported):
+        rid = m.seq.id
+        if rid not in self.book.live:                # ended while its KV was being copied out
+            self._send("prefill", Release(m.slots))
             return
         self.router.holder[rid] = "decode"
-        self.router.transfers[rid] = Transfer(slots, t0, ops or ())
-        self._send("decode", "adopt", seq, generator_state, slots, t0)
+        self.router.transfers[rid] = Transfer(m.slots, m.t0, m.kv_ops)
+        self._send("decode", Adopt(m.seq, m.generator_state, m.slots, m.t0))
 
-    def _on_imported(self, w: Handle, rid: str, slots: list[int], t0: float, t1: float):
-        moved = self.router.transfers.pop(rid, None)
-        self._send("prefill", "release", slots)
+    def _on_imported(self, w: Handle, m: Imported):
+        moved = self.router.transfers.pop(m.request_id, None)
+        self._send("prefill", Release(m.slots))
         self.counters["kv_transfers"] += 1
-        seq = self.requests.get(rid) or self.done.get(rid)
-        self._emit(RequestEvent("kv_transfer", rid, seq.label if seq else rid, t1, blocks=len(slots),
-                                bytes=len(slots) * w.info["bytes_per_block"], seconds=t1 - t0,
-                                from_worker="prefill", to_worker="decode",
-                                kv_ops=moved.kv_ops if moved and moved.kv_ops else None).to_dict())
+        try:
+            label = self.book.get(m.request_id).label
+        except KeyError:
+            label = m.request_id
+        self.book.emit(RequestEvent("kv_transfer", m.request_id, label, m.t1, blocks=len(m.slots),
+                                    bytes=len(m.slots) * w.info["bytes_per_block"], seconds=m.t1 - m.t0,
+                                    from_worker="prefill", to_worker="decode",
+                                    kv_ops=moved.kv_ops if moved and moved.kv_ops else None))
 
-    def _on_dropped(self, w: Handle, rid: str, slots: list[int]):
-        self.router.transfers.pop(rid, None)
-        self._send("prefill", "release", slots)
+    def _on_dropped(self, w: Handle, m: Dropped):
+        self.router.transfers.pop(m.request_id, None)
+        self._send("prefill", Release(m.slots))
 
-    def _on_reply(self, w: Handle, key: int, value: dict):
-        self._replies[key] = value
+    def _on_reply(self, w: Handle, m: Reply):
+        self._replies[m.key] = m.value
 
     # ---- requests ----
     def add_request(self, prompt: str | None = None, messages: list[dict] | None = None,
                     prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
                     label: str | None = None, request_id: str | None = None) -> str:
         self._watch()          # a worker that died while the pair was idle: replaced before this request reaches it
-        ids = self.tokenize(prompt, messages, prompt_token_ids)
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        rid = request_id or f"d{next(self._ids)}"     # d0, d1...: never an id of the single engine (r0, r1...)
-        if rid in self.requests or rid in self.done:
-            raise ValueError(f"request id {rid!r} is already in use")
-        seq = Sequence(rid, str(label) if label is not None else rid, ids, params, self.clock())
-        self.requests[rid] = seq
-        self.router.holder[rid] = "prefill"
-        self.counters["prompt_tokens"] += len(ids)
-        self._emit(RequestEvent("arrived", rid, seq.label, seq.arrival_time, prompt_len=len(ids),
-                                max_tokens=params.max_tokens).to_dict())
-        self._send("prefill", "add", dict(prompt_token_ids=ids, params=params, label=seq.label, request_id=rid),
-                   seq.arrival_time)
-        return rid
+        seq = self.book.admit(self.tokenize(prompt, messages, prompt_token_ids), params, label, request_id)
+        self.router.holder[seq.id] = "prefill"
+        self.book.arrived(seq)
+        self._send("prefill", Add(dict(prompt_token_ids=seq.prompt_token_ids, params=seq.params, label=seq.label,
+                                       request_id=seq.id), seq.arrival_time))
+        return seq.id
 
     def tokenize(self, prompt=None, messages=None, prompt_token_ids=None) -> list[int]:
         from engine.prompts import tokenize
@@ -460,51 +281,53 @@ class DisaggregatedEngine:
                         prompt, messages, prompt_token_ids)
 
     def get_request(self, request_id: str) -> Sequence:
-        seq = self.requests.get(request_id) or self.done.get(request_id)
-        if seq is None:
-            raise KeyError(f"unknown request id {request_id!r}")
-        return seq
+        """The router's copy of the request: the workers' progress applied to it as it comes."""
+        return self.book.get(request_id)
+
+    def request_info(self, request_id: str) -> RequestInfo:
+        return self.book.info(request_id)
+
+    def take_outputs(self) -> list[RequestOutput]:
+        return self.book.take_outputs()
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Stop a request wherever it is (prefill, hand-over, decode); its worker frees its blocks."""
-        seq = self.get_request(request_id)
+        seq = self.book.get(request_id)
         if seq.is_finished:
             return False
-        self._send(self.router.holder[request_id], "abort", request_id, reason)
+        self._send(self.router.holder[request_id], Abort(request_id, reason))
         self._end(seq, "abort", reason)
         return True
 
     def _end(self, seq: Sequence, finish_reason: str, reason: str):
         """The router ends a request: an abort, or its worker died. Later word of it from a worker is dropped."""
-        seq.status, seq.finish_reason, seq.finish_time, seq.error = Status.ABORTED, finish_reason, self.clock(), reason
-        self.counters["requests_failed" if finish_reason == "error" else "requests_aborted"] += 1
         self.router.ended.add(seq.id)
-        self._retire(seq)
-        self._emit(RequestEvent("aborted", seq.id, seq.label, seq.finish_time, reason=reason).to_dict())
+        self._retire(seq, Status.ABORTED, finish_reason, reason)
+        self.book.emit(RequestEvent("aborted", seq.id, seq.label, seq.finish_time, reason=reason))
 
-    def _retire(self, seq: Sequence):
-        self.requests.pop(seq.id, None)
+    def _retire(self, seq: Sequence, status: Status, finish_reason: str, error: str | None,
+                t: float | None = None):
         self.router.holder.pop(seq.id, None)
-        self.done[seq.id] = seq
-        while len(self.done) > self.max_done:
-            old = next(iter(self.done))
-            del self.done[old]
+        for old in self.book.end(seq, status, finish_reason, error, t):
             self.router.ended.discard(old)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.book.live)
 
     # ---- the pump ----
-    def step(self, timeout: float = 10.0) -> dict | None:
+    def step(self, timeout: float = 10.0) -> StepOutputs | None:
         """Relay what the workers published; return their next step record (oldest first), waiting up to
-        timeout for one while requests are in flight; None when none is (or none came in time)."""
+        timeout for one while requests are in flight, and every request's new output. None when there is
+        neither (nothing in flight, or nothing came in time)."""
         self._watch()
         self._pump(0)
         deadline = time.monotonic() + timeout
-        while not self._steps and self.requests and (left := deadline - time.monotonic()) > 0:
+        while not self._steps and self.book.live and (left := deadline - time.monotonic()) > 0:
             self._pump(min(left, 0.25))
             self._watch()
-        return self._steps.popleft() if self._steps else None
+        record = self._steps.popleft() if self._steps else None
+        outputs = self.book.take_outputs()
+        return StepOutputs(record, outputs) if record is not None or outputs else None
 
     generate = LLMEngine.generate            # the same offline loop: add them all, step until each has ended
 
@@ -524,8 +347,8 @@ class DisaggregatedEngine:
         self._settings = s
         budgets = {k: v for k, v in s.items() if k != "policy"}
         for name in WORKERS:
-            self._send(name, "settings", budgets)
-        self._emit(PolicyEvent(self.step_index, self.clock(), **s).to_dict())
+            self._send(name, Budgets(budgets))
+        self.book.emit(PolicyEvent(self.step_index, self.clock(), **s))
 
     def settings(self) -> dict:
         return dict(self._settings)
@@ -540,7 +363,7 @@ class DisaggregatedEngine:
         out, deadline = {}, time.monotonic() + timeout
         for name in ("decode", "prefill"):          # decode first: the slots it gives back reach prefill first
             key = next(self._keys)
-            self._send(name, "ask", key)
+            self._send(name, Ask(key))
             while key not in self._replies:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the {name} worker did not answer")
@@ -551,7 +374,7 @@ class DisaggregatedEngine:
 
     def pause_worker(self, name: str, seconds: float):
         """Hold one worker for a while (tests use it to catch a request in the middle of a hand-over)."""
-        self._send(name, "pause", seconds)
+        self._send(name, Pause(seconds))
 
     def stats(self) -> dict:
         workers, kv = {}, [0, 0, 0]
@@ -567,24 +390,15 @@ class DisaggregatedEngine:
                 "max_model_len": self.max_model_len,
                 "kv": KVState(kv[0], kv[1], kv[2], self.config.block_size).to_dict(),
                 "waiting": last("prefill", "waiting"), "running": last("prefill", "running") + last("decode", "running"),
-                "live_requests": len(self.requests), "step": self.step_index,
+                "live_requests": len(self.book.live), "step": self.step_index,
                 "workers": workers, "in_transfer": len(self.router.transfers), **self.counters}
 
-    # ---- listeners ----
+    # ---- listeners: every record and event goes to each, as a dict of its own ----
     def subscribe(self, fn):
-        self.listeners.append(fn)
+        self.book.listeners.subscribe(fn)
 
     def unsubscribe(self, fn):
-        if fn in self.listeners:
-            self.listeners.remove(fn)
-
-    def _emit(self, obj: dict):
-        for fn in list(self.listeners):
-            try:
-                fn(copy.deepcopy(obj))               # a dict of its own each, as LLMEngine gives
-            except Exception:
-                log.exception("a step listener failed; it is removed")
-                self.unsubscribe(fn)
+        self.book.listeners.unsubscribe(fn)
 
     # ---- the end ----
     def close(self, timeout: float = 10.0):
@@ -594,7 +408,7 @@ class DisaggregatedEngine:
         self.closed = True
         for w in self.workers.values():
             if w.process.is_alive():
-                w.commands.put(("stop",))
+                w.commands.put(Stop())
         for w in self.workers.values():
             w.process.join(timeout)
             if w.process.is_alive():

@@ -3,19 +3,21 @@
     engine = LLMEngine(EngineConfig(policy="chunked"))
     rid = engine.add_request(messages=[{"role": "user", "content": "Hi"}], label="Alice")
     while engine.has_unfinished():
-        record = engine.step()          # the StepRecord of docs/step_record.md
+        out = engine.step()             # StepOutputs: out.record, the StepRecord of docs/step_record.md,
+        for o in out.outputs:           # and each request's new output (engine/protocol.py)
+            print(o.request_id, o.text, o.finish_reason)
     engine.get_request(rid).output_text
 
 Single-threaded by design: a server calls it from one engine thread. The engine
 orchestrates: the scheduler picks the batch and does the bookkeeping after it,
-the runner computes it, the records (engine/records.py) tell the world.
+the runner computes it, the records (engine/records.py) tell the world, and
+the request book (engine/requests.py) keeps the requests, counters and listeners.
+It satisfies the `Engine` protocol of engine/protocol.py.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import replace
 
 import torch
@@ -26,7 +28,9 @@ from engine.detokenizer import Detokenizer
 from engine.loader import check_architecture, resolve_model
 from engine.model_runner import ModelRunner
 from engine.prompts import eos_ids, tokenize
-from engine.records import KVState, Listeners, PolicyEvent, RequestEvent, read_batch, step_record
+from engine.protocol import RequestInfo, RequestOutput, StepOutputs
+from engine.records import KVState, PolicyEvent, read_batch, step_record
+from engine.requests import RequestBook, StepCounter
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import Sequence, Status
@@ -36,7 +40,8 @@ _UNSET = object()
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **overrides):
+    def __init__(self, config: EngineConfig | None = None, steps: StepCounter | None = None, **overrides):
+        """overrides: EngineConfig fields. steps: another engine's step counter, to number as one stream."""
         config = replace(config, **overrides) if config else EngineConfig(**overrides)
         self.config = config
         if config.cpu_threads and config.device == "cpu":
@@ -62,19 +67,30 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.policy, config.max_num_batched_tokens,
                                    config.max_num_seqs, config.max_prefill_chunk, clock=lambda: self.clock())
         # ---- requests, records, counters ----
-        self.requests: dict[str, Sequence] = {}              # live
-        self.done: OrderedDict[str, Sequence] = OrderedDict()  # finished or aborted, newest last
-        self.max_done = 4096
-        self.listeners = Listeners()
-        self.step_index = 0
-        self._ids = itertools.count()
-        self._rng = torch.Generator().manual_seed(config.seed)
-        self.counters = dict(steps=0, requests_finished=0, requests_aborted=0, requests_failed=0,
-                             preemptions=0, prompt_tokens=0, output_tokens=0)
         self.t0 = time.perf_counter()
+        # the book reads self.clock at each call: a caller may replace it (the what-if replay's stopwatch)
+        self.book = RequestBook(lambda: self.clock(), lambda t: self.tokenizer.decode([t]))
+        self.counters = self.book.counters
+        self.steps = steps or StepCounter()
+        self._rng = torch.Generator().manual_seed(config.seed)
 
     def clock(self) -> float:
         return time.perf_counter() - self.t0
+
+    @property
+    def requests(self) -> dict[str, Sequence]:
+        """The live requests by id (ended ones are in self.book.done)."""
+        return self.book.live
+
+    @property
+    def step_index(self) -> int:
+        """The number the next step record gets."""
+        return self.steps.value
+
+    def share_clock(self, wall0: float):
+        """Read the clock whose zero was at wall time wall0 (time.time()): another process's, so that
+        both engines' times lie on one line (the disaggregated pair)."""
+        self.t0 = time.perf_counter() - (time.time() - wall0)
 
     @property
     def device(self) -> str:
@@ -89,32 +105,29 @@ class LLMEngine:
     def add_request(self, prompt: str | None = None, messages: list[dict] | None = None,
                     prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
                     label: str | None = None, request_id: str | None = None) -> str:
-        ids = self.tokenize(prompt, messages, prompt_token_ids)
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        rid = request_id or f"r{next(self._ids)}"
-        if rid in self.requests or rid in self.done:
-            raise ValueError(f"request id {rid!r} is already in use")
-        seq = Sequence(rid, str(label) if label is not None else rid, ids, params, self.clock())
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
+        seq = self.book.admit(self.tokenize(prompt, messages, prompt_token_ids), params, label, request_id)
+        if not seq.params.greedy:
+            p = seq.params
+            seed = p.seed if p.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
             seq.generator = torch.Generator(self.runner.device).manual_seed(seed)
-        self.requests[rid] = seq
         self.scheduler.add(seq)
-        self.counters["prompt_tokens"] += len(ids)
-        self._emit_request(seq, "arrived", prompt_len=len(ids), max_tokens=params.max_tokens)
-        return rid
+        self.book.arrived(seq)
+        return seq.id
 
     def tokenize(self, prompt=None, messages=None, prompt_token_ids=None) -> list[int]:
         return tokenize(self.tokenizer, self.vocab_size, self.max_model_len, self.model_name,
                         prompt, messages, prompt_token_ids)
 
     def get_request(self, request_id: str) -> Sequence:
-        seq = self.requests.get(request_id) or self.done.get(request_id)
-        if seq is None:
-            raise KeyError(f"unknown request id {request_id!r}")
-        return seq
+        """The request's whole state (engine-side readers and tests; app/ reads outputs instead)."""
+        return self.book.get(request_id)
+
+    def request_info(self, request_id: str) -> RequestInfo:
+        return self.book.info(request_id)
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """What replies gained outside a step: an abort's last output (step() returns the rest)."""
+        return self.book.take_outputs()
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Stop a request and free its KV blocks. False if it had already ended."""
@@ -125,7 +138,28 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.book.live)
+
+    # ---- a request moving between engines (the disaggregated pair's workers) ----
+    def hold(self, seq: Sequence) -> bool:
+        """Take a running request out of the schedule, keeping its KV blocks: its prompt is done here and
+        another engine decodes it (until release(), an abort still frees it). False if it was not running."""
+        if seq not in self.scheduler.running:
+            return False
+        self.scheduler.running.remove(seq)
+        return True
+
+    def release(self, seq: Sequence):
+        """The request has left this engine: free its blocks (they stay prefix-cached) and forget it."""
+        self.scheduler.remove(seq)
+        self.book.hand_out(seq.id)
+
+    def adopt(self, seq: Sequence):
+        """A request whose KV is already in this engine's blocks (BlockManager.import_blocks) joins the
+        schedule as a running decode; its outputs from here on are what it gains here."""
+        seq.status, seq.last_scheduled = Status.RUNNING, -1
+        self.book.take_in(seq)
+        self.scheduler.running.append(seq)
 
     # ---- settings ----
     def set_policy(self, policy: str | None = None, max_num_batched_tokens: int | None = None,
@@ -137,7 +171,7 @@ class LLMEngine:
         s.set_policy(keep(policy, s.policy), keep(max_num_batched_tokens, s.token_budget),
                      keep(max_num_seqs, s.max_num_seqs),
                      s.max_prefill_chunk if max_prefill_chunk is _UNSET else max_prefill_chunk)
-        self.listeners.emit(PolicyEvent(self.step_index, self.clock(), **self.settings()))
+        self.book.emit(PolicyEvent(self.step_index, self.clock(), **self.settings()))
 
     def settings(self) -> dict:
         return self.scheduler.settings()
@@ -148,22 +182,21 @@ class LLMEngine:
                 "cuda_graphs": self.runner.graph_stats(),
                 "max_model_len": self.max_model_len, "kv": KVState.of(self.block_manager).to_dict(),
                 "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-                "live_requests": len(self.requests), "step": self.step_index,
+                "live_requests": len(self.book.live), "step": self.step_index,
                 "prefix_cache_hit_tokens": self.block_manager.num_hit_tokens, **self.counters}
 
     # ---- listeners: every StepRecord and event goes to each, as a dict of its own ----
     def subscribe(self, fn):
-        self.listeners.subscribe(fn)
+        self.book.listeners.subscribe(fn)
 
     def unsubscribe(self, fn):
-        self.listeners.unsubscribe(fn)
+        self.book.listeners.unsubscribe(fn)
 
     def _emit_request(self, seq: Sequence, event: str, t: float | None = None, **extra):
-        if self.listeners:
-            self.listeners.emit(RequestEvent(event, seq.id, seq.label, self.clock() if t is None else t, **extra))
+        self.book.emit_request(seq, event, t, **extra)
 
     # ---- the step ----
-    def step(self) -> dict | None:
+    def step(self) -> StepOutputs | None:
         """Schedule, run one forward pass, update every request in it. None when idle."""
         if not self.scheduler.has_work():
             return None
@@ -177,12 +210,11 @@ class LLMEngine:
         t_items = self.clock()
         finished, error = self._run(batch) if batch.items else ([], None)
         t_end = self.clock()
-        record = step_record(self.step_index, self.scheduler, batch, before, finished, error,
+        record = step_record(self.steps.take(), self.scheduler, batch, before, finished, error,
                              (t_start, t_sched, t_items, t_end), self.clock, self.device_dtype)
-        self.step_index += 1
         self.counters["steps"] += 1
-        self.listeners.emit(record)
-        return record.to_dict()
+        self.book.emit(record)
+        return StepOutputs(record.to_dict(), self.book.take_outputs())
 
     def _run(self, batch: Batch) -> tuple[list[str], str | None]:
         """The forward pass and what follows it. Returns the finished request ids and, if the pass
@@ -214,24 +246,20 @@ class LLMEngine:
             return False
         self.detokenizer.update(seq, final=True)
         self._end(seq, Status.FINISHED, reason)
-        self.counters["requests_finished"] += 1
         self._emit_request(seq, "finished", finish_reason=reason, output_tokens=seq.num_output_tokens)
         return True
 
     def _abort(self, seq: Sequence, finish_reason: str, message: str):
         """End seq early: `abort` (a client asked, message is its reason) or `error` (message says what failed)."""
-        self._end(seq, Status.ABORTED, finish_reason)
-        seq.error = message
-        self.counters["requests_failed" if finish_reason == "error" else "requests_aborted"] += 1
+        self._end(seq, Status.ABORTED, finish_reason, message)
         self._emit_request(seq, "aborted", reason=message)
 
-    def _end(self, seq: Sequence, status: Status, reason: str):
+    def _end(self, seq: Sequence, status: Status, reason: str, error: str | None = None):
         self.scheduler.remove(seq)
-        seq.status, seq.finish_reason, seq.finish_time = status, reason, self.clock()
-        self.requests.pop(seq.id, None)
-        self.done[seq.id] = seq
-        while len(self.done) > self.max_done:
-            self.done.popitem(last=False)
+        self.book.end(seq, status, reason, error)
+
+    def close(self):
+        """Nothing outlives the engine object: its memory goes with it (the Engine protocol asks for close)."""
 
     # ---- offline batches ----
     def generate(self, prompts: list | None = None, params: SamplingParams | list | None = None,

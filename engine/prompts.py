@@ -4,6 +4,8 @@ Every check names the problem, since the text comes from users of the API.
 """
 from __future__ import annotations
 
+from engine.errors import PromptTooLong
+
 
 def tokenize(tokenizer, vocab_size: int, max_model_len: int, model_name: str, prompt: str | None = None,
              messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None) -> list[int]:
@@ -29,8 +31,7 @@ def tokenize(tokenizer, vocab_size: int, max_model_len: int, model_name: str, pr
     if not ids:
         raise ValueError("prompt is empty after tokenisation")
     if len(ids) >= max_model_len:
-        raise ValueError(f"prompt has {len(ids)} tokens; the limit is {max_model_len - 1} "
-                         f"(model context {max_model_len})")
+        raise PromptTooLong(len(ids), max_model_len)
     return ids
 
 

@@ -11,6 +11,7 @@ Pure Python: importing this module does not import torch.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -341,10 +342,11 @@ class Listeners:
         if fn in self.fns:
             self.fns.remove(fn)
 
-    def emit(self, record: Record):
+    def emit(self, record: Record | dict):
+        """record: a Record, or the dict of one relayed from another process (the pair's workers)."""
         for fn in list(self.fns):
             try:
-                fn(record.to_dict())
+                fn(record.to_dict() if isinstance(record, Record) else copy.deepcopy(record))
             except Exception:
                 log.exception("a step listener failed; it is removed")
                 self.unsubscribe(fn)

@@ -140,7 +140,7 @@ def run_engine(eng: LLMEngine, work, arrive_every: int = 0) -> tuple[float, list
             rids.append(eng.add_request(prompt_token_ids=ids, params=SamplingParams(max_tokens=n, ignore_eos=True)))
             if arrive_every:
                 break
-        records.append(eng.step())
+        records.append(eng.step().record)
         step += 1
     sync()
     return time.perf_counter() - t, rids, records
@@ -254,7 +254,7 @@ class StepTimer:
                     break
                 if before_each:
                     before_each()
-                rec = self.eng.step()
+                rec = self.eng.step().record
                 if want(rec):
                     model.append(self.last)
                     engine.append(rec["t_end"] - rec["t_start"])

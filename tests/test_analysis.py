@@ -11,7 +11,7 @@ from demos import trace
 from app import metrics
 from engine.records import KV_MAP_EVERY, kv_map, kv_ops
 from tests.test_scheduler_properties import Case
-from tests.test_metrics import arrived, dec, pre, step
+from tests.factories import arrived, dec, pre, step
 
 WHY_TRACE = Path(__file__).parent / "data" / "why_trace.json"
 GPU_TRACE = Path(__file__).resolve().parent.parent / "static" / "data" / "gpu_cost_trace.json"

@@ -252,7 +252,7 @@ def test_bench_smoke(tiny_model, tmp_path):
 def test_one_chrome_converter_every_event_on_a_track():
     """demos.trace and the server's /api/trace?format=chrome use app/trace.py; every event names its track."""
     from app.trace import chrome_trace
-    from tests.test_metrics import stall_stream
+    from tests.factories import stall_stream
     s = stall_stream()
     doc = chrome_trace(s, {"type": "trace", "model": "m"})
     assert trace.to_chrome([{"type": "trace", "model": "m"}, *s]) == doc

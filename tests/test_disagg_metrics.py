@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from app import metrics
-from tests.test_metrics import arrived, dec, pre, step
+from tests.factories import arrived, dec, pre, step
 
 
 def moved(req, t, seconds, blocks=2):

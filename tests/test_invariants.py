@@ -64,7 +64,8 @@ def test_random_workload_loses_nothing(tiny, seed, block_size):
             eng.set_policy(rng.choice(["static", "continuous", "chunked"]),
                            max_num_batched_tokens=rng.choice([4, 8, 16, 64, 256]),
                            max_num_seqs=rng.randint(1, 8), max_prefill_chunk=rng.choice([None, 8]))
-        rec = eng.step()
+        out = eng.step()
+        rec = out.record if out else None
         if rec:
             check_step(rec)
             preempted += len(rec["preempted"])

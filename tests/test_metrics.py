@@ -4,48 +4,7 @@ import math
 import pytest
 
 from app import metrics
-
-
-def step(i, t0, t1, items, budget=256, waiting=0, max_num_seqs=16, stalled=(), policy="chunked", **extra):
-    return {"type": "step", "step": i, "t_start": t0, "t_end": t1, "policy": policy, "token_budget": budget,
-            "max_num_seqs": max_num_seqs, "items": items, "num_tokens": sum(x["tokens"] for x in items),
-            "finished": [], "preempted": [], "stalled": list(stalled), "waiting": waiting, "running": len(items),
-            "kv": {"used": 4, "total": 64, "cached": 0, "block_size": 16}, **extra}
-
-
-def dec(req, start=10):
-    return {"req": req, "label": req.upper(), "kind": "decode", "tokens": 1, "start": start}
-
-
-def pre(req, n, start, prompt_len, cached=None):
-    item = {"req": req, "label": req.upper(), "kind": "prefill", "tokens": n, "start": start,
-            "prompt_len": prompt_len, "completes_prompt": start + n == prompt_len}
-    if cached:
-        item["cached"] = cached
-    return item
-
-
-def arrived(req, t):
-    return {"type": "request", "event": "arrived", "req": req, "label": req.upper(), "t": t}
-
-
-def stall_stream(stall_s=1.0, tick=0.01):
-    """a: arrives at 0, prefill in step 0, decodes steps 1-4; step 5 is b's whole prefill (a left out);
-    a decodes again in steps 6-7. Each step lasts `tick` except step 5, which lasts `stall_s`."""
-    s, t = [arrived("a", 0.0)], 0.0
-    for i in range(8):
-        dt = stall_s if i == 5 else tick
-        if i == 0:
-            items = [pre("a", 20, 0, 20)]
-        elif i == 5:
-            items = [pre("b", 500, 0, 500)]
-        else:
-            items = [dec("a")] + ([dec("b")] if i > 5 else [])
-        s.append(step(i, t, t + dt, items, stalled=["a"] if i == 5 else []))
-        t += dt
-        if i == 4:
-            s.append(arrived("b", t))
-    return s
+from tests.factories import arrived, dec, pre, random_streams, stall_stream, step
 
 
 def test_a_stall_of_known_length_is_the_tbt_max():
@@ -204,40 +163,6 @@ def test_percentile_is_numpy_linear(xs, q):
     else:
         assert got == pytest.approx(float(np.percentile(xs, q)), rel=1e-9, abs=1e-6)
         assert min(xs) <= got <= max(xs)
-
-
-@st.composite
-def random_streams(draw):
-    """Engine-shaped streams: requests arrive, prefill in chunks, decode or are left out (stalled),
-    sometimes are preempted and recomputed; settings change now and then."""
-    n_req = draw(st.integers(1, 5))
-    state = {f"r{i}": "new" for i in range(n_req)}
-    s, t = [], 0.0
-    for i in range(n_req):
-        s.append(arrived(f"r{i}", 0.0))
-    policy = "chunked"
-    for i in range(draw(st.integers(1, 40))):
-        if draw(st.booleans()) and draw(st.booleans()):
-            policy = draw(st.sampled_from(["static", "continuous", "chunked"]))
-        items, stalled, preempted = [], [], []
-        for req, st_ in state.items():
-            act = draw(st.sampled_from(["run", "run", "skip", "preempt"]))
-            if st_ == "new" and act == "run":
-                done = draw(st.booleans())
-                items.append(pre(req, 4, 0, 4 if done else 8))
-                state[req] = "decoding" if done else "new"
-            elif st_ == "decoding":
-                if act == "run":
-                    items.append(dec(req))
-                elif act == "skip":
-                    stalled.append(req)
-                else:
-                    preempted.append(req)
-                    state[req] = "new"
-        dt = draw(st.floats(0.001, 1.0))
-        s.append(step(i, t, t + dt, items, stalled=stalled, preempted=preempted, policy=policy))
-        t += dt
-    return s
 
 
 @settings(max_examples=150, deadline=None)

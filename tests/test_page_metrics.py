@@ -17,7 +17,7 @@ from tests.browser import MARKS, chromium, load_stage
 
 from demos import trace
 from app import metrics
-from tests.test_metrics import random_streams
+from tests.factories import random_streams
 
 TRACE = Path(__file__).parent / "data" / "page_trace.json"
 pytestmark = MARKS
@@ -125,7 +125,7 @@ def test_recorded_disaggregated_trace_page_table_matches_python(stage):
 
 def test_preemption_stream_page_table_matches_python(stage):
     """The case the two old stall definitions disagreed on: a's wait after its preemption."""
-    from tests.test_metrics import arrived, dec, pre, step
+    from tests.factories import arrived, dec, pre, step
     s = [arrived("a", 0.0), arrived("b", 0.0),
          step(0, 0.0, 0.1, [pre("a", 8, 0, 8), pre("b", 8, 0, 8)]),
          step(1, 0.1, 0.2, [dec("a"), dec("b")]),

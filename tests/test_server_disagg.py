@@ -1,4 +1,4 @@
-"""The live service moving between the single engine and the disaggregated pair (app/engine_loop.py):
+"""The live service moving between the single engine and the disaggregated pair (engine/engines.py):
 the pair starts on first selection while requests keep being served, new requests go to the setting
 in force, requests in flight finish where they started, and viewers get one step numbering."""
 import asyncio
@@ -28,7 +28,7 @@ async def until(check, timeout: float = 400.0):
 
 
 async def switch_and_back(service):
-    loop = service.loop
+    loop = service.engine          # the switch between the single engine and the pair (engine/engines.py)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(service, manage_service=False)),
                                  base_url="http://batchscope.test") as http:
         a, a_text = await reply(service, "A", 40)                        # single engine, chunked
@@ -76,4 +76,4 @@ def test_switching_to_disaggregated_and_back_loses_nothing_in_flight():
     assert any(r.get("event") == "kv_transfer" and r["req"] == c.id for r in records)
     policies = [r["policy"] for r in records if r["type"] == "policy"]
     assert policies[-2:] == ["disaggregated", "chunked"]
-    assert service.loop.pair.closed and not service.loop.owner
+    assert service.engine.pair.closed and not service.engine.owner

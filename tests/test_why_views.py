@@ -214,7 +214,7 @@ def test_kv_map_matches_the_engine_at_paused_steps_through_a_preemption(page):
         engine.add_request(prompt=shared + q, params=SamplingParams(max_tokens=14, ignore_eos=True), label=name)
     truth = {}
     while engine.has_unfinished() and len(truth) < 60:
-        rec = engine.step()
+        rec = engine.step().record
         truth[rec["step"]] = engine_blocks(engine)
     recs = metrics.steps(stream)
     preempted = [r["step"] for r in recs if r["preempted"]]

@@ -1,0 +1,31 @@
+"""Why a request cannot enter, as types: a caller maps each to its answer (app/errors.py: HTTP) by
+class, never by reading the message. Every message still names the problem for a person.
+
+Pure Python: importing this module does not import torch.
+"""
+from __future__ import annotations
+
+
+class PromptTooLong(ValueError):
+    """The prompt does not fit the model's context (a ValueError like every other bad prompt)."""
+
+    def __init__(self, prompt_len: int, max_model_len: int):
+        super().__init__(f"prompt has {prompt_len} tokens; the limit is {max_model_len - 1} "
+                         f"(model context {max_model_len})")
+        self.prompt_len, self.max_model_len = prompt_len, max_model_len
+
+
+class QueueFull(Exception):
+    """Too many requests are waiting, or this client sent too many; retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ServiceUnavailable(Exception):
+    """The engine cannot take requests now: the model is loading, or it did not answer in time."""
+
+
+class ShuttingDown(ServiceUnavailable):
+    """The server is stopping: no new requests, and the ones in flight end with this reason."""
