@@ -4,7 +4,8 @@ Every flag can also come from the environment as BATCHSCOPE_<FLAG> (for
 example BATCHSCOPE_MODEL, BATCHSCOPE_STEP_DELAY); HOST and PORT are honoured
 too, as hosting platforms set them. The presenter key comes only from the
 environment (PRESENTER_KEY), never from a flag: command lines are visible to
-every user of the machine.
+every user of the machine. So do API keys (BATCHSCOPE_API_KEY, comma-separated):
+when set, /v1 needs `Authorization: Bearer <key>` and each key has its own rate limit.
 """
 from __future__ import annotations
 
@@ -50,7 +51,14 @@ FLAGS = {
     "max-viewers": (ServerConfig, "max_ws_subscribers", "step-stream viewers at once"),
     "viewer-buffer": (ServerConfig, "ws_buffer", "records a viewer may fall behind before a gap"),
     "history": (ServerConfig, "history", "records kept for snapshots and traces"),
+    "rate-limit-per-minute": (ServerConfig, "rate_limit_per_minute",
+                              "chat requests a minute per caller (room member, API key, else address); 0: off"),
+    "rate-limit-burst": (ServerConfig, "rate_limit_burst", "of which this many at once"),
+    "forwarded-allow-ips": (ServerConfig, "forwarded_allow_ips",
+                            "proxies whose X-Forwarded-For is believed: comma-separated IPs or networks, "
+                            "'*' for any peer, '' for none (env FORWARDED_ALLOW_IPS too)"),
 }
+PLAIN_ENV = {"host": "HOST", "port": "PORT", "forwarded-allow-ips": "FORWARDED_ALLOW_IPS"}   # as platforms set them
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -69,7 +77,7 @@ def parse_args(argv: list[str] | None = None, env: dict | None = None, prog: str
         field = next(f for f in dataclasses.fields(cls) if f.name == name)
         kind = TYPES.get(str(field.type), str)
         var = "BATCHSCOPE_" + flag.upper().replace("-", "_")
-        raw = env.get(var) or (env.get(flag.upper()) if flag in ("host", "port") else None)
+        raw = env.get(var) or (env.get(PLAIN_ENV[flag]) if flag in PLAIN_ENV else None)
         default = field.default
         if raw is not None:
             try:
@@ -84,14 +92,19 @@ def parse_args(argv: list[str] | None = None, env: dict | None = None, prog: str
     return p.parse_args(argv)
 
 
-def build(args: argparse.Namespace, env: dict | None = None) -> tuple[EngineService, object]:
-    """The service and the app. The Gradio UI mounts here, on the same app, in one line."""
+def server_config(args: argparse.Namespace, env: dict | None = None) -> ServerConfig:
+    """The flags' server settings, plus the secrets that come only from the environment."""
     env = os.environ if env is None else env
     values = vars(args)
+    return ServerConfig(**{n: values[n] for c, n, _ in FLAGS.values() if c is ServerConfig},
+                        presenter_key=env.get("PRESENTER_KEY") or None, api_keys=env.get("BATCHSCOPE_API_KEY", ""))
+
+
+def build(args: argparse.Namespace, env: dict | None = None) -> tuple[EngineService, object]:
+    """The service and the app. The Gradio UI mounts here, on the same app, in one line."""
+    values = vars(args)
     engine_config = EngineConfig(**{n: values[n] for c, n, _ in FLAGS.values() if c is EngineConfig})
-    server_config = ServerConfig(**{n: values[n] for c, n, _ in FLAGS.values() if c is ServerConfig},
-                                 presenter_key=env.get("PRESENTER_KEY") or None)
-    service = EngineService(engine_config, server_config)
+    service = EngineService(engine_config, server_config(args, env))
     app = create_app(service)
     __import__("app.ui").ui.mount_ui(app, service)   # the teaching UI at /; Gradio loads only here
     return service, app
@@ -133,8 +146,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m app") -> int:
         return 1
     cfg = service.config
     # no per-message deflate: compressing every record for every viewer costs more CPU (taken from the
-    # engine) than the bandwidth it saves; records are small and viewers only send control messages
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level,
+    # engine) than the bandwidth it saves; records are small and viewers only send control messages.
+    # No proxy headers: the app reads X-Forwarded-For itself, from the proxies it was told to trust
+    # (app/rate_limit.py), so it needs the peer's own address
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level, proxy_headers=False,
                             ws_max_size=1 << 16, ws_per_message_deflate=False,
                             timeout_graceful_shutdown=int(cfg.shutdown_timeout_s))
     Server(config, service).run()

@@ -3,8 +3,9 @@
 
 Requests are checked in app/openai_requests.py; here they become engine
 requests, one per choice, and their replies become OpenAI's response and
-stream shapes. The official `openai` package and curl work unchanged (any
-API key is accepted).
+stream shapes. The official `openai` package and curl work unchanged: any API
+key is accepted unless the operator configured some (BATCHSCOPE_API_KEY), then
+`Authorization: Bearer <key>` must carry one of them.
 """
 from __future__ import annotations
 
@@ -13,22 +14,27 @@ import json
 import time
 from dataclasses import replace
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from app.errors import APIError, from_validation, read_json
 from app.openai_requests import (ChatRequest, CompletionRequest, Sampling, chat_params, completion_params, message,
                                  prompt_input)
-from app.rate_limit import client_of
+from app.rate_limit import bearer, client_of
 from app.request_stream import TokenLogprob
 from app.service import EngineService, QueueFull, ServiceUnavailable
 from engine import SamplingParams
 
 
 def router(service: EngineService) -> APIRouter:
-    api = APIRouter()
     cfg = service.config
+
+    async def api_key(request: Request):
+        if cfg.api_keys and service.client_keys.api_key_number(bearer(request.headers)) is None:
+            raise APIError(401, "this server needs an API key: send `Authorization: Bearer <key>`",
+                           code="invalid_api_key")
+    api = APIRouter(dependencies=[Depends(api_key)])
 
     @api.get("/v1/models")
     async def models():
