@@ -38,8 +38,10 @@ def router(service: EngineService) -> APIRouter:
 
     @api.get("/v1/models")
     async def models():
+        # root and parent as vLLM gives them: clients read the tokenizer's name and the context length here
         return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": 0,
-                                            "owned_by": "batchscope", "max_model_len": service.max_model_len}]}
+                                            "owned_by": "batchscope", "root": service.model_name, "parent": None,
+                                            "max_model_len": service.max_model_len}]}
 
     @api.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -95,8 +97,10 @@ async def _submit(request: Request, service: EngineService, body: Sampling, para
 
 async def _respond(request: Request, body: Sampling, streams: list, shape):
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return AbortOnDisconnect(_sse(streams, shape, include_usage), media_type="text/event-stream",
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        every_chunk = bool(options and options.include_usage and options.continuous_usage_stats)
+        return AbortOnDisconnect(_sse(streams, shape, include_usage, every_chunk), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await _complete(request, streams, shape)
 
@@ -213,12 +217,14 @@ async def _merged(streams: list):
             t.cancel()
 
 
-async def _sse(streams: list, shape, include_usage: bool):
+async def _sse(streams: list, shape, include_usage: bool, every_chunk: bool = False):
+    """every_chunk: vLLM's stream_options.continuous_usage_stats, the usage so far on each chunk."""
     def event(obj: dict) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
     def chunk(choice: dict) -> str:
-        return event({**shape.meta, "object": shape.chunk_object, "choices": [choice]})
+        usage = {"usage": _usage(streams)} if every_chunk else {}
+        return event({**shape.meta, "object": shape.chunk_object, "choices": [choice], **usage})
 
     try:                                    # closing early (client gone) aborts every choice
         for i in range(len(streams)):
