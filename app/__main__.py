@@ -58,6 +58,9 @@ FLAGS = {
                             "proxies whose X-Forwarded-For is believed: comma-separated IPs or networks, "
                             "'*' for any peer, '' for none (env FORWARDED_ALLOW_IPS too)"),
 }
+# --serving: throughput settings instead of the teaching ones (a 256-token budget, so that chunks show on
+# the chart; 16 sequences; a rate limit for a public room). Flags and environment variables still win.
+SERVING = {"max_num_batched_tokens": 2048, "max_num_seqs": 64, "rate_limit_per_minute": 0}
 PLAIN_ENV = {"host": "HOST", "port": "PORT", "forwarded-allow-ips": "FORWARDED_ALLOW_IPS"}   # as platforms set them
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
@@ -73,12 +76,16 @@ TYPES = {"int": int, "float": float, "int | None": int, "float | None": float, "
 def parse_args(argv: list[str] | None = None, env: dict | None = None, prog: str = "python -m app") -> argparse.Namespace:
     env = os.environ if env is None else env
     p = argparse.ArgumentParser(prog=prog, description="batchscope: a live LLM engine you can watch.")
+    p.add_argument("--serving", action="store_true", default=_bool(env.get("BATCHSCOPE_SERVING") or "0"),
+                   help="serving preset: " + ", ".join(f"{k}={v}" for k, v in SERVING.items()) +
+                        " (env BATCHSCOPE_SERVING); flags and environment variables given still win")
+    serving = p.parse_known_args(argv)[0].serving
     for flag, (cls, name, text) in FLAGS.items():
         field = next(f for f in dataclasses.fields(cls) if f.name == name)
         kind = TYPES.get(str(field.type), str)
         var = "BATCHSCOPE_" + flag.upper().replace("-", "_")
         raw = env.get(var) or (env.get(PLAIN_ENV[flag]) if flag in PLAIN_ENV else None)
-        default = field.default
+        default = SERVING.get(name, field.default) if serving else field.default
         if raw is not None:
             try:
                 default = kind(raw)
