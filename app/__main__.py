@@ -76,10 +76,12 @@ TYPES = {"int": int, "float": float, "int | None": int, "float | None": float, "
 def parse_args(argv: list[str] | None = None, env: dict | None = None, prog: str = "python -m app") -> argparse.Namespace:
     env = os.environ if env is None else env
     p = argparse.ArgumentParser(prog=prog, description="batchscope: a live LLM engine you can watch.")
-    p.add_argument("--serving", action="store_true", default=_bool(env.get("BATCHSCOPE_SERVING") or "0"),
-                   help="serving preset: " + ", ".join(f"{k}={v}" for k, v in SERVING.items()) +
-                        " (env BATCHSCOPE_SERVING); flags and environment variables given still win")
-    serving = p.parse_known_args(argv)[0].serving
+    preset = dict(action="store_true", default=_bool(env.get("BATCHSCOPE_SERVING") or "0"))
+    p.add_argument("--serving", **preset, help="serving preset: " + ", ".join(f"{k}={v}" for k, v in SERVING.items())
+                   + " (env BATCHSCOPE_SERVING); flags and environment variables given still win")
+    first = argparse.ArgumentParser(add_help=False)      # the preset decides the other flags' defaults
+    first.add_argument("--serving", **preset)
+    serving = first.parse_known_args(argv)[0].serving
     for flag, (cls, name, text) in FLAGS.items():
         field = next(f for f in dataclasses.fields(cls) if f.name == name)
         kind = TYPES.get(str(field.type), str)

@@ -26,12 +26,13 @@ class RateLimiter:
         self.max_clients = max_clients
         self.buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()   # key -> (tokens, time)
         self.lock = threading.Lock()
+        self.clock = time.monotonic             # tests freeze it
 
     def retry_after(self, client: str | None) -> int:
         """0 when the client may send now (and is charged one request), else seconds to wait."""
         if not self.rate or client is None:
             return 0
-        now = time.monotonic()
+        now = self.clock()
         with self.lock:
             tokens, then = self.buckets.pop(client, (float(self.burst), now))
             tokens = min(self.burst, tokens + (now - then) * self.rate)

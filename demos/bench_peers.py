@@ -54,7 +54,7 @@ def batchscope_cmd(folder: Path, port: int, args) -> tuple[list[str], dict]:
 def vllm_cmd(python: str, folder: Path, port: int, args) -> tuple[list[str], dict]:
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name", NAME,
            "--dtype", "float32", "--max-model-len", "4096", "--port", str(port), "--host", "127.0.0.1",
-           "--disable-log-requests"]
+           "--disable-log-stats"]
     return cmd, {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}   # both cores compute
 
 
@@ -68,12 +68,13 @@ def vllm_python(given: str | None) -> str | None:
 
 def start(cmd: list[str], env: dict, port: int, timeout: float) -> subprocess.Popen:
     import httpx
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_peers_{port}.log", "w+")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[2]} exited: {proc.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"{cmd[2]} exited: {log.read()[-2000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
                 return proc
@@ -167,7 +168,12 @@ def main():
             continue
         port = free_port()
         cmd, env = make(port)
-        proc = start(cmd, env, port, args.start_timeout)
+        try:
+            proc = start(cmd, env, port, args.start_timeout)
+        except RuntimeError as e:
+            print(f"{name}: {e}", file=sys.stderr)
+            lines += [row(name, c, None, "did not start (see above)") for c in levels]
+            continue
         try:
             url = f"http://127.0.0.1:{port}"
             asyncio.run(level(url, 1, 1, 16, 4, salt=999))                # warm-up

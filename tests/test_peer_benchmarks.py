@@ -78,3 +78,15 @@ def test_aiperf_finishes_a_concurrent_run_without_errors(server, tmp_path):
          "--no-auto-plot", "--ui-type", "simple"], tmp_path)
     report = json.loads((tmp_path / "aiperf" / "profile_export_aiperf.json").read_text())
     assert report["request_count"]["avg"] == 8 and report["error_summary"] == [] and not report["was_cancelled"]
+
+
+def test_the_side_by_side_script_measures_a_server(server):
+    """demos/bench_peers.py's client on a real server: every request answered, its numbers filled in."""
+    import asyncio
+
+    from demos import bench_peers
+    url, _, _ = server
+    m = asyncio.run(bench_peers.level(url, concurrency=2, requests=3, prompt_tokens=16, output_tokens=5, salt=1))
+    assert m["tok_s"] > 0 and m["ttft"][0] is not None and 0 < m["ttft"][0] <= m["ttft"][1]
+    assert m["itl"][0] is not None and m["itl"][0] <= m["itl"][1]
+    assert "not installed" in bench_peers.row("vLLM-CPU", 8, None, "not installed")
