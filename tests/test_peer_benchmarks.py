@@ -85,8 +85,9 @@ def test_the_side_by_side_script_measures_a_server(server):
     import asyncio
 
     from demos import bench_peers
-    url, _, _ = server
-    m = asyncio.run(bench_peers.level(url, concurrency=2, requests=3, prompt_tokens=16, output_tokens=5, salt=1))
+    url, _, service = server
+    m = asyncio.run(bench_peers.level(url, concurrency=2, requests=3, prompt_tokens=16, output_tokens=5, salt=1,
+                                      model=service.model_name))
     assert m["tok_s"] > 0 and m["ttft"][0] is not None and 0 < m["ttft"][0] <= m["ttft"][1]
     assert m["itl"][0] is not None and m["itl"][0] <= m["itl"][1]
     assert "not installed" in bench_peers.row("vLLM-CPU", 8, None, "not installed")
