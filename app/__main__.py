@@ -4,7 +4,8 @@ Every flag can also come from the environment as BATCHSCOPE_<FLAG> (for
 example BATCHSCOPE_MODEL, BATCHSCOPE_STEP_DELAY); HOST and PORT are honoured
 too, as hosting platforms set them. The presenter key comes only from the
 environment (PRESENTER_KEY), never from a flag: command lines are visible to
-every user of the machine.
+every user of the machine. So do API keys (BATCHSCOPE_API_KEY, comma-separated):
+when set, /v1 needs `Authorization: Bearer <key>` and each key has its own rate limit.
 """
 from __future__ import annotations
 
@@ -51,7 +52,17 @@ FLAGS = {
     "max-viewers": (ServerConfig, "max_ws_subscribers", "step-stream viewers at once"),
     "viewer-buffer": (ServerConfig, "ws_buffer", "records a viewer may fall behind before a gap"),
     "history": (ServerConfig, "history", "records kept for snapshots and traces"),
+    "rate-limit-per-minute": (ServerConfig, "rate_limit_per_minute",
+                              "chat requests a minute per caller (room member, API key, else address); 0: off"),
+    "rate-limit-burst": (ServerConfig, "rate_limit_burst", "of which this many at once"),
+    "forwarded-allow-ips": (ServerConfig, "forwarded_allow_ips",
+                            "proxies whose X-Forwarded-For is believed: comma-separated IPs or networks, "
+                            "'*' for any peer, '' for none (env FORWARDED_ALLOW_IPS too)"),
 }
+# --serving: throughput settings instead of the teaching ones (a 256-token budget, so that chunks show on
+# the chart; 16 sequences; a rate limit for a public room). Flags and environment variables still win.
+SERVING = {"max_num_batched_tokens": 2048, "max_num_seqs": 64, "rate_limit_per_minute": 0}
+PLAIN_ENV = {"host": "HOST", "port": "PORT", "forwarded-allow-ips": "FORWARDED_ALLOW_IPS"}   # as platforms set them
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -66,12 +77,18 @@ TYPES = {"int": int, "float": float, "int | None": int, "float | None": float, "
 def parse_args(argv: list[str] | None = None, env: dict | None = None, prog: str = "python -m app") -> argparse.Namespace:
     env = os.environ if env is None else env
     p = argparse.ArgumentParser(prog=prog, description="batchscope: a live LLM engine you can watch.")
+    preset = dict(action="store_true", default=_bool(env.get("BATCHSCOPE_SERVING") or "0"))
+    p.add_argument("--serving", **preset, help="serving preset: " + ", ".join(f"{k}={v}" for k, v in SERVING.items())
+                   + " (env BATCHSCOPE_SERVING); flags and environment variables given still win")
+    first = argparse.ArgumentParser(add_help=False)      # the preset decides the other flags' defaults
+    first.add_argument("--serving", **preset)
+    serving = first.parse_known_args(argv)[0].serving
     for flag, (cls, name, text) in FLAGS.items():
         field = next(f for f in dataclasses.fields(cls) if f.name == name)
         kind = TYPES.get(str(field.type), str)
         var = "BATCHSCOPE_" + flag.upper().replace("-", "_")
-        raw = env.get(var) or (env.get(flag.upper()) if flag in ("host", "port") else None)
-        default = field.default
+        raw = env.get(var) or (env.get(PLAIN_ENV[flag]) if flag in PLAIN_ENV else None)
+        default = SERVING.get(name, field.default) if serving else field.default
         if raw is not None:
             try:
                 default = kind(raw)
@@ -91,19 +108,24 @@ def parse_args(argv: list[str] | None = None, env: dict | None = None, prog: str
     return p.parse_args(argv)
 
 
+def server_config(args: argparse.Namespace, env: dict | None = None) -> ServerConfig:
+    """The flags' server settings, plus the secrets that come only from the environment."""
+    env = os.environ if env is None else env
+    values = vars(args)
+    return ServerConfig(**{n: values[n] for c, n, _ in FLAGS.values() if c is ServerConfig},
+                        presenter_key=env.get("PRESENTER_KEY") or None, api_keys=env.get("BATCHSCOPE_API_KEY", ""))
+
+
 def build(args: argparse.Namespace, env: dict | None = None) -> tuple[EngineService, object]:
     """The service and the app. The Gradio UI mounts here, on the same app, in one line; where gradio
     is not installed, the chart-only page (app/plain_page.py)."""
-    env = os.environ if env is None else env
     values = vars(args)
     engine_config = EngineConfig(**{n: values[n] for c, n, _ in FLAGS.values() if c is EngineConfig})
-    server_config = ServerConfig(**{n: values[n] for c, n, _ in FLAGS.values() if c is ServerConfig},
-                                 presenter_key=env.get("PRESENTER_KEY") or None)
     if args.attach:
         from app.attach import AttachConfig, AttachedService
-        service = AttachedService(AttachConfig(args.attach, args.attach_records), server_config)
+        service = AttachedService(AttachConfig(args.attach, args.attach_records), server_config(args, env))
     else:
-        service = EngineService(engine_config, server_config)
+        service = EngineService(engine_config, server_config(args, env))
     app = create_app(service)
     if gradio_installed():
         __import__("app.ui").ui.mount_ui(app, service)   # the teaching UI at /; Gradio loads only here
@@ -151,8 +173,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m app") -> int:
         return 1
     cfg = service.config
     # no per-message deflate: compressing every record for every viewer costs more CPU (taken from the
-    # engine) than the bandwidth it saves; records are small and viewers only send control messages
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level,
+    # engine) than the bandwidth it saves; records are small and viewers only send control messages.
+    # No proxy headers: the app reads X-Forwarded-For itself, from the proxies it was told to trust
+    # (app/rate_limit.py), so it needs the peer's own address
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level, proxy_headers=False,
                             ws_max_size=1 << 16, ws_per_message_deflate=False,
                             timeout_graceful_shutdown=int(cfg.shutdown_timeout_s))
     Server(config, service).run()

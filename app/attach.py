@@ -30,7 +30,7 @@ from app.attach_records import Lanes, RecordsUnavailable
 from app.broadcast import Broadcaster, RecordRing
 from app.config import ServerConfig
 from app.prometheus import Metrics
-from app.rate_limit import RateLimiter
+from app.rate_limit import Caller, ClientKeys, RateLimiter
 from app.request_stream import Delta, QueueFull, RequestStream, ServiceUnavailable
 from engine import EngineConfig, SamplingParams
 
@@ -90,6 +90,7 @@ class AttachedService:
         self.broadcaster = Broadcaster(self.ring, self.config.ws_buffer, self.config.max_ws_subscribers)
         self.broadcaster.describe = self.describe
         self.limiter = RateLimiter(self.config.rate_limit_per_minute, self.config.rate_limit_burst)
+        self.client_keys = ClientKeys(self.config.forwarded_allow_ips, self.config.presenter_key, self.config.api_keys)
         self.metrics = Metrics()
         self.arrival_log = NoArrivalLog()
         self.whatif, self.loop, self.engine = None, _Idle(), None
@@ -170,11 +171,11 @@ class AttachedService:
     # ================= requests, relayed to vLLM =================
     async def submit(self, *, messages: list[dict] | None = None, prompt: str | None = None,
                      prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
-                     label: str | None = None, client: str | None = None) -> RequestStream:
+                     label: str | None = None, client: Caller | None = None) -> RequestStream:
         """As EngineService.submit: ValueError (vLLM refused the request), QueueFull, ServiceUnavailable."""
         if not self.accepting:
             raise ServiceUnavailable("not attached to vLLM")
-        wait = self.limiter.retry_after(client)
+        wait = self.limiter.retry_after(self.client_keys.key(client))
         if wait:
             raise QueueFull(f"too many requests from this client ({self.config.rate_limit_per_minute} a minute); "
                             f"try again in {wait} s", wait)

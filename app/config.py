@@ -6,7 +6,9 @@ limits that keep one busy classroom from taking the server down.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from app.rate_limit import parse_proxies
 
 
 @dataclass
@@ -15,6 +17,8 @@ class ServerConfig:
     port: int = 7860
     step_delay: float = 0.0           # seconds of pause after each step (slow motion for a class)
     presenter_key: str | None = None  # when set, changing the engine needs it; never logged or echoed
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # when set, /v1 needs `Authorization: Bearer <one of them>`; never echoed
+    forwarded_allow_ips: str = "127.0.0.1"  # proxies whose X-Forwarded-For is believed: IPs/networks, "*", ""
     served_model_name: str | None = None  # the name /v1/models shows; defaults to the model's name
     public_url: str | None = None     # the address students reach this server at (the projector's join link)
     # ---- limits ----
@@ -24,7 +28,9 @@ class ServerConfig:
     default_max_tokens: int = 512     # used when a request gives none
     max_body_bytes: int = 1 << 20     # request bodies of the JSON API
     max_ws_subscribers: int = 128     # step-stream viewers at once (a room: 60 students, projector, lecturer)
-    rate_limit_per_minute: int = 120  # chat requests one client address may send (API and UI); 0 = off
+    # chat requests (API and UI) one caller may send: a room member, the presenter, an API key, or an
+    # anonymous address (app/rate_limit.py); 0 = off
+    rate_limit_per_minute: int = 120
     rate_limit_burst: int = 30        # of which this many at once
     ws_buffer: int = 512              # messages a viewer may fall behind before older ones are dropped
     history: int = 4096               # records (steps + events) kept for snapshots and traces
@@ -46,6 +52,10 @@ class ServerConfig:
             raise ValueError(f"public_url must start with http:// or https://, got {self.public_url!r}")
         if self.presenter_key == "":
             self.presenter_key = None     # an empty variable means "no key", not "the empty key"
+        if isinstance(self.api_keys, str):
+            self.api_keys = tuple(k.strip() for k in self.api_keys.split(",") if k.strip())
+        self.api_keys = tuple(self.api_keys)
+        parse_proxies(self.forwarded_allow_ips)   # a typo in the proxy list must not trust the wrong peers
 
 
 def check_step_delay(value) -> float:

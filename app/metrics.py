@@ -16,6 +16,12 @@ trace and a GPU run give the same numbers.
   TTFT         first token time - arrival time (the request's "arrived" event).
   TBT          gap between consecutive tokens of one request (vLLM's ITL).
   longest gap  the largest TBT.
+  phases       of one request, as vLLM's metrics split it (scheduled = t_start of
+               the first step that ran any of its tokens; tokens = its token times):
+               queue = scheduled - arrival, prefill = first token - scheduled,
+               decode = last token - first token, inference = last token -
+               scheduled, TPOT = decode / (tokens - 1) (None for one token).
+               queue + prefill is the TTFT.
   stall        a TBT during which at least one step listed the request in its
                `stalled` field: the request was running with a reply under way
                and the step left it out. A preempted request is not running
@@ -144,6 +150,21 @@ def ttfts(stream: Iterable[dict]) -> dict[str, float]:
     """req -> TTFT, for requests whose arrival and first token are both in the stream."""
     arr, times = arrivals(stream), token_times(stream)
     return {req: times[req][0] - arr[req] for req in times if req in arr}
+
+
+class Phases(NamedTuple):
+    queue: float
+    prefill: float
+    decode: float
+    inference: float
+    tpot: float | None
+
+
+def phases(arrival: float, scheduled: float, times: list[float]) -> Phases:
+    """One request's phases (see the definitions above); times: its token times, at least one."""
+    decode = times[-1] - times[0]
+    return Phases(scheduled - arrival, times[0] - scheduled, decode, times[-1] - scheduled,
+                  decode / (len(times) - 1) if len(times) > 1 else None)
 
 
 def gaps(times: list[float]) -> list[float]:

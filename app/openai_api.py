@@ -3,8 +3,9 @@
 
 Requests are checked in app/openai_requests.py; here they become engine
 requests, one per choice, and their replies become OpenAI's response and
-stream shapes. The official `openai` package and curl work unchanged (any
-API key is accepted).
+stream shapes. The official `openai` package and curl work unchanged: any API
+key is accepted unless the operator configured some (BATCHSCOPE_API_KEY), then
+`Authorization: Bearer <key>` must carry one of them.
 """
 from __future__ import annotations
 
@@ -13,27 +14,34 @@ import json
 import time
 from dataclasses import replace
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from app.errors import APIError, admission_error, failure_status, from_validation, read_json
 from app.openai_requests import (ChatRequest, CompletionRequest, Sampling, chat_params, completion_params, message,
                                  prompt_input)
-from app.rate_limit import client_of
+from app.rate_limit import bearer, client_of
 from app.request_stream import TokenLogprob
 from app.service import EngineService
 from engine import SamplingParams
 
 
 def router(service: EngineService) -> APIRouter:
-    api = APIRouter()
     cfg = service.config
+
+    async def api_key(request: Request):
+        if cfg.api_keys and service.client_keys.api_key_number(bearer(request.headers)) is None:
+            raise APIError(401, "this server needs an API key: send `Authorization: Bearer <key>`",
+                           code="invalid_api_key")
+    api = APIRouter(dependencies=[Depends(api_key)])
 
     @api.get("/v1/models")
     async def models():
+        # root and parent as vLLM gives them: clients read the tokenizer's name and the context length here
         return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": 0,
-                                            "owned_by": "batchscope", "max_model_len": service.max_model_len}]}
+                                            "owned_by": "batchscope", "root": service.model_name, "parent": None,
+                                            "max_model_len": service.max_model_len}]}
 
     @api.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -85,8 +93,10 @@ async def _submit(request: Request, service: EngineService, body: Sampling, para
 
 async def _respond(request: Request, body: Sampling, streams: list, shape):
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return AbortOnDisconnect(_sse(streams, shape, include_usage), media_type="text/event-stream",
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        every_chunk = bool(options and options.include_usage and options.continuous_usage_stats)
+        return AbortOnDisconnect(_sse(streams, shape, include_usage, every_chunk), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await _complete(request, streams, shape)
 
@@ -202,12 +212,14 @@ async def _merged(streams: list):
             t.cancel()
 
 
-async def _sse(streams: list, shape, include_usage: bool):
+async def _sse(streams: list, shape, include_usage: bool, every_chunk: bool = False):
+    """every_chunk: vLLM's stream_options.continuous_usage_stats, the usage so far on each chunk."""
     def event(obj: dict) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
     def chunk(choice: dict) -> str:
-        return event({**shape.meta, "object": shape.chunk_object, "choices": [choice]})
+        usage = {"usage": _usage(streams)} if every_chunk else {}
+        return event({**shape.meta, "object": shape.chunk_object, "choices": [choice], **usage})
 
     try:                                    # closing early (client gone) aborts every choice
         for i in range(len(streams)):

@@ -28,8 +28,9 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM extension: usage so far on every chunk
 
 
 class Sampling(BaseModel):
@@ -41,8 +42,13 @@ class Sampling(BaseModel):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None          # vLLM extension
-    ignore_eos: bool = False          # vLLM extension: fixed-length replies for benchmarks
+    # vLLM extensions (engine/sampling_params.py), which benchmark clients send
+    top_k: int | None = None
+    ignore_eos: bool = False          # fixed-length replies for benchmarks
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    skip_special_tokens: bool = True
     stop: Any = None                  # a string or a list of up to 4 strings
     seed: int | None = None           # with n > 1, choice i samples with seed + i
     n: int | None = None
@@ -111,12 +117,19 @@ def sampling_params(body: Sampling, service: EngineService, max_tokens: int | No
         (body.top_p is not None and not 0 < body.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
         (body.top_k is not None and body.top_k < 0, "top_k", "top_k must be >= 0"),
         (body.seed is not None and not -2**63 <= body.seed < 2**64, "seed", "seed must fit in 64 bits"),
+        (body.min_tokens is not None and not 0 <= body.min_tokens <= max_tokens, "min_tokens",
+         f"min_tokens must be between 0 and the request's max_tokens ({max_tokens})"),
+        (body.repetition_penalty is not None and not 0 < body.repetition_penalty <= 100, "repetition_penalty",
+         "repetition_penalty must be in (0, 100]"),
+        (body.min_p is not None and not 0 <= body.min_p <= 1, "min_p", "min_p must be between 0 and 1"),
         (not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(x, str) and x for x in stops),
          "stop", "stop must be a string or a list of up to 4 non-empty strings")])
     return SamplingParams(max_tokens=max_tokens, stop=stops, ignore_eos=body.ignore_eos,
                           temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default
                           top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-                          seed=body.seed, logprobs=logprobs)
+                          seed=body.seed, logprobs=logprobs, min_tokens=body.min_tokens or 0,
+                          repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                          min_p=body.min_p or 0.0, skip_special_tokens=body.skip_special_tokens)
 
 
 def chat_params(body: ChatRequest, service: EngineService) -> SamplingParams:

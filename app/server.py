@@ -59,13 +59,14 @@ def create_app(service: EngineService, manage_service: bool = True) -> FastAPI:
     app.include_router(whatif_api.router(service))     # presenter only: replays the arrival log
 
     @app.get("/healthz")
+    @app.get("/health")                     # vLLM's name, which benchmark clients probe before they start
     async def healthz():
         ok, reason = service.health()
         body = {"status": "ok" if ok else "unhealthy", "model": service.model_name, "device": service.device,
                 "cuda_graphs": service.cuda_graphs}
         return body if ok else JSONResponse({**body, "reason": reason}, status_code=503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])     # HEAD: scrapers and benchmark clients probe it
     async def metrics():
         """Prometheus text format; vLLM's metric names where they mean the same (app/prometheus.py)."""
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -25,7 +25,7 @@ from app.broadcast import Broadcaster, RecordRing
 from app.config import ServerConfig, check_step_delay
 from app.engine_loop import EngineLoop
 from app.prometheus import Metrics
-from app.rate_limit import RateLimiter
+from app.rate_limit import Caller, ClientKeys, RateLimiter
 from app.request_stream import QueueFull, RequestStream, ServiceUnavailable, ShuttingDown
 from engine import EngineConfig, SamplingParams
 from engine.protocol import Engine
@@ -44,6 +44,7 @@ class EngineService:
         self.broadcaster = Broadcaster(self.ring, self.config.ws_buffer, self.config.max_ws_subscribers)
         self.broadcaster.describe = self.describe
         self.limiter = RateLimiter(self.config.rate_limit_per_minute, self.config.rate_limit_burst)
+        self.client_keys = ClientKeys(self.config.forwarded_allow_ips, self.config.presenter_key, self.config.api_keys)
         self.metrics = Metrics()
         self.arrival_log = ArrivalLog()         # private: token ids for the what-if replay (app/whatif.py)
         self.loop = EngineLoop(self.engine_config, self.broadcaster, self.config.step_delay, make_engine)
@@ -127,13 +128,14 @@ class EngineService:
     # ================= admission (event loop) =================
     async def submit(self, *, messages: list[dict] | None = None, prompt: str | None = None,
                      prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
-                     label: str | None = None, client: str | None = None) -> RequestStream:
+                     label: str | None = None, client: Caller | None = None) -> RequestStream:
         """Queue a request; raises ValueError (bad prompt), QueueFull (queue full or client over its
-        rate limit) or ServiceUnavailable. client: the sender's address, for the rate limit."""
+        rate limit) or ServiceUnavailable. client: the sender (app.rate_limit.client_of), whose bucket
+        the request spends; None (in-process callers) is not limited."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down") if self.loaded else \
                 ServiceUnavailable("the model is loading")
-        wait = self.limiter.retry_after(client)
+        wait = self.limiter.retry_after(self.client_keys.key(client))
         if wait:
             raise QueueFull(f"too many requests from this client ({self.config.rate_limit_per_minute} a minute); "
                             f"try again in {wait} s", wait)

@@ -168,7 +168,9 @@ def mount_room(app: FastAPI, service, room: Room, head: str, max_tokens: int = 1
             raise APIError(409, "your previous reply is still streaming; wait for it to finish", code="busy")
         messages = member.history[-2 * HISTORY_TURNS:] + [{"role": "user", "content": text}]
         params = SamplingParams(max_tokens=max_tokens, temperature=0.6, top_p=0.9)
-        client = client_of(request.headers, request.client.host if request.client else None)
+        # the student's own bucket, not their address: a room behind one NAT shares that
+        client = client_of(request.headers, request.client.host if request.client else None,
+                           identity=f"room:{member.label}")
         try:
             stream = await service.submit(messages=messages, params=params, label=member.label, client=client)
         except Exception as e:

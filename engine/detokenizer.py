@@ -16,18 +16,19 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def update(self, seq: Sequence, final: bool = False) -> bool:
         """Fold seq's newest tokens into its text. Returns True when a stop string ends the reply."""
-        ids = seq.output_token_ids
-        prefix = self._decode(ids[seq.prefix_offset:seq.read_offset])
-        text = self._decode(ids[seq.prefix_offset:])
+        ids, skip = seq.output_token_ids, seq.params.skip_special_tokens
+        prefix = self._decode(ids[seq.prefix_offset:seq.read_offset], skip)
+        text = self._decode(ids[seq.prefix_offset:], skip)
         if len(text) > len(prefix) and (final or not text.endswith("\ufffd")):
             seq.text_buffer += text[len(prefix):]
             seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
-        stops = seq.params.stop
+        # vLLM's rule: no stop string ends a reply before min_tokens
+        stops = seq.params.stop if seq.num_output_tokens > seq.params.min_tokens else []
         if stops:
             window = seq.output_text + seq.text_buffer
             # only the new part (plus a stop's length of overlap) can hold a new match

@@ -60,6 +60,7 @@ class LLMEngine:
         self.max_model_len = min(max_len, self.runner.num_blocks * config.block_size)
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = eos_ids(hf_config, self.tokenizer, folder)
+        self.runner.eos_token_ids = frozenset(self.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
         # ---- scheduling ----
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)

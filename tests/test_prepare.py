@@ -177,6 +177,9 @@ def test_prepare_into_an_empty_cache_makes_a_folder_that_loads_and_answers(tmp_p
     folder = Path(done.stdout.strip().splitlines()[-1])
     assert folder == cache / loader.DEFAULT_MODEL_NAME
     assert (folder / "config.json").exists() and (folder / "model.safetensors").exists()
+    from safetensors import safe_open
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:   # the Hub's name for a tied matrix
+        assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
     assert not list(cache.glob(".prepare-*")), "no half-written folder is left behind"
 
     from engine import EngineConfig, LLMEngine, SamplingParams

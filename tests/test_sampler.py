@@ -64,3 +64,58 @@ def test_non_finite_logits_record_nothing():
 def test_logprobs_setting_is_checked(bad):
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=bad)
+
+
+# ---- vLLM's extensions: repetition_penalty, min_p, min_tokens ----
+def penalised(logits: torch.Tensor, seen: set[int], penalty: float) -> torch.Tensor:
+    """vLLM's rule, one token at a time: a seen token's positive logit is divided, a negative one multiplied."""
+    out = logits.clone()
+    for t in seen:
+        out[t] = out[t] / penalty if out[t] > 0 else out[t] * penalty
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(vocab=st.integers(2, 50), penalty=st.floats(0.5, 3.0), data_seed=st.integers(0, 2**31),
+       prompt=st.lists(st.integers(0, 49), min_size=1, max_size=8), output=st.lists(st.integers(0, 49), max_size=8))
+def test_repetition_penalty_is_vllms(vocab, penalty, data_seed, prompt, output):
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(data_seed)) * 3
+    s = Sequence("r", "r", [t % vocab for t in prompt], SamplingParams(repetition_penalty=penalty), 0.0)
+    s.output_token_ids = [t % vocab for t in output]
+    expected = penalised(logits[0], set(s.all_token_ids), penalty)
+    assert sample(logits, [s]) == [int(expected.argmax())]
+
+
+def test_repetition_penalty_changes_a_greedy_choice():
+    logits = torch.tensor([[3.0, 2.5, 0.0]])
+    s = Sequence("r", "r", [0], SamplingParams(repetition_penalty=1.5), 0.0)
+    assert sample(logits, [s]) == [1]                                # 3/1.5 = 2 < 2.5
+    assert sample(logits, [Sequence("r", "r", [0], SamplingParams(), 0.0)]) == [0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(min_p=st.floats(0.01, 1.0), temperature=st.sampled_from([0.5, 1.0, 2.0]), data_seed=st.integers(0, 2**31))
+def test_min_p_never_samples_a_token_below_its_threshold(min_p, temperature, data_seed):
+    logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(data_seed)) * 3
+    probs = torch.softmax(logits[0] / temperature, -1)
+    for i in range(20):
+        (token,) = sample(logits, [seq(SamplingParams(temperature=temperature, min_p=min_p), data_seed + i)])
+        assert probs[token] >= min_p * probs.max() - 1e-6
+
+
+def test_min_tokens_bans_end_of_sequence_and_stop_tokens_until_reached():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]])                  # 1 is the end of sequence, 2 a stop token
+    def at(n_out: int, **kw) -> int:
+        s = Sequence("r", "r", [0], SamplingParams(min_tokens=2, stop_token_ids=[2], **kw), 0.0)
+        s.output_token_ids = [3] * n_out
+        s.generator = torch.Generator().manual_seed(0)
+        return sample(logits, [s], eos_token_ids=frozenset({1}))[0]
+    assert at(0) == 3 and at(1) == 3 and at(2) == 1
+    assert at(0, temperature=1.0) in (0, 3)
+
+
+@pytest.mark.parametrize("bad", [dict(min_tokens=-1), dict(min_tokens=9, max_tokens=8), dict(repetition_penalty=0),
+                                 dict(min_p=1.5), dict(skip_special_tokens=1)])
+def test_extension_settings_are_checked(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)

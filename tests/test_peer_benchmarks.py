@@ -1,0 +1,93 @@
+"""The field's benchmark clients, unchanged, against a real batchscope server on loopback: guidellm and
+aiperf each finish a short concurrent run with every request answered. Optional: they are not
+dependencies (each pulls packages that clash with this project's pins, so install each into a virtual
+environment of its own); a test is skipped where its client is not found on PATH or in $GUIDELLM /
+$AIPERF (the path of the executable)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.server, pytest.mark.peers]
+
+
+def client(name: str) -> str:
+    path = os.environ.get(name.upper()) or shutil.which(name)
+    if not path:
+        pytest.skip(f"{name} is not installed (pip install {name} in a virtual environment; set ${name.upper()})")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A tiny random model behind the whole app (default limits), served by uvicorn on a free port."""
+    import uvicorn
+
+    from app import EngineService, ServerConfig, create_app
+    from engine import EngineConfig
+    from tests.helpers import save_tiny_model
+    folder = save_tiny_model("llama", tmp_path_factory.mktemp("tiny"))
+    service = EngineService(EngineConfig(model=str(folder), kv_cache_gb=0.05, cpu_threads=1), ServerConfig())
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", proxy_headers=False))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", folder, service
+    service.begin_shutdown()
+    srv.should_exit = True
+    thread.join(30)
+    sock.close()
+
+
+def run(cmd: list[str], cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NO_COLOR": "1"}     # (aiperf reads a local tokenizer folder only when online)
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_guidellm_finishes_a_concurrent_run_without_errors(server, tmp_path):
+    url, folder, service = server
+    out = tmp_path / "guidellm.json"
+    run([client("guidellm"), "run", f"--backend=kind=openai_http,target={url}",
+         "--profile=kind=concurrent,streams=4", "--data=kind=synthetic_text,prompt_tokens=64,output_tokens=8",
+         "--constraint=kind=max_requests,count=8", f"--tokenizer=kind=hf_auto,model={folder}",
+         f"--output=kind=json,path={out}", "--disable-console-interactive"], tmp_path)
+    (bench,) = json.loads(out.read_text())["benchmarks"]
+    counts = bench["scheduler_state"]
+    assert (counts["successful_requests"], counts["errored_requests"], counts["cancelled_requests"]) == (8, 0, 0)
+
+
+def test_aiperf_finishes_a_concurrent_run_without_errors(server, tmp_path):
+    url, folder, service = server
+    run([client("aiperf"), "profile", "--model", service.model_name, "--url", url, "--endpoint-type", "chat",
+         "--streaming", "--concurrency", "4", "--request-count", "8", "--synthetic-input-tokens-mean", "64",
+         "--output-tokens-mean", "8", "--tokenizer", str(folder), "--output-artifact-dir", str(tmp_path / "aiperf"),
+         "--no-auto-plot", "--ui-type", "simple"], tmp_path)
+    report = json.loads((tmp_path / "aiperf" / "profile_export_aiperf.json").read_text())
+    assert report["request_count"]["avg"] == 8 and report["error_summary"] == [] and not report["was_cancelled"]
+
+
+def test_the_side_by_side_script_measures_a_server(server):
+    """demos/bench_peers.py's client on a real server: every request answered, its numbers filled in."""
+    import asyncio
+
+    from demos import bench_peers
+    url, _, service = server
+    m = asyncio.run(bench_peers.level(url, concurrency=2, requests=3, prompt_tokens=16, output_tokens=5, salt=1,
+                                      model=service.model_name))
+    assert m["tok_s"] > 0 and m["ttft"][0] is not None and 0 < m["ttft"][0] <= m["ttft"][1]
+    assert m["itl"][0] is not None and m["itl"][0] <= m["itl"][1]
+    assert "not installed" in bench_peers.row("vLLM-CPU", 8, None, "not installed")
