@@ -9,7 +9,7 @@ the GPU scripts read them on machines that have no gradio.
 """
 from importlib import import_module
 
-_LAZY = {"EngineService": "app.service", "ServerConfig": "app.config", "create_app": "app.server"}
+_LAZY = {"EngineService": "app.serving.service", "ServerConfig": "app.config", "create_app": "app.api.server"}
 __all__ = list(_LAZY)
 
 

@@ -10,6 +10,7 @@ when set, /v1 needs `Authorization: Bearer <key>` and each key has its own rate 
 from __future__ import annotations
 
 import argparse
+import importlib
 import dataclasses
 import logging
 import os
@@ -18,9 +19,9 @@ import sys
 import uvicorn
 
 from app.config import ServerConfig
-from app.plain_page import gradio_installed, mount_plain
-from app.server import create_app
-from app.service import EngineService
+from app.ui.plain_page import gradio_installed, mount_plain
+from app.api.server import create_app
+from app.serving.service import EngineService
 from engine import EngineConfig
 from engine.config import POLICIES
 
@@ -97,7 +98,7 @@ def parse_args(argv: list[str] | None = None, env: dict | None = None, prog: str
         p.add_argument(f"--{flag}", dest=name, type=kind, default=default, metavar=flag.split("-")[-1].upper(),
                        choices=POLICIES if flag == "policy" else None,
                        help=f"{text} (env {var}; default {field.default!r})")
-    # attach mode (app/attach.py): the page over a vLLM server's records, no engine of its own
+    # attach mode (app/serving/attach.py): the page over a vLLM server's records, no engine of its own
     p.add_argument("--attach", default=env.get("BATCHSCOPE_ATTACH"), metavar="URL",
                    help="draw a vLLM server (http://HOST:PORT) that runs batchscope's recording scheduler "
                         "instead of loading a model (env BATCHSCOPE_ATTACH); docs/vllm.md")
@@ -118,17 +119,17 @@ def server_config(args: argparse.Namespace, env: dict | None = None) -> ServerCo
 
 def build(args: argparse.Namespace, env: dict | None = None) -> tuple[EngineService, object]:
     """The service and the app. The Gradio UI mounts here, on the same app, in one line; where gradio
-    is not installed, the chart-only page (app/plain_page.py)."""
+    is not installed, the chart-only page (app/ui/plain_page.py)."""
     values = vars(args)
     engine_config = EngineConfig(**{n: values[n] for c, n, _ in FLAGS.values() if c is EngineConfig})
     if args.attach:
-        from app.attach import AttachConfig, AttachedService
+        from app.serving.attach import AttachConfig, AttachedService
         service = AttachedService(AttachConfig(args.attach, args.attach_records), server_config(args, env))
     else:
         service = EngineService(engine_config, server_config(args, env))
     app = create_app(service)
     if gradio_installed():
-        __import__("app.ui").ui.mount_ui(app, service)   # the teaching UI at /; Gradio loads only here
+        importlib.import_module("app.ui.page").mount_ui(app, service)   # the teaching UI at /; Gradio loads only here
     else:                                              # the chart, controls and API, without chat panels
         print("batchscope: gradio is not installed: serving the chart and the API without the chat panels",
               file=sys.stderr, flush=True)
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m app") -> int:
     # no per-message deflate: compressing every record for every viewer costs more CPU (taken from the
     # engine) than the bandwidth it saves; records are small and viewers only send control messages.
     # No proxy headers: the app reads X-Forwarded-For itself, from the proxies it was told to trust
-    # (app/rate_limit.py), so it needs the peer's own address
+    # (app/serving/rate_limit.py), so it needs the peer's own address
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level, proxy_headers=False,
                             ws_max_size=1 << 16, ws_per_message_deflate=False,
                             timeout_graceful_shutdown=int(cfg.shutdown_timeout_s))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from app.rate_limit import parse_proxies
+from app.serving.rate_limit import parse_proxies
 
 
 @dataclass
@@ -29,7 +29,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20     # request bodies of the JSON API
     max_ws_subscribers: int = 128     # step-stream viewers at once (a room: 60 students, projector, lecturer)
     # chat requests (API and UI) one caller may send: a room member, the presenter, an API key, or an
-    # anonymous address (app/rate_limit.py); 0 = off
+    # anonymous address (app/serving/rate_limit.py); 0 = off
     rate_limit_per_minute: int = 120
     rate_limit_burst: int = 30        # of which this many at once
     ws_buffer: int = 512              # messages a viewer may fall behind before older ones are dropped

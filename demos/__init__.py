@@ -9,6 +9,6 @@
     trace.py      save / load traces, convert them for Perfetto
     bench_vllm.py what the vLLM recorder costs vLLM (runs in the vLLM environment, docs/vllm.md)
 
-The scenarios (app/scenarios.py, with their replay) and the metrics (app/metrics.py)
+The scenarios (app/replay/scenarios.py, with their replay) and the metrics (app/readers/metrics.py)
 are shared with the app, which does not import demos/.
 """

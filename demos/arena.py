@@ -9,7 +9,7 @@ The policy file defines one policy (engine/policy.py): a `policy` object, or exa
 Policy subclass. It runs here, in this process, on the machine of whoever runs the command;
 the web server never runs student code (docs/arena.md).
 
-Score (app/metrics.py): goodput, DistServe's share of requests that met both their TTFT
+Score (app/readers/metrics.py): goodput, DistServe's share of requests that met both their TTFT
 and their TBT SLO (demos/arena_workloads.py: limits in τ, the full-step time measured on
 this machine), then output tokens/s and the longest stall. Modes: `sim` (the model-free
 simulator driven by the step-cost fit: seconds), `real` (the engine: the score that counts),
@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from app import metrics
-from app.analysis import CostFit, cost_points, fit_cost
+from app.readers import metrics
+from app.readers.analysis import CostFit, cost_points, fit_cost
 from demos.arena_sim import Played, PolicyStuck, SimEngine, play, play_real, real_engine
 from demos.arena_workloads import Job, WORKLOADS, Workload, class_log, get_workload, tau_of
 from engine.policies import BUILTINS
@@ -94,7 +94,7 @@ def calibrate(engine_kwargs: dict, budget: int, max_num_seqs: int) -> CostFit:
 
 
 def physical_fit(points, device: str) -> CostFit:
-    """app/analysis.py's fit, with no negative cost (no step ever predicted below zero): when a
+    """app/readers/analysis.py's fit, with no negative cost (no step ever predicted below zero): when a
     coefficient comes out negative (noise on a busy machine) the context term is dropped, then the
     tokens term (a: the mean step)."""
     fit = fit_cost(points, device)

@@ -2,7 +2,7 @@
 
 SimEngine is the engine without a model: the same Scheduler, BlockManager and policy checks,
 the same StepRecords and request events, but each step's time is predicted by the measured
-step-cost fit (app/analysis.py: a + b*tokens + c*context) on a simulated clock, so thousands
+step-cost fit (app/readers/analysis.py: a + b*tokens + c*context) on a simulated clock, so thousands
 of steps take seconds. play() feeds a workload to either engine on its own clock and returns
 everything it published; both engines are driven by the same loop.
 """
@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from app.analysis import CostFit, predict
+from app.readers.analysis import CostFit, predict
 from demos.arena_workloads import FIRST_ID, Job, Workload
 from engine.block_manager import BlockManager
 from engine.policy import Policy
@@ -137,7 +137,7 @@ def play(engine, workload: Workload, tau: float, sleep=None) -> Played:
 
 def real_engine(workload: Workload, engine_kwargs: dict):
     """An LLMEngine with the workload's budgets and KV cache (the simulator's), warmed up."""
-    from app.scenarios import warm_up
+    from app.replay.scenarios import warm_up
     from engine import EngineConfig, LLMEngine
     config = EngineConfig(**{"dtype": "float32", **engine_kwargs, "policy": "chunked",
                              "max_num_batched_tokens": workload.token_budget, "max_num_seqs": workload.max_num_seqs,

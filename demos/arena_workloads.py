@@ -1,7 +1,7 @@
 """The arena's seeded workloads and SLOs, on a clock that scales to the machine.
 
 Times are in τ ("tau"): the predicted seconds of one full step on this machine, a step of
-`token_budget` fresh prompt tokens, from the measured step-cost fit (app/analysis.py):
+`token_budget` fresh prompt tokens, from the measured step-cost fit (app/readers/analysis.py):
 τ = a + b·budget + c·budget. An arrival `at` 12 τ and a TBT limit of 2 τ mean the same on
 a laptop and on a GPU, so a score means the same too.
 
@@ -114,7 +114,7 @@ def class_log(path: str, fit_here=None) -> Workload:
     """A saved arrival log: the class's requests at their arrival times, in τ of the machine that served
     them (fitted on the log's own records; without any, `fit_here`'s: the log is taken to come from this
     machine), prompts over 512 tokens in the `document` class."""
-    from app.arrival_log import from_saved
+    from app.replay.arrival_log import from_saved
     doc = json.loads(Path(path).read_text())
     logged = from_saved(doc)
     if not logged:
@@ -136,7 +136,7 @@ def class_log(path: str, fit_here=None) -> Workload:
 
 def live_tau(records: list[dict], budget: int) -> float | None:
     """τ of the machine that recorded these step records (None when they cannot be fitted)."""
-    from app.analysis import fit_stream
+    from app.readers.analysis import fit_stream
     fits = fit_stream(records)
     return tau_of(fits[0], budget) if fits else None
 

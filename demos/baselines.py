@@ -1,4 +1,4 @@
-"""transformers and llama.cpp baselines for demos.bench, timed per token and measured with app.metrics.
+"""transformers and llama.cpp baselines for demos.bench, timed per token and measured with app.readers.metrics.
 
     load_hf(folder, dtype, device)                   the reference model, SDPA attention
     run_hf_static(model, workload, batch, pad_id)    generate() in static batches
@@ -17,7 +17,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from app import metrics
+from app.readers import metrics
 
 
 class _TimeStreamer:

@@ -13,7 +13,7 @@ Parts (each can be skipped with --skip):
                                      until its longest reply is done)
                hf-cb                 transformers' own continuous batching
                                      (init_continuous_batching), where installed
-             Metrics: app.metrics definitions over per-token times.
+             Metrics: app.readers.metrics definitions over per-token times.
   decode     one decode step at batch 1, 8 and 32 with ~512 tokens of context:
              our engine's step (and its forward part) in each of --decode-dtypes
              (fp32, int8) against transformers' forward with a KV cache of the
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from app import metrics
+from app.readers import metrics
 from demos.baselines import hf_decode_stepper, hf_has_cb, load_hf, run_hf_cb, run_hf_static
 from demos.compare import machine
 from demos.runner import warm_up

@@ -15,7 +15,7 @@ with fixed-length requests (distinct token-id prompts, ignore_eos) and measures,
   ITL p50 / p99     gaps between a request's streamed text chunks (a chunk may carry several tokens:
                     each gap is divided by the tokens it brought, from continuous usage stats)
 
-Percentiles are app.metrics.percentile. A shared or busy machine moves every number: the load average
+Percentiles are app.readers.metrics.percentile. A shared or busy machine moves every number: the load average
 is printed before and after, and only ratios within one run mean much.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app.metrics import percentile  # noqa: E402
+from app.readers.metrics import percentile  # noqa: E402
 
 NAME = "SmolLM2-135M-Instruct"
 

@@ -1,4 +1,4 @@
-"""What a live request sees while a what-if replay runs (app/whatif.py), beside what it sees alone.
+"""What a live request sees while a what-if replay runs (app/replay/whatif.py), beside what it sees alone.
 
     python -m demos.bench_whatif [--tokens 32] [--repeats 3] [--threads N]
 
@@ -16,11 +16,11 @@ import statistics
 import time
 
 from app.config import ServerConfig
-from app.scenarios import static_vs_continuous
-from app.service import EngineService
-from app.whatif import WhatIfJob, to_scenario
+from app.replay.scenarios import static_vs_continuous
+from app.serving.service import EngineService
+from app.replay.whatif import WhatIfJob, to_scenario
 from demos.compare import machine
-from app import metrics
+from app.readers import metrics
 from engine import EngineConfig, SamplingParams
 
 

@@ -7,7 +7,7 @@
 
 --trace takes an arrival log saved from the server (GET /api/whatif/log, presenter
 key): the class's own requests, replayed at the steps they arrived under each
-policy, as the server's what-if replay does (app/whatif.py); the report also
+policy, as the server's what-if replay does (app/replay/whatif.py); the report also
 shows what actually happened live.
 
 `disaggregated` runs on a DisaggregatedEngine (engine/disagg.py): a prefill worker and
@@ -15,7 +15,7 @@ a decode worker, each with half the threads; its numbers add the KV hand-overs
 (kv_transfers, kv_transfer_p50_s, kv_transfer_p99_s, kv_transfer_bytes).
 
 Writes a self-contained HTML report (demos/report.py) and a JSON file with, per
-policy, the numbers of app.metrics.summarize (ttft_p50_s, ttft_p99_s,
+policy, the numbers of app.readers.metrics.summarize (ttft_p50_s, ttft_p99_s,
 tbt_p50_s, tbt_p99_s, tbt_max_s, output_tokens_per_s, num_steps,
 num_preemptions, ...). A scenario with a focus request (long-prompt-interrupts:
 "Doc") also gets, per policy, the latencies of the requests that were decoding
@@ -35,12 +35,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from demos import trace
-from app import metrics
+from app.readers import metrics
 from demos.report import fmt, write_report
 from demos.runner import Run, longest_prompt, run_scenario, warm_up
-from app.arrival_log import from_saved
-from app.scenarios import SCENARIOS, Scenario, get_scenario
-from app.whatif import Replayed, to_scenario
+from app.replay.arrival_log import from_saved
+from app.replay.scenarios import SCENARIOS, Scenario, get_scenario
+from app.replay.whatif import Replayed, to_scenario
 from engine import EngineConfig, LLMEngine
 from engine.disagg import DisaggregatedEngine
 

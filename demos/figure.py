@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from demos import trace
-from app import metrics
+from app.readers import metrics
 
 PALETTE = ["#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 W, PANEL_H, LEFT, RIGHT, TOP, GAP = 820, 190, 70, 20, 40, 70

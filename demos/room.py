@@ -10,7 +10,7 @@ It starts `python -m app` on a free 127.0.0.1 port, then:
   - one Chromium tab shows the projector view /?view=projector.
 It reports, side by side: the browsers' frame rate (frames per second, share of frames slower than
 30 fps, chart redraw time), the server's step rate and output tokens per second, and time to first
-token measured by the clients (p50/p90/p99, percentile as in app/metrics.py). Not a test: a
+token measured by the clients (p50/p90/p99, percentile as in app/readers/metrics.py). Not a test: a
 measurement, printed with the CPU it ran on.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from app.metrics import percentile
+from app.readers.metrics import percentile
 from demos.soak import free_port, wait_healthy
 
 QUESTIONS = ["What is a GPU, in two sentences?", "Write a haiku about rain.", "Name three prime numbers.",

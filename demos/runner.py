@@ -10,7 +10,7 @@ run_scenario owns the step loop. A server whose engine thread owns the loop
 uses a Feeder instead and calls `feeder.poll(steps_done, seconds_elapsed)`
 before each step; it adds the arrivals that have fallen due.
 
-Arrival offsets follow the scenario's clock (see app/scenarios.py): "step"
+Arrival offsets follow the scenario's clock (see app/replay/scenarios.py): "step"
 arrivals join just before the run's step of that index, and an engine that
 runs out of work skips ahead to the next arrival; "wall" arrivals join at the
 first step boundary after their time, and an idle engine sleeps until then.
@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from app.scenarios import Replay, Scenario, engine_meta, longest_prompt, play, warm_up  # noqa: F401  (re-exported)
+from app.replay.scenarios import Replay, Scenario, engine_meta, longest_prompt, play, warm_up  # noqa: F401  (re-exported)
 
 
 class Feeder:
-    """Adds a scenario's arrivals to an engine as they fall due (app/scenarios.py's Replay)."""
+    """Adds a scenario's arrivals to an engine as they fall due (app/replay/scenarios.py's Replay)."""
 
     def __init__(self, scenario: Scenario, engine):
         self.scenario, self.engine = scenario, engine
@@ -68,7 +68,7 @@ class Run:
 def run_scenario(engine, scenario: Scenario, on_record: Callable[[dict], None] | None = None,
                  max_steps: int = 1_000_000) -> Run:
     """Replay the scenario until all its requests have finished; return the stream it produced.
-    The loop is app.scenarios.play, the same one the what-if replay steps through."""
+    The loop is app.replay.scenarios.play, the same one the what-if replay steps through."""
     run = Run(scenario, engine_meta(engine, scenario))
     ids: list[str | None] = [None] * len(scenario.arrivals)
 

@@ -2,7 +2,7 @@
 
     python -m demos.side_by_side --vllm http://127.0.0.1:8000          # its recorder at 127.0.0.1:8765
 
-vLLM must run batchscope's recording scheduler (docs/vllm.md): both rows are computed by app/metrics.py
+vLLM must run batchscope's recording scheduler (docs/vllm.md): both rows are computed by app/readers/metrics.py
 from each engine's own StepRecords, so "TBT" and "stall" mean the same thing on both sides. The
 workload is demos.bench's (random prompt token ids, replies that ignore EOS, all arriving at once);
 batchscope's engine runs it with vLLM's token budget and sequence limit (read from its recorder),
@@ -19,8 +19,8 @@ import time
 
 import httpx
 
-from app import metrics
-from app.attach_records import read_hello
+from app.readers import metrics
+from app.serving.attach_records import read_hello
 from demos.bench import make_workload, run_ours
 
 COLUMNS = [("tokens/s", "output_tokens_per_s", 1), ("TTFT p50 ms", "ttft_p50_s", 1e3),

@@ -19,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from app.trace import chrome_trace
+from app.readers.trace import chrome_trace
 
 KNOWN_TYPES = ("trace", "step", "request", "policy")
 
@@ -44,7 +44,7 @@ def header(objs: list[dict]) -> dict | None:
     return next((o for o in objs if o.get("type") == "trace"), None)
 
 
-# ---- Chrome trace events: app/trace.py's converter, the one the server uses too ----
+# ---- Chrome trace events: app/readers/trace.py's converter, the one the server uses too ----
 def to_chrome(objs: list[dict]) -> dict:
     """Chrome trace-event JSON of a trace (its header becomes otherData)."""
     return chrome_trace(objs, header(objs))

@@ -1,4 +1,4 @@
-"""Why a request cannot enter, as types: a caller maps each to its answer (app/errors.py: HTTP) by
+"""Why a request cannot enter, as types: a caller maps each to its answer (app/api/errors.py: HTTP) by
 class, never by reading the message. Every message still names the problem for a person.
 
 Pure Python: importing this module does not import torch.

@@ -267,7 +267,7 @@ class StepView:
     # ---- the step cost ----
     @property
     def cost(self):
-        """The measured step-cost fit (app/analysis.py CostFit: seconds ~ a + b*tokens + c*context), or None."""
+        """The measured step-cost fit (app/readers/analysis.py CostFit: seconds ~ a + b*tokens + c*context), or None."""
         return self._sched.cost_fit
 
     def predict(self, tokens: int, context: int = 0) -> float | None:

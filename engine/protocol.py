@@ -70,7 +70,7 @@ class StepOutputs:
 class Engine(Protocol):
     """Requests in, one StepRecord per forward pass and each request's new output out.
 
-    Single-threaded: one thread calls all of it (app/engine_loop.py's engine thread)."""
+    Single-threaded: one thread calls all of it (app/serving/engine_loop.py's engine thread)."""
 
     model_name: str
     max_model_len: int

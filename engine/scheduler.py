@@ -89,7 +89,7 @@ class Scheduler:
         self.running: list[Sequence] = []      # admission order: the newest is preempted first
         self.num_steps = 0
         self.clock = clock                     # the engine's clock: a policy sees `now` and waits by it
-        self.cost_fit = None                   # a measured step-cost fit a policy may read (app/analysis.py)
+        self.cost_fit = None                   # a measured step-cost fit a policy may read (app/readers/analysis.py)
         self.slo_classes: dict[str, str] = {}  # request id -> SLO class, for policies that read it
         # while a step is built: who is where, by id(seq), so each check is O(1) (the lists stay the truth)
         self._admitted: list[Sequence] = []    # admitted in this step: undone if it is refused

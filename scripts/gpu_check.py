@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from app import metrics  # noqa: E402
+from app.readers import metrics  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 SHAPES = {  # Qwen2.5 configs (architecture only; weights are random)
@@ -98,7 +98,7 @@ def sync():
 
 
 def pct(xs: list[float], q: float) -> float:
-    """app/metrics.py's percentile (the page's and the reports'); nan for no data, for the JSON."""
+    """app/readers/metrics.py's percentile (the page's and the reports'); nan for no data, for the JSON."""
     v = metrics.percentile(xs, q)
     return float("nan") if v is None else v
 

@@ -15,7 +15,7 @@ policy through three phases, so that the fit sees every step shape:
 
 The output is a trace like the ones the app saves (a `trace` header, then
 request events, policy events and step records), without the KV map fields,
-which the cost model does not read. It imports engine/ and app.analysis (pure Python), not the web stack.
+which the cost model does not read. It imports engine/ and app.readers.analysis (pure Python), not the web stack.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from app.analysis import fit_stream, regime  # noqa: E402  (pure Python: no web stack)
+from app.readers.analysis import fit_stream, regime  # noqa: E402  (pure Python: no web stack)
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,

@@ -1,7 +1,7 @@
 """The live server on a GPU (docs/gpu.md): `python -m app` serving a random model at real shapes,
 8 streaming chats through the official openai client while long documents arrive, under chunked and
 then continuous, the step stream read from /ws/steps, and the stall and time-between-tokens ratios
-computed by app/metrics.py from the streamed records. Writes one JSON file.
+computed by app/readers/metrics.py from the streamed records. Writes one JSON file.
 
     python3 scripts/gpu_live_check.py --out gpu_live.json                 # on a GPU, about 2 minutes
     python3 scripts/gpu_live_check.py --quick --device cpu --out live.json  # tiny model, CPU
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from app import metrics  # noqa: E402
+from app.readers import metrics  # noqa: E402
 from gpu_check import build_model  # noqa: E402
 
 FULL = dict(model="qwen2.5-0.5b", vocab=151936, chats=8, chat_prompt=64, chat_tokens=200, docs=6, doc_prompt=4000,

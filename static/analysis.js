@@ -1,4 +1,4 @@
-// Step cost and stall causes from the record stream: the twin of app/analysis.py,
+// Step cost and stall causes from the record stream: the twin of app/readers/analysis.py,
 // by the same definitions (read them there). A browser test replays a recorded trace
 // here and compares every number with Python's.
 //   fit        time ~ a + b*tokens + c*context per device/dtype, least squares; terms dropped
@@ -168,11 +168,11 @@
     adviseBudget, gapCauses, gapCause, causeTime };
 })();
 
-// the KV map after step `upto` (default: the last): block id -> {holders (sorted), cached}, as app/analysis.py
+// the KV map after step `upto` (default: the last): block id -> {holders (sorted), cached}, as app/readers/analysis.py
 (function () {
   const BS = window.BS, R = BS.rec;
   // steps: one engine's (or one worker's); handovers (disaggregated): that worker's sent hand-overs
-  // {t0, ops}, their frees applied at t0, up to time `until` (app/analysis.py kv_blocks, with worker)
+  // {t0, ops}, their frees applied at t0, up to time `until` (app/readers/analysis.py kv_blocks, with worker)
   BS.analysis.kvBlocks = function (steps, upto, handovers = [], until = -Infinity) {
     let state = new Map();
     const apply = (ops) => {

@@ -1,5 +1,5 @@
 // The KV cache map: every block a cell, rebuilt from the steps' kv_ops and kv_map (BS.analysis.kvBlocks,
-// the twin of app/analysis.py kv_blocks). Held: the holder's chat colour; shared by a prefix hit: its
+// the twin of app/readers/analysis.py kv_blocks). Held: the holder's chat colour; shared by a prefix hit: its
 // ref count written on it; cached but free (evictable): a pale cell with a dot; free: an empty outline.
 // Disaggregated steps come from two workers with a pool each: then one map per worker, prefill first,
 // each rebuilt from its own worker's steps (so a hand-over empties cells above and fills cells below).

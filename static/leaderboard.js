@@ -1,4 +1,4 @@
-// The arena leaderboard (app/leaderboard.py): a report JSON picked by the presenter, read in this browser,
+// The arena leaderboard (app/ui/leaderboard.py): a report JSON picked by the presenter, read in this browser,
 // ranked per workload; "replay" reloads the chart frame and feeds it the winner's records, as a trace.
 (function () {
   const $ = (id) => document.querySelector(`[data-testid=${id}]`);

@@ -1,5 +1,5 @@
 // Live metrics per stretch of settings, and the per-session token-arrival sparklines.
-// The same numbers, by the same definitions, as app/metrics.py (stretches()); a
+// The same numbers, by the same definitions, as app/readers/metrics.py (stretches()); a
 // browser test replays a recorded trace here and compares the table with Python's:
 //   TTFT       = first token time - arrival
 //   TBT        = gap between consecutive tokens of one request
@@ -75,7 +75,7 @@
     };
   };
 
-  // one column of the server's table (app/metrics.py stretches()) in the shape segmentMetrics gives
+  // one column of the server's table (app/readers/metrics.py stretches()) in the shape segmentMetrics gives
   BS.serverMetrics = function (x) {
     return {
       policy: x.policy, budget: x.token_budget, maxSeqs: x.max_num_seqs,

@@ -12,7 +12,7 @@
   ];
   const BY_NAME = new Map(USERS.map(([n, c]) => [n.toLowerCase(), c]));
   const OTHERS = ["#5A5A5A", "#8C8C8C", "#3F3F3F", "#A6A6A6"];   // labels the room has not numbered (yet)
-  const MARKS = 10;           // white marks on a label's swatch: slot // 8 picks one (app/room.py: SLOT_SIGNS)
+  const MARKS = 10;           // white marks on a label's swatch: slot // 8 picks one (app/serving/room.py: SLOT_SIGNS)
 
   // the chart's inks, in one place
   BS.colors = {
@@ -21,7 +21,7 @@
     laneBand: "#e3e3e3", handover: "#111",   // a worker's lane header; a KV hand-over arrow (black on a white halo)
   };
 
-  // the room numbers every label it sees (app/room.py); slot -> Okabe-Ito colour + mark
+  // the room numbers every label it sees (app/serving/room.py); slot -> Okabe-Ito colour + mark
   const slots = new Map();
   const unknown = new Set();
   BS.setSlots = function (bySlot) {

@@ -49,7 +49,7 @@
     promptLen: (it) => it.prompt_len,
     cached: (it) => it.cached,
     completesPrompt: (it) => !!it.completes_prompt,
-    // a decode, or the prefill chunk that finishes the prompt, gives the request a token (app/metrics.py)
+    // a decode, or the prefill chunk that finishes the prompt, gives the request a token (app/readers/metrics.py)
     producesToken: (it) => it.kind === "decode" || !!it.completes_prompt,
 
     // ---- stall cause (one entry of a step's stall_causes) ----

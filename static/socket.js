@@ -16,7 +16,7 @@
     settings: null,     // latest engine settings seen (policy event or snapshot)
     gaps: [],           // {after, before}: step indices missed between two received steps
     transfers: [],      // KV hand-overs between workers (disaggregated), oldest first: {rid, label, t0, t, ...}
-    stretches: null,    // the server's per-setting metrics of the whole run (app/metrics.py stretches()), or null offline
+    stretches: null,    // the server's per-setting metrics of the whole run (app/readers/metrics.py stretches()), or null offline
     version: 0,         // bumps whenever anything changes; views redraw when it moves
     connected: false,
     listeners: [],
@@ -43,7 +43,7 @@
 
   // ---- derived per-request data from one step ----
   // a token's gap is a stall when a step since the previous token listed the request in `stalled`
-  // (app/metrics.py: the one definition; a preemption's wait is a gap, not a stall)
+  // (app/readers/metrics.py: the one definition; a preemption's wait is a gap, not a stall)
   function account(rec) {
     const step = R.step(rec), tEnd = R.tEnd(rec);
     for (const it of R.items(rec)) {

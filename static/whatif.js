@@ -1,4 +1,4 @@
-// What-if panel: replay the class's own requests under other settings (POST /api/whatif, app/whatif.py).
+// What-if panel: replay the class's own requests under other settings (POST /api/whatif, app/replay/whatif.py).
 // Presenter only: every call carries the key from this tab's sessionStorage; the server refuses otherwise.
 // Draws one Gantt per run (actual first), all on one time axis that starts at the first arrival, and
 // the per-user table with the change from actual to each what-if ("Dan: longest stall 4.3 s -> 0.5 s").

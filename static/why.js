@@ -3,7 +3,7 @@
 //                 beside it, on request, the same plot of a trace recorded on a GPU (static/data/)
 //   step-xray     one step's flat ragged batch: its items, the packed tokens and the attention mask
 //   stall-causes  why replies waited: gap time by cause per setting; the chart links a stall to its cause
-// Numbers come from static/analysis.js (the twin of app/analysis.py); records are read through record.js.
+// Numbers come from static/analysis.js (the twin of app/readers/analysis.py); records are read through record.js.
 (function () {
   const BS = (window.BS = window.BS || {});
   const R = BS.rec;
@@ -12,7 +12,7 @@
   const MAX_COLUMNS = 4;
   // kind of step: colour and marker shape both tell it (Okabe-Ito blue, vermillion, bluish green)
   const KIND = { decode: ["#0072B2", "circle"], prefill: ["#D55E00", "square"], mixed: ["#009E73", "triangle"] };
-  const GPU_TRACE = "/static/batchscope/data/gpu_cost_trace.json";   // app/ui.py serves static/ there
+  const GPU_TRACE = "/static/batchscope/data/gpu_cost_trace.json";   // app/ui/page.py serves static/ there
   let root, picked = null, lastKey = "", lastDraw = 0;
   let gpu = null;                            // the recorded GPU trace once loaded: {steps, meta}, or {error}
 

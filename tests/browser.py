@@ -32,14 +32,14 @@ def chromium():
 
 @contextmanager
 def served_ui(engine_config, server_options: dict | None = None, **mount_options):
-    """The app with its page (app.ui.mount_ui(**mount_options)) on a free 127.0.0.1 port, served by
+    """The app with its page (app.ui.page.mount_ui(**mount_options)) on a free 127.0.0.1 port, served by
     uvicorn in a thread. Yields (url, service); the server stops when the block ends."""
     import uvicorn
 
     from app.config import ServerConfig
-    from app.server import create_app
-    from app.service import EngineService
-    from app.ui import mount_ui
+    from app.api.server import create_app
+    from app.serving.service import EngineService
+    from app.ui.page import mount_ui
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,7 +79,7 @@ def live_page(browser, url: str, viewport: dict):
 def load_stage(pg, stream: list[dict], ready: str = "window.BS && BS.store"):
     """The page's stage alone (no server, offline mode), fed `stream` through BS.ingestAll as a trace
     file would be; `ready` is waited for before the stream goes in."""
-    from app.ui import SCRIPTS, stage_html
+    from app.ui.page import SCRIPTS, stage_html
     pg.set_content(f"<html><body>{stage_html()}</body></html>")
     pg.evaluate("window.BS = {offline: true}")
     pg.add_style_tag(content=(ROOT / "static" / "style.css").read_text())

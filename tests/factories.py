@@ -1,5 +1,5 @@
 """Record factories: StepRecords and request events built by hand, for tests whose answers are known
-by construction (app/metrics.py, app/analysis.py, the page's twin of them). Field names as in
+by construction (app/readers/metrics.py, app/readers/analysis.py, the page's twin of them). Field names as in
 docs/step_record.md; only what the readers look at is filled in."""
 from hypothesis import strategies as st
 

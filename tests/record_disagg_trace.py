@@ -14,8 +14,8 @@ from pathlib import Path
 
 from demos import trace
 from demos.runner import engine_meta, run_scenario
-from app.scenarios import get_scenario
-from app import metrics
+from app.replay.scenarios import get_scenario
+from app.readers import metrics
 from engine import EngineConfig
 from engine.disagg import DisaggregatedEngine
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from demos import trace
 from demos.runner import engine_meta, run_scenario
-from app.scenarios import get_scenario
-from app import metrics
+from app.replay.scenarios import get_scenario
+from app.readers import metrics
 from engine import EngineConfig, LLMEngine
 
 OUT = Path(__file__).parent / "data" / "page_trace.json"

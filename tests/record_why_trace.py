@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.scenarios import Arrival, Scenario
+from app.replay.scenarios import Arrival, Scenario
 from demos import trace
 from demos.runner import engine_meta, run_scenario
-from app import analysis
+from app.readers import analysis
 from engine import EngineConfig, LLMEngine
 
 OUT = Path(__file__).parent / "data" / "why_trace.json"

@@ -1,4 +1,4 @@
-"""app/analysis.py: the step-cost fit and the stall causes, on streams with known answers and a recorded trace."""
+"""app/readers/analysis.py: the step-cost fit and the stall causes, on streams with known answers and a recorded trace."""
 import math
 from pathlib import Path
 
@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app import analysis
+from app.readers import analysis
 from demos import trace
-from app import metrics
+from app.readers import metrics
 from engine.records import KV_MAP_EVERY, kv_map, kv_ops
 from tests.test_scheduler_properties import Case
 from tests.factories import arrived, dec, pre, step

@@ -5,8 +5,8 @@ import textwrap
 
 import pytest
 
-from app import metrics
-from app.analysis import CostFit
+from app.readers import metrics
+from app.readers.analysis import CostFit
 from app.cli import main as cli
 from demos.arena import SIM_TOLERANCE, PolicyFileError, load_policy, run_one, sim_gap
 from demos.arena_workloads import WORKLOADS, Job, Workload, get_workload, tau_of
@@ -147,7 +147,7 @@ def test_the_simulator_takes_the_real_engines_steps(tmp_path):
     the very same steps; fed the step-cost fit of the real run, the simulator's totals are the engine's
     within SIM_TOLERANCE (the fit's own error: on a busy machine a fit taken a minute earlier can be off
     by more, which docs/arena.md reports)."""
-    from app.analysis import cost_points
+    from app.readers.analysis import cost_points
     from demos.arena import physical_fit
     from tests.helpers import save_tiny_model
     kw = {"model": str(save_tiny_model("llama", tmp_path / "m"))}

@@ -1,4 +1,4 @@
-"""Attach mode (app/attach.py) against a stand-in for vLLM: its OpenAI API (a small FastAPI app that
+"""Attach mode (app/serving/attach.py) against a stand-in for vLLM: its OpenAI API (a small FastAPI app that
 streams like vLLM and remembers what it was sent) and its recorder (integrations/vllm's Publisher,
 sending records as the recording scheduler does). A real vLLM: tests/test_vllm_e2e.py."""
 from __future__ import annotations
@@ -15,9 +15,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from app.attach import AttachConfig, AttachedService
+from app.serving.attach import AttachConfig, AttachedService
 from app.config import ServerConfig
-from app.server import create_app
+from app.api.server import create_app
 from integrations.vllm.publisher import Publisher
 
 pytestmark = pytest.mark.server

@@ -65,7 +65,7 @@ def check_lanes(drawn: dict, threads: dict[str, int], label: str, blocks: int):
 @pytest.fixture(scope="module")
 def recorded():
     """The lesson's scenario on the real DisaggregatedEngine (two worker processes), as a stream."""
-    from app.scenarios import get_scenario
+    from app.replay.scenarios import get_scenario
     from demos.runner import run_scenario
     from engine import EngineConfig
     from engine.disagg import DisaggregatedEngine
@@ -83,7 +83,7 @@ def offline_page(browser, stream):  # noqa: F811
 
 
 def test_a_recorded_disaggregated_run_draws_two_lanes_and_the_hand_overs(recorded, browser):  # noqa: F811
-    from app import metrics
+    from app.readers import metrics
     steps = metrics.steps(recorded)
     moved = [e for e in recorded if e.get("event") == "kv_transfer"]
     threads = {s["worker"]: s["threads"] for s in steps}
@@ -109,9 +109,9 @@ def test_a_recorded_disaggregated_run_draws_two_lanes_and_the_hand_overs(recorde
 def test_each_workers_kv_map_lets_go_of_a_handed_over_prompt(recorded, browser):  # noqa: F811
     """Once a prompt's KV has moved, the prefill worker holds none of its blocks (they stay cached there,
     for a prefix hit). No prefill step reports the frees of the last hand-over, so the hand-over event
-    carries them; each lane's map, in Python (app/analysis.kv_blocks) and on the page, is rebuilt from
+    carries them; each lane's map, in Python (app/readers/analysis.kv_blocks) and on the page, is rebuilt from
     its worker's steps and the hand-overs it sent."""
-    from app import analysis, metrics
+    from app.readers import analysis, metrics
     last = metrics.steps(recorded)[-1]["step"]
     want = {lane: analysis.kv_blocks(recorded, worker=lane) for lane in ("prefill", "decode")}
     for lane, blocks in want.items():                  # every request ended: nothing is held

@@ -1,11 +1,11 @@
 """One truth for every viewer: a page opened late shows the same per-setting metrics as one that
-watched from the start, and both are app/metrics.py's stretches() over the whole stream.
+watched from the start, and both are app/readers/metrics.py's stretches() over the whole stream.
 
 One real server on loopback (default model) that sends a new viewer only its last 6 steps. A
 first page watches from the start; requests run under continuous batching (a long prompt
 stalls two replies), then under chunked prefill; a second page opens after it all. The late
 page's snapshot lacks the early steps, so its table must come from the server's per-setting
-numbers (app/broadcast.py), the early page's from its own records; each cell must hold, in
+numbers (app/serving/broadcast.py), the early page's from its own records; each cell must hold, in
 numbers and in text, what Python computes from every record the server published.
 """
 import threading
@@ -49,7 +49,7 @@ def table(pg) -> list[dict]:
 
 
 def test_a_page_opened_late_shows_the_metrics_of_one_that_watched_from_the_start(server, browser):  # noqa: F811
-    from app import metrics
+    from app.readers import metrics
     url, service = server
     with live_page(browser, url, {"width": 1400, "height": 1000}) as early:
         traffic(url)

@@ -37,8 +37,8 @@ def server():
     from fastapi import FastAPI
     from fastapi.staticfiles import StaticFiles
 
-    from app.leaderboard import mount_leaderboard
-    from app.ui import STATIC, STATIC_URL, head_html
+    from app.ui.leaderboard import mount_leaderboard
+    from app.ui.page import STATIC, STATIC_URL, head_html
     app = FastAPI()
     app.mount(STATIC_URL, StaticFiles(directory=STATIC))
     mount_leaderboard(app, head_html(), STATIC_URL)

@@ -1,7 +1,7 @@
 """The budget lesson on the real engine: a budget of 16 tokens filled three ways, each shape in some step."""
-from app.scenarios import get_scenario
+from app.replay.scenarios import get_scenario
 from demos.runner import run_scenario
-from app import metrics
+from app.readers import metrics
 from engine import EngineConfig, LLMEngine
 
 
@@ -25,8 +25,8 @@ def test_budget_16_runs_as_16_decodes_then_8_decodes_and_2_chunks_then_4_prefill
 
 
 def test_the_budget_example_is_a_numbered_lesson_with_its_caption_in_both_languages():
-    from app.ui import LESSONS
-    from app.ui_text import TEXT
+    from app.ui.page import LESSONS
+    from app.ui.text import TEXT
     k = [x.scenario for x in LESSONS].index("budget-shapes") + 1
     sc = get_scenario("budget-shapes")
     assert sc.engine["max_num_batched_tokens"] == 16 and sc.engine["max_prefill_chunk"] == 4

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.scenarios import SCENARIOS, Arrival, Scenario, get_scenario, load_text
+from app.replay.scenarios import SCENARIOS, Arrival, Scenario, get_scenario, load_text
 from demos import trace
 from demos.runner import Feeder, run_scenario
-from app import metrics
+from app.readers import metrics
 from engine import EngineConfig, LLMEngine
 from engine.loader import resolve_model
 
@@ -138,9 +138,9 @@ from hypothesis import given, strategies as st  # noqa: E402
 @given(st.lists(st.integers(0, 30), min_size=1, max_size=8), st.lists(st.integers(1, 4), min_size=1, max_size=60),
        st.sampled_from(["step", "wall"]))
 def test_one_replay_hands_out_every_arrival_once_in_order_when_due(ats, ticks, clock):
-    """app/scenarios.py's Replay, used by demos/runner.py and the page's lessons: whatever the clock
+    """app/replay/scenarios.py's Replay, used by demos/runner.py and the page's lessons: whatever the clock
     does, each arrival comes exactly once, in scenario order, never before its time; idle skips ahead."""
-    from app.scenarios import Replay
+    from app.replay.scenarios import Replay
     sc = Scenario("r", "", tuple(Arrival(a, f"u{i}", 1, prompt="x") for i, a in enumerate(sorted(ats))), clock=clock)
     r, now, got = Replay(sc), 0, []
     for dt in ticks:
@@ -250,8 +250,8 @@ def test_bench_smoke(tiny_model, tmp_path):
 
 
 def test_one_chrome_converter_every_event_on_a_track():
-    """demos.trace and the server's /api/trace?format=chrome use app/trace.py; every event names its track."""
-    from app.trace import chrome_trace
+    """demos.trace and the server's /api/trace?format=chrome use app/readers/trace.py; every event names its track."""
+    from app.readers.trace import chrome_trace
     from tests.factories import stall_stream
     s = stall_stream()
     doc = chrome_trace(s, {"type": "trace", "model": "m"})
@@ -265,11 +265,11 @@ def test_app_does_not_import_demos_and_metrics_need_no_torch():
     import subprocess
     import sys
     root = Path(__file__).resolve().parent.parent
-    code = ("import sys; import app, app.ui, app.scenarios, app.trace, app.ui_scenarios, app.whatif_api, app.report; "
+    code = ("import sys; import app, app.ui.page, app.replay.scenarios, app.readers.trace, app.ui.lessons, app.api.whatif_api, app.readers.report; "
             "bad = sorted(m for m in sys.modules if m == 'demos' or m.startswith('demos.')); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=300)
-    # app/metrics.py on its own (the package's __init__ loads the engine, and torch with it)
-    code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('m', 'app/metrics.py'); "
+    # app/readers/metrics.py on its own (the package's __init__ loads the engine, and torch with it)
+    code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('m', 'app/readers/metrics.py'); "
             "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); assert 'torch' not in sys.modules; "
             "assert m.percentile([1, 2], 50) == 1.5")
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=60)

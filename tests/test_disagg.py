@@ -20,7 +20,7 @@ CONFIG = dict(dtype="float32", kv_cache_gb=0.1, max_model_len=1024, block_size=B
 
 def document_ids(engine, n: int, seed: int = 0) -> list[int]:
     """A prompt of n real-text tokens (a report), shifted by seed so no two share a prefix."""
-    from app.scenarios import load_text
+    from app.replay.scenarios import load_text
     ids = engine.tokenizer(load_text("lighthouse_report"))["input_ids"]
     return ids[seed:seed + n]
 

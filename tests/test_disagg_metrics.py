@@ -1,9 +1,9 @@
-"""The KV-transfer line of app.metrics (disaggregated): per run and per stretch, on streams whose
+"""The KV-transfer line of app.readers.metrics (disaggregated): per run and per stretch, on streams whose
 answers are known by construction, and on random ones against a direct count."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from app import metrics
+from app.readers import metrics
 from tests.factories import arrived, dec, pre, step
 
 

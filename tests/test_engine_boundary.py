@@ -214,6 +214,6 @@ def test_the_service_serves_any_engine_it_is_given(tiny):
     assert first.finish_reason is None and rest[-1].finish_reason == "abort" and rest[-1].error == "client went away"
     assert state["live_requests"] == 0 and state["kv"]["used"] == 0 and state["disaggregated"] is None
     assert (ended.finish_reason, ended.error) == ("abort", "server shutting down")
-    assert isinstance(last.failure, ShuttingDown)        # the type app/errors.py maps to 503
+    assert isinstance(last.failure, ShuttingDown)        # the type app/api/errors.py maps to 503
     steps = [x for x in service.ring.last_steps(1024)[1] if x["type"] == "step"]
     assert [s["step"] for s in steps] == list(range(len(steps)))

@@ -41,7 +41,7 @@ def test_listeners_each_get_a_dict_of_their_own_and_a_failing_one_is_removed():
 
 
 def test_importing_the_records_and_their_metrics_does_not_import_torch():
-    code = ("import sys, engine.records, engine.scheduler, app.metrics; "
+    code = ("import sys, engine.records, engine.scheduler, app.readers.metrics; "
             "print(sorted({'torch', 'gradio', 'fastapi'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -244,7 +244,7 @@ def test_gpu_check_quick(tmp_path):
 @pytest.mark.server
 def test_gpu_live_check_quick(tmp_path):
     """The live-server check end to end on a CPU: the server, the openai client's streaming chats and the
-    long documents under both policies, the records from /ws/steps, the ratios from app/metrics.py."""
+    long documents under both policies, the records from /ws/steps, the ratios from app/readers/metrics.py."""
     out = tmp_path / "live.json"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_live_check.py"), "--quick", "--device", "cpu",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=400)
@@ -340,7 +340,7 @@ def test_fusing_is_on_only_inside_the_block():
 def test_gpu_cost_trace_quick(tmp_path):
     """The recorder runs end to end and writes a trace the cost model reads: a header naming what
     produced it, and step records of every phase's shape (decode-only, prefill-only, mixed)."""
-    from app.analysis import fit_stream
+    from app.readers.analysis import fit_stream
     out = tmp_path / "trace.json"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_cost_trace.py"), "--quick", "--device", "cpu",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -356,7 +356,7 @@ def test_gpu_cost_trace_quick(tmp_path):
 
 def test_gpu_scripts_import_without_the_web_stack():
     """A GPU machine may have torch and transformers but no gradio or fastapi: the scripts' imports
-    (engine/, app.analysis, app.scenarios' data) must not pull the web stack in."""
+    (engine/, app.readers.analysis, app.replay.scenarios' data) must not pull the web stack in."""
     code = ("import sys, runpy; sys.argv = ['x', '--help']\n"
             "for s in ('scripts/gpu_cost_trace.py', 'scripts/gpu_check.py'):\n"
             "    try:\n        runpy.run_path(s, run_name='__main__')\n    except SystemExit:\n        pass\n"

@@ -1,9 +1,9 @@
-"""One mapping of admission errors to HTTP answers, by the error's type (app/errors.py, engine/errors.py),
-and one presenter-key check (app/auth.py). No model, no server."""
+"""One mapping of admission errors to HTTP answers, by the error's type (app/api/errors.py, engine/errors.py),
+and one presenter-key check (app/api/auth.py). No model, no server."""
 import pytest
 
-from app.auth import key_matches, require_presenter
-from app.errors import APIError, admission_error, failure_status
+from app.api.auth import key_matches, require_presenter
+from app.api.errors import APIError, admission_error, failure_status
 from engine.errors import PromptTooLong, QueueFull, ServiceUnavailable, ShuttingDown
 
 

@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from app.scenarios import LESSONS, SETTING_KEYS
+from app.replay.scenarios import LESSONS, SETTING_KEYS
 
 pytestmark = pytest.mark.model
 
@@ -35,8 +35,8 @@ class Tab:
 
 def start_service():
     from app.config import ServerConfig
-    from app.service import EngineService
-    from app.ui import UI
+    from app.serving.service import EngineService
+    from app.ui.page import UI
     from engine import EngineConfig
     service = EngineService(EngineConfig(kv_cache_gb=0.25), ServerConfig(step_delay=STEP_DELAY))
     service.start()
@@ -118,5 +118,5 @@ def test_lessons_one_to_five_then_three_again_each_as_if_alone():
 
 
 def ui_setting(lesson, policy: str) -> dict:
-    from app.scenarios import get_scenario
+    from app.replay.scenarios import get_scenario
     return lesson.setting(get_scenario(lesson.scenario, **FAST[lesson.scenario]), policy, STEP_DELAY)

@@ -1,9 +1,9 @@
-"""app.metrics on synthetic record streams whose answers are known by construction."""
+"""app.readers.metrics on synthetic record streams whose answers are known by construction."""
 import math
 
 import pytest
 
-from app import metrics
+from app.readers import metrics
 from tests.factories import arrived, dec, pre, random_streams, stall_stream, step
 
 
@@ -199,7 +199,7 @@ def test_a_first_token_is_never_a_stall():
 @settings(max_examples=150, deadline=None)
 @given(random_streams(), st.data())
 def test_the_live_meter_reads_a_stream_record_by_record_as_stretches_reads_it_whole(s, data):
-    """What the server keeps for late viewers (app/broadcast.py): read while the run goes on, at any
+    """What the server keeps for late viewers (app/serving/broadcast.py): read while the run goes on, at any
     moments, it always gives what stretches() gives for the records so far."""
     meter = metrics.StretchMeter()
     for i, rec in enumerate(s):

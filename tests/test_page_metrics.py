@@ -1,10 +1,10 @@
-"""The page's metrics table against app/metrics.py, number by number, in a real browser.
+"""The page's metrics table against app/readers/metrics.py, number by number, in a real browser.
 
 A recorded trace (tests/data/page_trace.json, made by `python -m tests.record_trace`:
 the default model under chunked, continuous and static batching, with stalls and
 a preemption) and synthetic streams are replayed into the stage offline (no
 server: the stage's HTML and scripts, fed through BS.ingestAll as a trace file
-would be). Every cell must hold the numbers app.metrics.stretches() gives for
+would be). Every cell must hold the numbers app.readers.metrics.stretches() gives for
 the same stream, and show them formatted as the page formats them.
 """
 import math
@@ -16,7 +16,7 @@ import pytest
 from tests.browser import MARKS, chromium, load_stage
 
 from demos import trace
-from app import metrics
+from app.readers import metrics
 from tests.factories import random_streams
 
 TRACE = Path(__file__).parent / "data" / "page_trace.json"
@@ -70,7 +70,7 @@ def size(n: int) -> str:
 
 
 def expected(m: dict) -> dict:
-    """app.metrics.stretches() output as the page's rows: (numbers, text)."""
+    """app.readers.metrics.stretches() output as the page's rows: (numbers, text)."""
     rows = {
         "steps": ([m["first_step"], m["last_step"], m["num_steps"]],
                   f"{m['first_step']}–{m['last_step']} ({m['num_steps']})"),

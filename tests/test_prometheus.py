@@ -6,8 +6,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app import metrics as defs
-from app.prometheus import REQUEST_LATENCY_BUCKETS, TBT_BUCKETS, TTFT_BUCKETS, Metrics, buckets_1_2_5
+from app.readers import metrics as defs
+from app.serving.prometheus import REQUEST_LATENCY_BUCKETS, TBT_BUCKETS, TTFT_BUCKETS, Metrics, buckets_1_2_5
 from engine import EngineConfig, LLMEngine, SamplingParams
 from tests.helpers import save_tiny_model
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.rate_limit import ClientKeys, RateLimiter, client_of
+from app.serving.rate_limit import ClientKeys, RateLimiter, client_of
 
 # ---- the bucket ----
 
@@ -107,8 +107,8 @@ def tiny_folder(tmp_path_factory):
 def serve(folder, **server):
     """A tiny random model behind the real app and the room routes; rate limits at their defaults."""
     from app import EngineService, ServerConfig, create_app
-    from app.room import Room
-    from app.ui_room import mount_room
+    from app.serving.room import Room
+    from app.ui.room_pages import mount_room
     from engine import EngineConfig
     service = EngineService(EngineConfig(model=str(folder), kv_cache_gb=0.05, cpu_threads=1), ServerConfig(**server))
     app = create_app(service, manage_service=False)

@@ -1,7 +1,7 @@
 """The browser reads record fields in one place (static/record.js), and only fields the schema has.
 
 The schema is engine/records.py (record_fields()); the app adds `step_delay` to
-policy events and to the settings in a snapshot (app/service.py). A renamed or
+policy events and to the settings in a snapshot (app/serving/service.py). A renamed or
 misspelt field in record.js, an accessor used elsewhere that record.js lacks, or
 a view reading a record field around record.js, fails here.
 """

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.broadcast import RecordRing
-from app.room import MAX_NAME, SLOT_COLOURS, SLOT_SIGNS, Room, check_name, join_url
-from app.ui_text import USERS
+from app.serving.broadcast import RecordRing
+from app.serving.room import MAX_NAME, SLOT_COLOURS, SLOT_SIGNS, Room, check_name, join_url
+from app.ui.text import USERS
 
 NAMES = st.text(alphabet=st.sampled_from(list("AaNnaBb 李雷 ")), min_size=1, max_size=8).filter(lambda s: s.strip())
 
@@ -107,9 +107,9 @@ def client():
     from fastapi.testclient import TestClient
 
     from app.config import ServerConfig
-    from app.server import create_app
-    from app.service import EngineService
-    from app.ui import mount_ui
+    from app.api.server import create_app
+    from app.serving.service import EngineService
+    from app.ui.page import mount_ui
     from engine import EngineConfig
     service = EngineService(EngineConfig(), ServerConfig())
     app = create_app(service, manage_service=False)

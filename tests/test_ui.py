@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from app.ui_scenarios import assign_panels, shorten
-from app.ui_sessions import MAX_CHARS, Panel, Session, Sessions, Turn, check_message, fresh
-from app.ui_text import LANGS, SCENARIO_BUTTONS, SHORT, TEXT, USERS
-from app.scenarios import SCENARIOS, get_scenario
+from app.ui.lessons import assign_panels, shorten
+from app.ui.sessions import MAX_CHARS, Panel, Session, Sessions, Turn, check_message, fresh
+from app.ui.text import LANGS, SCENARIO_BUTTONS, SHORT, TEXT, USERS
+from app.replay.scenarios import SCENARIOS, get_scenario
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 
@@ -41,7 +41,7 @@ def test_every_string_exists_in_both_languages():
 
 
 def test_every_lesson_has_its_words_a_scenario_and_known_policies():
-    from app.ui import LESSONS
+    from app.ui.page import LESSONS
     from engine.config import POLICIES
     assert [x.policies[-1] for x in LESSONS] == ["static", "continuous", "chunked", "chunked", "disaggregated"]
     for k, lesson in enumerate(LESSONS, 1):
@@ -50,9 +50,9 @@ def test_every_lesson_has_its_words_a_scenario_and_known_policies():
 
 
 def test_every_lesson_pass_states_its_full_setting_and_the_caption_shows_it():
-    from app.scenarios import SETTING_KEYS
-    from app.ui import LESSONS
-    from app.ui_text import setting_line
+    from app.replay.scenarios import SETTING_KEYS
+    from app.ui.page import LESSONS
+    from app.ui.text import setting_line
     from engine.config import EngineConfig
     for k, lesson in enumerate(LESSONS):
         sc = get_scenario(lesson.scenario)
@@ -68,7 +68,7 @@ def test_every_lesson_pass_states_its_full_setting_and_the_caption_shows_it():
 
 
 def test_stage_has_the_test_ids_and_the_i18n_keys_it_uses():
-    from app.ui import stage_html
+    from app.ui.page import stage_html
     html = stage_html() + (STATIC / "student.html").read_text()
     for tid in ("gantt", "batch-bar", "policy", "chunked-toggle", "metrics", "pause", "resume", "step", "replay",
                 "row-labels", "student-name", "student-box", "student-send"):
@@ -180,9 +180,9 @@ def mounted():
     from fastapi.testclient import TestClient
 
     from app.config import ServerConfig
-    from app.server import create_app
-    from app.service import EngineService
-    from app.ui import mount_ui
+    from app.api.server import create_app
+    from app.serving.service import EngineService
+    from app.ui.page import mount_ui
     from engine import EngineConfig
     service = EngineService(EngineConfig(), ServerConfig())        # not started: no model needed here
     app = create_app(service, manage_service=False)
@@ -203,7 +203,7 @@ def test_page_loads_the_chart_scripts_with_versions(mounted):
 def test_static_files_are_served_and_gradio_assets_are_not_shadowed(mounted):
     r = mounted.get("/static/batchscope/interact.js")
     assert r.status_code == 200 and "initChart" in r.text
-    assert mounted.get("/static/batchscope/../app/ui.py").status_code == 404
+    assert mounted.get("/static/batchscope/../app/ui/page.py").status_code == 404
     config = mounted.get("/config").json()
     assert json.dumps(config).count("bs-chat-") == 8       # eight panels exist (four visible at first)
 
@@ -213,8 +213,8 @@ def test_static_files_are_served_and_gradio_assets_are_not_shadowed(mounted):
 @pytest.mark.model
 def test_two_panels_share_steps_and_a_scenario_runs_on_the_step_clock():
     from app.config import ServerConfig
-    from app.service import EngineService
-    from app.ui import UI
+    from app.serving.service import EngineService
+    from app.ui.page import UI
     from engine import EngineConfig
 
     service = EngineService(EngineConfig(kv_cache_gb=0.25, policy="chunked"), ServerConfig())
@@ -277,8 +277,8 @@ def test_two_panels_share_steps_and_a_scenario_runs_on_the_step_clock():
 
 def test_lessons_change_settings_only_with_the_presenter_key():
     from app.config import ServerConfig
-    from app.service import EngineService
-    from app.ui import UI
+    from app.serving.service import EngineService
+    from app.ui.page import UI
     from engine import EngineConfig
     locked = UI(EngineService(EngineConfig(), ServerConfig(presenter_key="s3cret")))
     assert locked.authorised("s3cret")

@@ -113,7 +113,7 @@ def test_chats_and_a_document_through_the_app_show_vllms_chunks_beside_decodes(a
     assert decodes_beside, "the chats kept decoding in the steps that carried the document's chunks"
     for name in ("Alice", "Bob", "Chen"):
         assert len(by_label(name, "decode")) >= 40, f"{name}'s decodes are on the chart under its name"
-    from app import metrics
+    from app.readers import metrics
     summary_metrics = metrics.summarize(records)
     assert summary_metrics["output_tokens"] >= 3 * 40
     # the recorder's own share of vLLM's step loop: reading the step and assembling its record

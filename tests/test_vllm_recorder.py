@@ -238,8 +238,8 @@ def test_every_record_matches_the_scheduler(monkeypatch, shape):
 
 
 def test_a_vllm_stream_gives_the_pages_metrics(monkeypatch):
-    """app/metrics.py reads vLLM's records as it reads batchscope's: TTFT for each reply, TBTs, stalls."""
-    from app import analysis, metrics
+    """app/readers/metrics.py reads vLLM's records as it reads batchscope's: TTFT for each reply, TBTs, stalls."""
+    from app.readers import analysis, metrics
     sched, got = make_scheduler(shared_config(), chunked=True, budget=32, seqs=4, blocks=400, threshold=0,
                                 asynchronous=False, monkeypatch=monkeypatch)
     drv = Driver(sched, random.Random(1), True, 32)

@@ -9,10 +9,10 @@ import time
 import pytest
 from hypothesis import given, strategies as st
 
-from app.arrival_log import ArrivalLog, from_saved
-from app.scenarios import Arrival, Scenario, _chat
-from app.whatif import Stopwatch, WhatIfError, check_settings, to_scenario
-from app import metrics
+from app.replay.arrival_log import ArrivalLog, from_saved
+from app.replay.scenarios import Arrival, Scenario, _chat
+from app.replay.whatif import Stopwatch, WhatIfError, check_settings, to_scenario
+from app.readers import metrics
 from engine import SamplingParams
 
 SECRET = "zebra marmalade quartz"          # a prompt that must never leave the server but to the presenter
@@ -210,7 +210,7 @@ def test_live_session_replays_like_demos_compare_and_stays_private(live_server, 
     for path in ("/api/whatif", "/api/whatif/log", "/api/whatif/result"):
         assert http.get(path).status_code == 403
 
-    monkeypatch.setattr("app.whatif_api.TIME_LIMIT_S", 1e-3)
+    monkeypatch.setattr("app.api.whatif_api.TIME_LIMIT_S", 1e-3)
     too_long = http.post("/api/whatif", json={"settings": [{"policy": "chunked"}]}, headers=key)
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "too_long"
     monkeypatch.undo()

@@ -1,4 +1,4 @@
-"""The "why" views in a real browser: static/analysis.js against app/analysis.py, and what the views draw.
+"""The "why" views in a real browser: static/analysis.js against app/readers/analysis.py, and what the views draw.
 
 A recorded trace (tests/data/why_trace.json, `python -m tests.record_why_trace`: every
 stall cause and a preemption, on the default model) and synthetic streams are fed to
@@ -15,9 +15,9 @@ from tests.browser import MARKS, chromium, load_stage
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app import analysis
+from app.readers import analysis
 from demos import trace
-from app import metrics
+from app.readers import metrics
 from tests.test_analysis import linear_stream
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,14 +4,14 @@
     while job.slice(): ...            # the live engine thread calls this between its own steps
     job.result                        # {"actual": {...}, "whatif": [{...}, ...]}
 
-The arrivals come from app/arrival_log.py: the same prompt token ids, seeds and
+The arrivals come from app/replay/arrival_log.py: the same prompt token ids, seeds and
 sampling parameters, joining at the same step offsets (the first replayed
 arrival's step is step 0). Each reply is replayed at the length it had live
 (ignore_eos, max_tokens = its live output tokens), so a what-if compares
 scheduling, not different reply lengths. Each setting gets a fresh engine (the
 live config: same model, device, dtype and KV size, with the setting's policy
 and budgets), warmed up like demos.compare, then steps through
-app.scenarios.play: the same loop demos.compare uses, so a replay and
+app.replay.scenarios.play: the same loop demos.compare uses, so a replay and
 `python -m demos.compare` give the same steps.
 
 Sharing the CPU: the replay is interleaved with the live engine on its thread,
@@ -30,9 +30,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from app.arrival_log import Logged
-from app.scenarios import Arrival, Scenario, engine_meta, longest_prompt, play, warm_up_steps
-from app import metrics
+from app.replay.arrival_log import Logged
+from app.replay.scenarios import Arrival, Scenario, engine_meta, longest_prompt, play, warm_up_steps
+from app.readers import metrics
 from engine import EngineConfig, LLMEngine
 
 log = logging.getLogger("batchscope.whatif")
@@ -64,7 +64,7 @@ class Stopwatch:
 
 @dataclass
 class Replayed:
-    """One run for the report (app/report.py): its trace header and records."""
+    """One run for the report (app/readers/report.py): its trace header and records."""
     meta: dict
     stream: list[dict] = field(default_factory=list)
 
@@ -216,7 +216,7 @@ class WhatIfJob:
                 "whatif": [{"settings": s, **run_summary(r.stream)} for s, r in zip(self.settings, self.runs)]}
 
     def report_runs(self) -> dict[str, Replayed]:
-        """Name -> run, for app/report.py and the traces: the actual run first."""
+        """Name -> run, for app/readers/report.py and the traces: the actual run first."""
         live = self.live_meta.get("settings", {})
         out = {f"actual ({live.get('policy', '?')})": Replayed({**self.live_meta, "created": self.created,
                                                                 **_flat(live)}, self.actual)}

@@ -9,7 +9,7 @@ stuck browser neither slows the engine nor grows memory.
 
 The ring holds only the recent past, so the per-setting metrics of a viewer that
 joins late would come out wrong. The hub therefore also feeds every record to one
-app/metrics.py StretchMeter (the one definition, kept for the whole run) and sends
+app/readers/metrics.py StretchMeter (the one definition, kept for the whole run) and sends
 its `stretches` with every snapshot, then in a "stretches" message about once a
 second while steps run; the page shows those for any setting it did not watch whole.
 """
@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from app.metrics import StretchMeter
+from app.readers.metrics import StretchMeter
 
 STRETCHES_EVERY = 1.0       # seconds between two "stretches" messages while steps run
 
@@ -182,7 +182,7 @@ class Broadcaster:
             self._meter_steps += obj.get("type") == "step"
 
     def stretches(self, max_age: float = 0.0) -> Entry:
-        """The "stretches" message: app/metrics.py stretches() of every step so far, one dict per setting.
+        """The "stretches" message: app/readers/metrics.py stretches() of every step so far, one dict per setting.
         Made again when steps have run since and it is older than max_age seconds; the same Entry
         otherwise (shared by all viewers, serialised once)."""
         steps, made = self._stretches_at

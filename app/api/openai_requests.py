@@ -9,8 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from app.errors import APIError
-from app.service import EngineService
+from app.api.errors import APIError
+from app.serving.service import EngineService
 from engine import SamplingParams
 from engine.sampling_params import MAX_LOGPROBS
 

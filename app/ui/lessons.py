@@ -1,18 +1,18 @@
-"""Scripted users: play an app/scenarios.py Scenario through the chat panels.
+"""Scripted users: play an app/replay/scenarios.py Scenario through the chat panels.
 
 Each distinct label of the scenario takes a panel (a panel of the same name
 if there is one, else the next free one), so the lecturer sees the scripted
 users type and the chart shows them in their panel's colour. Arrivals on the
 "step" clock are timed by counting the step records the engine publishes;
 when a record says the engine has run out of work, the next arrival comes at once.
-The arrivals fall due through app/scenarios.py's Replay, as in demos/runner.py.
+The arrivals fall due through app/replay/scenarios.py's Replay, as in demos/runner.py.
 """
 from __future__ import annotations
 
 import asyncio
 
-from app.scenarios import Arrival, Replay, Scenario
-from app.ui_sessions import Panel, Session, Turn, drive, fresh
+from app.replay.scenarios import Arrival, Replay, Scenario
+from app.ui.sessions import Panel, Session, Turn, drive, fresh
 
 SHOWN_CHARS = 220           # a long scripted prompt is shown shortened in its panel
 

@@ -126,7 +126,7 @@ TEXT = {
     },
 }
 
-# scenario buttons: app/scenarios.py name -> button text
+# scenario buttons: app/replay/scenarios.py name -> button text
 SCENARIO_BUTTONS = {
     "en": {"long-prompt-interrupts": "3 chats + a long document", "static-vs-continuous": "8 requests, 4 slots",
            "bursty": "a burst of 24 requests", "shared-system-prompt": "shared system prompt (prefix cache)",
@@ -141,7 +141,7 @@ POLICY_NAMES = {"zh": {"static": "静态", "continuous": "连续", "chunked": "�
 
 
 def setting_line(lang: str, setting: dict) -> str:
-    """One line for a full setting (app/scenarios.py SETTING_KEYS): what a lesson runs under."""
+    """One line for a full setting (app/replay/scenarios.py SETTING_KEYS): what a lesson runs under."""
     policy = setting["policy"]
     chunk, delay = setting.get("max_prefill_chunk"), setting.get("step_delay") or 0
     parts = [t(lang, "set.policy", policy=POLICY_NAMES.get(lang, {}).get(policy, policy)),

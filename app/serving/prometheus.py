@@ -18,7 +18,7 @@ Where a number means what a vLLM metric means it has vLLM's name, labels
     vllm:time_to_first_token_seconds       histogram: first token time - arrival (TTFT)
     vllm:inter_token_latency_seconds       histogram: gap between consecutive tokens of a request (TBT)
     vllm:e2e_request_latency_seconds       histogram: finish time - arrival (end to end)
-    vllm:request_queue_time_seconds        histograms of a finished request's phases (app/metrics.py
+    vllm:request_queue_time_seconds        histograms of a finished request's phases (app/readers/metrics.py
     vllm:request_prefill_time_seconds        `phases`): waiting, first scheduled -> first token,
     vllm:request_decode_time_seconds         first -> last token, first scheduled -> last token,
     vllm:request_inference_time_seconds      and decode / (tokens - 1)
@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from app.metrics import phases
+from app.readers.metrics import phases
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -53,7 +53,7 @@ trace and a GPU run give the same numbers.
                of the step before it (a transfer on the boundary of two
                stretches counts once, in the earlier).
 
-    from app import metrics
+    from app.readers import metrics
     metrics.summarize(stream)                    # the numbers of docs/results.md
     metrics.summarize(stream, reqs={"r0", "r1"}) # latencies of some requests only
     metrics.stretches(stream)                    # the page's metrics table, one dict per column
@@ -324,7 +324,7 @@ def stretches(stream: Iterable[dict]) -> list[dict]:
 
 class StretchMeter:
     """stretches(), one record at a time, for a run that never ends (the server keeps one for late
-    viewers, app/broadcast.py). Feed step records in step order and request events as they come
+    viewers, app/serving/broadcast.py). Feed step records in step order and request events as they come
     (an arrival before its request's first token). Keeps per stretch only what its numbers need:
     its TTFTs and TBTs, a few maxima and sums; a stretch is summarised again only when it has grown."""
 

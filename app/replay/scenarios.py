@@ -1,6 +1,6 @@
 """Classroom scenarios: fixed workloads that show one batching effect each, and their replay.
 
-The page's lessons (app/ui_scenarios.py) and the comparison reports
+The page's lessons (app/ui/lessons.py) and the comparison reports
 (demos/runner.py) both play scenarios from here, through one Replay: the
 arrivals fall due by the same clock rules, with the same sampling parameters.
 
@@ -10,7 +10,7 @@ run under. Everything that could vary is fixed (arrival offsets, prompts,
 output lengths, seeds), and replies use ignore_eos so every run produces the
 same number of tokens.
 
-    from app.scenarios import get_scenario, SCENARIOS
+    from app.replay.scenarios import get_scenario, SCENARIOS
     sc = get_scenario("long-prompt-interrupts")
     sc.arrivals[3].label, sc.arrivals[3].at      # "Doc", 20
     get_scenario("bursty", rate=4.0, n=16)      # factories take keyword arguments
@@ -25,8 +25,8 @@ Arrival offsets are read in the scenario's `clock`:
           repeat exactly, but which step they land in depends on the machine.
 
 Replay(scenario) hands out the arrivals as they fall due; demos/runner.py feeds
-them to an engine it steps itself, app/ui_scenarios.py to the chat panels of a
-running server. app/metrics.py turns the resulting records into numbers.
+them to an engine it steps itself, app/ui/lessons.py to the chat panels of a
+running server. app/readers/metrics.py turns the resulting records into numbers.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from pathlib import Path
 
 from engine.sampling_params import SamplingParams
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parent.parent / "data"
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Arrival:
     max_tokens: int                    # reply length (ignore_eos: always exactly this many)
     prompt: str | None = None          # a plain prompt, or
     messages: tuple[dict, ...] | None = None   # a chat history (the model's chat template applies), or
-    prompt_token_ids: tuple[int, ...] | None = None   # token ids (a replayed live request, app/whatif.py)
+    prompt_token_ids: tuple[int, ...] | None = None   # token ids (a replayed live request, app/replay/whatif.py)
     temperature: float = 0.0           # 0 = greedy
     seed: int | None = None            # sampling seed when temperature > 0
     top_k: int = 0                     # 0 = off
@@ -261,7 +261,7 @@ class Lesson:
     earlier lesson, scenario or presenter changed survives into it: the
     scenario's budgets, its chunk cap or none, and the step delay the server
     was started with (its --step-delay) unless the lesson names its own.
-    Its texts are app/ui_text.py's step{k} and step{k}_btn.
+    Its texts are app/ui/text.py's step{k} and step{k}_btn.
     """
     scenario: str
     policies: tuple[str, ...]
@@ -331,7 +331,7 @@ def play(engine, scenario: Scenario, on_add: Callable[[int, str], None] | None =
     """Feed the scenario's arrivals to `engine` and step it until every request has ended.
 
     A generator: it yields the number of steps done after each engine step, so
-    a caller may interleave it with other work (app/whatif.py runs it between
+    a caller may interleave it with other work (app/replay/whatif.py runs it between
     the live engine's steps). "step" arrivals join just before the step of
     that index and an idle engine skips ahead to the next one; "wall" arrivals
     join at the first step boundary after their time, and an idle engine

@@ -3,8 +3,8 @@
     batchscope serve --attach http://127.0.0.1:8000            # records at 127.0.0.1:8765 (+1 per engine)
     batchscope serve --attach http://gpu-box:8000 --attach-records gpu-box:9000
 
-AttachedService stands where EngineService stands (app/service.py), with no engine of its own:
-  - records: vLLM's recording scheduler (integrations/vllm) streams them (app/attach_records.py);
+AttachedService stands where EngineService stands (app/serving/service.py), with no engine of its own:
+  - records: vLLM's recording scheduler (integrations/vllm) streams them (app/serving/attach_records.py);
     they reach the viewers, traces and metrics exactly as the own engine's do;
   - chats: every request (the page's chats, /join students, this app's /v1 API) is relayed to
     vLLM's OpenAI API, streamed back as a RequestStream; the request's label travels as its
@@ -25,13 +25,13 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from app.arrival_log import ArrivalLog
-from app.attach_records import Lanes, RecordsUnavailable
-from app.broadcast import Broadcaster, RecordRing
+from app.replay.arrival_log import ArrivalLog
+from app.serving.attach_records import Lanes, RecordsUnavailable
+from app.serving.broadcast import Broadcaster, RecordRing
 from app.config import ServerConfig
-from app.prometheus import Metrics
-from app.rate_limit import Caller, ClientKeys, RateLimiter
-from app.request_stream import Delta, QueueFull, RequestStream, ServiceUnavailable
+from app.serving.prometheus import Metrics
+from app.serving.rate_limit import Caller, ClientKeys, RateLimiter
+from app.serving.request_stream import Delta, QueueFull, RequestStream, ServiceUnavailable
 from engine import EngineConfig, SamplingParams
 
 log = logging.getLogger("batchscope.attach")
@@ -70,7 +70,7 @@ class AttachConfig:
 
 class NoArrivalLog(ArrivalLog):
     def window(self, since_step: int = 0):
-        from app.whatif import WhatIfError
+        from app.replay.whatif import WhatIfError
         raise WhatIfError("the what-if replay needs each prompt's token ids, which an attached vLLM server does "
                           "not publish; run batchscope's own engine (without --attach) to replay a class")
 

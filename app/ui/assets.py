@@ -1,11 +1,11 @@
-"""The page's static assets, shared by every way of serving it (the Gradio page in app/ui.py, the
-classroom pages in app/ui_room.py, and the chart-only page of app/plain_page.py): no Gradio here."""
+"""The page's static assets, shared by every way of serving it (the Gradio page in app/ui/page.py, the
+classroom pages in app/ui/room_pages.py, and the chart-only page of app/ui/plain_page.py): no Gradio here."""
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
-STATIC = Path(__file__).resolve().parent.parent / "static"
+STATIC = Path(__file__).resolve().parent.parent.parent / "static"
 SCRIPTS = ["record.js", "i18n.js", "palette.js", "socket.js", "layout.js", "draw.js", "interact.js", "controls.js",
            "metrics.js", "analysis.js", "kvmap.js", "why.js", "room.js", "lesson.js", "main.js", "whatif.js"]
 STATIC_URL = "/static/batchscope"     # Gradio serves its own assets under /static/js, /static/fonts, ...

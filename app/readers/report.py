@@ -1,9 +1,9 @@
 """The comparison report: one self-contained HTML file (plotly embedded, opens offline).
 
-    from app.report import write_report
+    from app.readers.report import write_report
     write_report("out/report.html", scenario, runs, summaries)
 
-runs: {name: anything with .stream and .meta} (demos/runner.py's Run, app/whatif.py's
+runs: {name: anything with .stream and .meta} (demos/runner.py's Run, app/replay/whatif.py's
 Replayed); summaries: {name: metrics dict}, as demos.compare and the what-if replay build them. Sections: metrics table, one Gantt chart per
 policy (which request was in which step, prefill vs decode, stalls in red),
 TBT over time, TTFT and TBT CDFs, budget fill per step.
@@ -16,7 +16,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from app import metrics
+from app.readers import metrics
 
 COLORS = {"static": "#7f7f7f", "continuous": "#d62728", "chunked": "#1f77b4"}
 KIND_COLORS = {"prefill": "#ff7f0e", "decode": "#2ca02c", "stall": "rgba(214,39,40,0.35)"}

@@ -16,8 +16,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from app.service import QueueFull, ServiceUnavailable
-from app.ui_text import USERS, t
+from app.serving.service import QueueFull, ServiceUnavailable
+from app.ui.text import USERS, t
 from engine import SamplingParams
 
 MAX_CHARS = 20_000          # a typed message longer than this is refused before tokenising

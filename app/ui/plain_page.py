@@ -1,9 +1,9 @@
 """The page where Gradio is not installed (a GPU machine often has none): the live chart, the engine
 controls and the metrics at `/`, the classroom pages (/join, /projector), and a notice that the chat
-panels need Gradio. The API, /ws/steps and /metrics come from app/server.py as always.
+panels need Gradio. The API, /ws/steps and /metrics come from app/api/server.py as always.
 
     app = create_app(service)
-    mount_plain(app, service)       # instead of app.ui.mount_ui
+    mount_plain(app, service)       # instead of app.ui.page.mount_ui
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-from app.assets import STATIC, STATIC_URL, head_html
-from app.room import Room
-from app.ui_room import mount_room
-from app.ui_text import USERS
+from app.ui.assets import STATIC, STATIC_URL, head_html
+from app.serving.room import Room
+from app.ui.room_pages import mount_room
+from app.ui.text import USERS
 
 NOTICE = ("The chat panels need gradio, which is not installed on this server (pip install gradio). "
           "The live chart, the engine controls, the OpenAI-compatible API (/v1/chat/completions), "
@@ -26,7 +26,7 @@ NOTICE = ("The chat panels need gradio, which is not installed on this server (p
 
 def gradio_installed() -> bool:
     try:
-        import gradio  # noqa: F401  (app.ui imports it next anyway where it is present)
+        import gradio  # noqa: F401  (app.ui.page imports it next anyway where it is present)
     except ImportError:
         return False
     return True

@@ -6,9 +6,9 @@
 The page has three parts. The stage (static/controls.html and chart.html, drawn
 by the scripts in static/) holds the engine controls, the live chart fed by
 /ws/steps and the metrics. Students and the projector get the same chart on
-pages of their own (app/ui_room.py). The teaching steps and scenario buttons drive scripted users. The
+pages of their own (app/ui/room_pages.py). The teaching steps and scenario buttons drive scripted users. The
 chat panels are Gradio components, one named, coloured user each, streaming
-from the engine through the service's in-process API (app/ui_sessions.py).
+from the engine through the service's in-process API (app/ui/sessions.py).
 """
 from __future__ import annotations
 
@@ -19,16 +19,16 @@ import gradio as gr
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from app import ui_scenarios
-from app.assets import SCRIPTS, STATIC, STATIC_URL, head_html, stage_html  # noqa: F401 (SCRIPTS: tests/browser.py)
-from app.auth import key_matches
-from app.rate_limit import client_of
-from app.room import Room
-from app.leaderboard import mount_leaderboard
-from app.ui_room import mount_room
-from app.ui_sessions import Session, Sessions, Turn, check_message, drive, fresh, stream_all
-from app.ui_text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, setting_line, t
-from app.scenarios import LESSONS, SCENARIOS, Lesson, get_scenario, load_text
+from app.ui import lessons
+from app.ui.assets import SCRIPTS, STATIC, STATIC_URL, head_html, stage_html  # noqa: F401 (SCRIPTS: tests/browser.py)
+from app.api.auth import key_matches
+from app.serving.rate_limit import client_of
+from app.serving.room import Room
+from app.ui.leaderboard import mount_leaderboard
+from app.ui.room_pages import mount_room
+from app.ui.sessions import Session, Sessions, Turn, check_message, drive, fresh, stream_all
+from app.ui.text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, setting_line, t
+from app.replay.scenarios import LESSONS, SCENARIOS, Lesson, get_scenario, load_text
 from engine import SamplingParams
 
 MAX_PANELS = len(USERS)
@@ -135,7 +135,7 @@ class UI:
             clear = False
 
     def lesson_setting(self, lesson: Lesson, policy: str) -> dict:
-        """Everything one pass of a lesson sets (app/scenarios.py Lesson.setting)."""
+        """Everything one pass of a lesson sets (app/replay/scenarios.py Lesson.setting)."""
         scenario = get_scenario(lesson.scenario, **self.scenario_params.get(lesson.scenario, {}))
         return lesson.setting(scenario, policy, self.service.config.step_delay)
 
@@ -161,7 +161,7 @@ class UI:
                         yield self.render_all(s, columns=False) + [problem]
                         return
             changed = asyncio.Event()
-            job = ui_scenarios.play(self.service, s, scenario, changed, s.lang)
+            job = lessons.play(self.service, s, scenario, changed, s.lang)
             async for _ in stream_all([job], changed, lambda: None):
                 yield self.render_all(s, columns=first) + [note]
                 first = False

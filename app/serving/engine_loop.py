@@ -13,7 +13,7 @@ reply's to its RequestStream, one call_soon_threadsafe per event loop per
 step, and wakes the viewers once. An exception in a step fails the requests
 in flight and the loop carries on with the same engine.
 
-Calls go one way: the service (app/service.py) calls the loop and subscribes
+Calls go one way: the service (app/serving/service.py) calls the loop and subscribes
 to its records; the loop never calls the service.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from app.broadcast import Broadcaster
-from app.request_stream import Delta, RequestStream, ServiceUnavailable, ShuttingDown, deliver
+from app.serving.broadcast import Broadcaster
+from app.serving.request_stream import Delta, RequestStream, ServiceUnavailable, ShuttingDown, deliver
 from engine import EngineConfig
 from engine.protocol import Engine, RequestInfo, RequestOutput
 

@@ -6,7 +6,7 @@ import hmac
 
 from fastapi import Request
 
-from app.errors import APIError
+from app.api.errors import APIError
 
 
 def key_matches(wanted: str | None, given: str | None) -> bool:

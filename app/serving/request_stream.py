@@ -34,7 +34,7 @@ class RequestStream:
         self.error: str | None = None
         self.cached_tokens = 0        # prompt tokens served by the prefix cache, known at the end
         self.failure: Exception | None = None   # engine thread, before its last delta: ShuttingDown when
-                                                # the server's end aborted it (app/errors.py maps the type)
+                                                # the server's end aborted it (app/api/errors.py maps the type)
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._deltas()

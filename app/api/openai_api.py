@@ -1,7 +1,7 @@
 """OpenAI-compatible routes: GET /v1/models, POST /v1/chat/completions and /v1/completions
 (streaming or not; n choices, stop, seed, logprobs, usage with prefix-cache hits).
 
-Requests are checked in app/openai_requests.py; here they become engine
+Requests are checked in app/api/openai_requests.py; here they become engine
 requests, one per choice, and their replies become OpenAI's response and
 stream shapes. The official `openai` package and curl work unchanged: any API
 key is accepted unless the operator configured some (BATCHSCOPE_API_KEY), then
@@ -18,12 +18,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from app.errors import APIError, admission_error, failure_status, from_validation, read_json
-from app.openai_requests import (ChatRequest, CompletionRequest, Sampling, chat_params, completion_params, message,
+from app.api.errors import APIError, admission_error, failure_status, from_validation, read_json
+from app.api.openai_requests import (ChatRequest, CompletionRequest, Sampling, chat_params, completion_params, message,
                                  prompt_input)
-from app.rate_limit import bearer, client_of
-from app.request_stream import TokenLogprob
-from app.service import EngineService
+from app.serving.rate_limit import bearer, client_of
+from app.serving.request_stream import TokenLogprob
+from app.serving.service import EngineService
 from engine import SamplingParams
 
 

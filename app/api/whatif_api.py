@@ -1,4 +1,4 @@
-"""/api/whatif: replay the live session's arrivals under other settings (app/whatif.py). Presenter only.
+"""/api/whatif: replay the live session's arrivals under other settings (app/replay/whatif.py). Presenter only.
 
     GET    /api/whatif?since_step=N   progress, the log, and the estimate of a replay from step N
     POST   /api/whatif            {"settings": [{"policy": "static"}, ...], "since_step": 0} -> the comparison
@@ -20,10 +20,10 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from app.auth import require_presenter
-from app.errors import APIError, read_json
-from app.trace import chrome_trace
-from app.whatif import WhatIfError, WhatIfJob, busy_seconds, check_settings, to_scenario
+from app.api.auth import require_presenter
+from app.api.errors import APIError, read_json
+from app.readers.trace import chrome_trace
+from app.replay.whatif import WhatIfError, WhatIfJob, busy_seconds, check_settings, to_scenario
 
 TIME_LIMIT_S = 240.0        # live busy time x settings: the longest replay the server will take on
 
@@ -129,8 +129,8 @@ def router(service) -> APIRouter:
 
 
 def _report_html(job: WhatIfJob) -> str:
-    """The same self-contained report demos.compare writes (app/report.py), one column per run."""
-    from app.report import write_report     # plotly: imported only when a report is asked for
+    """The same self-contained report demos.compare writes (app/readers/report.py), one column per run."""
+    from app.readers.report import write_report     # plotly: imported only when a report is asked for
     runs = job.report_runs()
     summaries = {"actual": job.result["actual"]["metrics"]} | {
         n: w["metrics"] for n, w in zip(list(runs)[1:], job.result["whatif"])}

@@ -15,7 +15,7 @@ import html
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
-from app.ui_room import fragment, page
+from app.ui.room_pages import fragment, page
 
 OFFLINE = "<script>window.BS = Object.assign(window.BS || {}, {offline: true});</script>"
 
@@ -30,7 +30,7 @@ def leaderboard_html(static_url: str) -> str:
 
 
 def mount_leaderboard(app: FastAPI, head: str, static_url: str):
-    """`head`: the chart's stylesheet and scripts (app.ui.head_html)."""
+    """`head`: the chart's stylesheet and scripts (app.ui.page.head_html)."""
     @app.get("/leaderboard", response_class=HTMLResponse)
     async def leaderboard():
         return leaderboard_html(static_url)

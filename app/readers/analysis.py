@@ -27,7 +27,7 @@ the records the engine publishes, so it lives with the app that shows them.
                no_slot, kv_full, policy), `preempted` from the step that preempted the request until
                its next token, `unknown` for a stalled request without a recorded
                cause (traces from before causes were recorded).
-  cause time   per stretch of settings (app/metrics.py): summed part seconds by
+  cause time   per stretch of settings (app/readers/metrics.py): summed part seconds by
                cause, for parts whose step lies in the stretch. Summed over replies:
                two replies left out of one step count its time twice (waiting felt).
 """
@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from app.metrics import events, produces_token, setting, steps
+from app.readers.metrics import events, produces_token, setting, steps
 
 CAUSES = ("prefill", "static_batch", "budget", "no_slot", "kv_full", "policy", "preempted", "unknown")
 PIVOT_EPS = 1e-9

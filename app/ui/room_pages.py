@@ -25,14 +25,14 @@ import segno
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
-from app.errors import APIError, admission_error, read_json
-from app.openai_api import AbortOnDisconnect
-from app.rate_limit import client_of
-from app.room import Member, Room, join_url
-from app.ui_sessions import check_message
+from app.api.errors import APIError, admission_error, read_json
+from app.api.openai_api import AbortOnDisconnect
+from app.serving.rate_limit import client_of
+from app.serving.room import Member, Room, join_url
+from app.ui.sessions import check_message
 from engine import SamplingParams
 
-STATIC = Path(__file__).resolve().parent.parent / "static"
+STATIC = Path(__file__).resolve().parent.parent.parent / "static"
 HISTORY_TURNS = 4             # earlier exchanges the engine sees with a student's new message
 
 

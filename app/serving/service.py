@@ -1,12 +1,12 @@
-"""EngineService: admission, limits and settings in front of the engine's thread (app/engine_loop.py).
+"""EngineService: admission, limits and settings in front of the engine's thread (app/serving/engine_loop.py).
 
 Calls go one way: the service calls the loop and subscribes to its records
 (`_on_record`, on the engine thread); the loop knows nothing of the service.
 
 It decides whether a request may enter (the server is up, the client is
 within its rate limit, the queue has room), changes settings, reports
-health, and hands records to the viewers (app/broadcast.py) and to the
-Prometheus metrics (app/prometheus.py).
+health, and hands records to the viewers (app/serving/broadcast.py) and to the
+Prometheus metrics (app/serving/prometheus.py).
 
 In-process API (the UI uses it; the OpenAI routes are built on it):
     async for text in service.stream(messages, params, label): ...
@@ -20,13 +20,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from app.arrival_log import ArrivalLog
-from app.broadcast import Broadcaster, RecordRing
+from app.replay.arrival_log import ArrivalLog
+from app.serving.broadcast import Broadcaster, RecordRing
 from app.config import ServerConfig, check_step_delay
-from app.engine_loop import EngineLoop
-from app.prometheus import Metrics
-from app.rate_limit import Caller, ClientKeys, RateLimiter
-from app.request_stream import QueueFull, RequestStream, ServiceUnavailable, ShuttingDown
+from app.serving.engine_loop import EngineLoop
+from app.serving.prometheus import Metrics
+from app.serving.rate_limit import Caller, ClientKeys, RateLimiter
+from app.serving.request_stream import QueueFull, RequestStream, ServiceUnavailable, ShuttingDown
 from engine import EngineConfig, SamplingParams
 from engine.protocol import Engine
 
@@ -46,7 +46,7 @@ class EngineService:
         self.limiter = RateLimiter(self.config.rate_limit_per_minute, self.config.rate_limit_burst)
         self.client_keys = ClientKeys(self.config.forwarded_allow_ips, self.config.presenter_key, self.config.api_keys)
         self.metrics = Metrics()
-        self.arrival_log = ArrivalLog()         # private: token ids for the what-if replay (app/whatif.py)
+        self.arrival_log = ArrivalLog()         # private: token ids for the what-if replay (app/replay/whatif.py)
         self.loop = EngineLoop(self.engine_config, self.broadcaster, self.config.step_delay, make_engine)
         self.loop.subscribe(self._on_record)
         # ---- filled in from the loaded engine when start() returns; read-only afterwards ----
@@ -90,7 +90,7 @@ class EngineService:
 
     @property
     def whatif(self):
-        """The what-if replay in progress (app/whatif.py), stepped by the engine thread between live steps."""
+        """The what-if replay in progress (app/replay/whatif.py), stepped by the engine thread between live steps."""
         return self.loop.side_job
 
     @whatif.setter
@@ -130,7 +130,7 @@ class EngineService:
                      prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
                      label: str | None = None, client: Caller | None = None) -> RequestStream:
         """Queue a request; raises ValueError (bad prompt), QueueFull (queue full or client over its
-        rate limit) or ServiceUnavailable. client: the sender (app.rate_limit.client_of), whose bucket
+        rate limit) or ServiceUnavailable. client: the sender (app.serving.rate_limit.client_of), whose bucket
         the request spends; None (in-process callers) is not limited."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down") if self.loaded else \

@@ -8,7 +8,7 @@ queues, KV blocks and budget fill. Our times are seconds; Chrome's are microseco
 """
 from __future__ import annotations
 
-from app import metrics
+from app.readers import metrics
 
 US = 1e6
 PID = 1

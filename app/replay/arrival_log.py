@@ -1,4 +1,4 @@
-"""ArrivalLog: the live session's requests, privately, so the presenter can replay them (app/whatif.py).
+"""ArrivalLog: the live session's requests, privately, so the presenter can replay them (app/replay/whatif.py).
 
 For each request: when it arrived (engine clock and the index of the next
 step), its prompt token ids, its sampling parameters and its label; beside
@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, replace
 
 from engine import SamplingParams
-from app.metrics import produces_token
+from app.readers.metrics import produces_token
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
 
-from app import openai_api, whatif_api
-from app.auth import require_presenter
-from app.broadcast import Entry, Subscription, TooManySubscribers
-from app.errors import APIError, from_validation, read_json
-from app.service import EngineService, ServiceUnavailable
-from app.trace import chrome_trace
+from app.api import openai_api, whatif_api
+from app.api.auth import require_presenter
+from app.serving.broadcast import Entry, Subscription, TooManySubscribers
+from app.api.errors import APIError, from_validation, read_json
+from app.serving.service import EngineService, ServiceUnavailable
+from app.readers.trace import chrome_trace
 
 log = logging.getLogger("batchscope.server")
 MAX_WS_MESSAGE = 4096       # viewers only send small control messages
@@ -68,7 +68,7 @@ def create_app(service: EngineService, manage_service: bool = True) -> FastAPI:
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])     # HEAD: scrapers and benchmark clients probe it
     async def metrics():
-        """Prometheus text format; vLLM's metric names where they mean the same (app/prometheus.py)."""
+        """Prometheus text format; vLLM's metric names where they mean the same (app/serving/prometheus.py)."""
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/api/engine")
