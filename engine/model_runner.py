@@ -19,7 +19,8 @@ import torch
 from engine.attention import AttentionMetadata, PrefillChunk, select_backend, set_metadata
 from engine.config import EngineConfig
 from engine.cuda_graph import StepGraphs
-from engine.loader import load_model, rope_table
+from engine.loader import load_model
+from engine.models.llama import rope_table
 from engine.models.llama import head_dim_of
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams

@@ -94,7 +94,7 @@ def smoothed(model: nn.Module) -> list[tuple[str, str]]:
 def input_absmax(model: nn.Module, ids: list[int]) -> dict[str, torch.Tensor]:
     """Per input channel, the largest |activation| each linear sees over one prefill of `ids`, by linear name."""
     from engine.attention import AttentionMetadata, PrefillChunk, TorchAttention, set_metadata
-    from engine.loader import rope_table
+    from engine.models.llama import rope_table
     n, amax, hooks = len(ids), {}, []
     for _, name in smoothed(model)[1:]:    # the layers' linears; the head's input is the model's output
         def hook(mod, inp, name=name):
