@@ -63,20 +63,24 @@
   function fitCost(pts, device) {
     if (!pts.length) return null;
     const ys = pts.map((p) => p.seconds);
-    let coef = null, terms = 3;
-    for (; terms >= 1; terms--) {
-      if (pts.length < terms) continue;
-      const xs = pts.map((p) => [1, p.tokens, p.context].slice(0, terms));
+    // every term first; then without context, then without tokens, then the mean (as app/readers/analysis.py)
+    let sol = null, cols = null;
+    for (cols of [[0, 1, 2], [0, 1], [0, 2], [0]]) {
+      if (pts.length < cols.length) continue;
+      const n = cols.length;
+      const xs = pts.map((p) => cols.map((i) => [1, p.tokens, p.context][i]));
       const ata = [], aty = [];
-      for (let i = 0; i < terms; i++) {
+      for (let i = 0; i < n; i++) {
         ata.push([]);
-        for (let j = 0; j < terms; j++) { let acc = 0; for (const x of xs) acc += x[i] * x[j]; ata[i].push(acc); }
+        for (let j = 0; j < n; j++) { let acc = 0; for (const x of xs) acc += x[i] * x[j]; ata[i].push(acc); }
         let acc = 0; xs.forEach((x, k) => { acc += x[i] * ys[k]; }); aty.push(acc);
       }
-      coef = solve(ata, aty);
-      if (coef) break;
+      sol = solve(ata, aty);
+      if (sol) break;
     }
-    while (coef.length < 3) coef.push(0);
+    const coef = [0, 0, 0];
+    cols.forEach((i, k) => { coef[i] = sol[k]; });
+    const terms = cols.length;
     let sum = 0, sq = 0;
     for (const y of ys) { sum += y; sq += y * y; }
     const mean = sum / ys.length;

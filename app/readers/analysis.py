@@ -109,16 +109,22 @@ def fit_cost(points: list[CostPoint], device: str = "") -> CostFit | None:
     if not points:
         return None
     ys = [p.seconds for p in points]
-    for terms in (3, 2, 1):
-        if len(points) < terms:
+    # every term first; then without context, then without tokens (a stream whose steps all have one
+    # token count can still tell context apart), then the mean
+    for cols in ((0, 1, 2), (0, 1), (0, 2), (0,)):
+        if len(points) < len(cols):
             continue
-        xs = [[1.0, float(p.tokens), float(p.context)][:terms] for p in points]
-        ata = [[sum(x[i] * x[j] for x in xs) for j in range(terms)] for i in range(terms)]
-        aty = [sum(x[i] * y for x, y in zip(xs, ys)) for i in range(terms)]
-        coef = solve(ata, aty)
-        if coef is not None:
+        xs = [[(1.0, float(p.tokens), float(p.context))[i] for i in cols] for p in points]
+        n = len(cols)
+        ata = [[sum(x[i] * x[j] for x in xs) for j in range(n)] for i in range(n)]
+        aty = [sum(x[i] * y for x, y in zip(xs, ys)) for i in range(n)]
+        sol = solve(ata, aty)
+        if sol is not None:
             break
-    coef += [0.0] * (3 - terms)
+    coef = [0.0, 0.0, 0.0]
+    for i, v in zip(cols, sol):
+        coef[i] = v
+    terms = len(cols)
     mean = sum(ys) / len(ys)
     ss_tot = sum((y - mean) ** 2 for y in ys)
     ss_res = sum((y - predict_parts(coef, p.tokens, p.context)) ** 2 for p, y in zip(points, ys))
