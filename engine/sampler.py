@@ -86,5 +86,16 @@ def _record_logprobs(logits: torch.Tensor, tokens: list[int], seqs: list[Sequenc
     top_values, top_ids = (top.values.tolist(), top.indices.tolist()) if k else ([], [])
     for i, seq in enumerate(seqs):
         n = seq.params.logprobs
-        alternatives = list(zip(top_ids[i][:n], top_values[i][:n])) if n else []
+        alternatives = _tied_in_id_order(logprobs[i], top_ids[i], top_values[i])[:n] if n else []
         seq.logprobs.append((chosen[i], alternatives))
+
+
+def _tied_in_id_order(row: torch.Tensor, ids: list[int], values: list[float]) -> list[tuple[int, float]]:
+    """topk's (id, logprob) with equal logprobs in id order, as argmax breaks ties (bf16 logits tie
+    often), so a greedy token heads its alternatives. Ties at the k-th value may reach below topk's pick."""
+    at_kth = (row == values[-1]).nonzero().flatten()
+    if len(at_kth) > 1 and len(at_kth) <= 64:
+        above = [(t, v) for t, v in zip(ids, values) if v > values[-1]]
+        ids = [t for t, _ in above] + sorted(at_kth.tolist())
+        values = [v for _, v in above] + [values[-1]] * len(at_kth)
+    return sorted(zip(ids, values), key=lambda x: (-x[1], x[0]))[:len(values)]

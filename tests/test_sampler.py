@@ -119,3 +119,22 @@ def test_min_tokens_bans_end_of_sequence_and_stop_tokens_until_reached():
 def test_extension_settings_are_checked(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+@settings(max_examples=40)
+@given(first=st.integers(0, 49150), gap=st.integers(1, 40000), k=st.integers(1, 5), data_seed=st.integers(0, 999))
+def test_greedy_token_heads_its_alternatives_when_logits_tie(first, gap, k, data_seed):
+    """bf16 logits tie often; the greedy token (argmax: the lowest id among the largest) must head the
+    alternatives, and tied alternatives follow in id order, as the OpenAI API's logprobs read."""
+    second = (first + gap) % 49152
+    if second == first:
+        return
+    logits = torch.randn(1, 49152, generator=torch.Generator().manual_seed(data_seed)).bfloat16().float()
+    logits[0, [first, second]] = 10.0
+    s = seq(SamplingParams(temperature=0, logprobs=k), 0)
+    (token,) = sample(logits, [s])
+    assert token == min(first, second)
+    chosen, alternatives = s.logprobs[-1]
+    assert alternatives[0][0] == token and alternatives[0][1] == pytest.approx(chosen)
+    if k >= 2:
+        assert alternatives[1][0] == max(first, second)
