@@ -75,16 +75,19 @@
     };
   };
 
-  // one column of the server's table (app/readers/metrics.py stretches()) in the shape segmentMetrics gives
+  // one column of the server's table (app/readers/metrics.py stretches(), a summary, not a record: its
+  // keys are that function's, named once here) in the shape segmentMetrics gives
+  const SERVER_KEYS = {
+    policy: "policy", budget: "token_budget", maxSeqs: "max_num_seqs", steps: "num_steps", from: "first_step",
+    to: "last_step", ttft50: "ttft_p50_s", ttft99: "ttft_p99_s", tbt50: "tbt_p50_s", tbt99: "tbt_p99_s",
+    stall: "stall_max_s", tps: "output_tokens_per_s", tokens: "output_tokens", kvFill: "kv_used_max",
+    waiting: "waiting_max", busy: "busy_s", transfers: "transfers", transfer50: "transfer_p50_s",
+    transfer99: "transfer_p99_s", transferBytes: "transfer_bytes",
+  };
   BS.serverMetrics = function (x) {
-    return {
-      policy: x.policy, budget: x.token_budget, maxSeqs: x.max_num_seqs,
-      steps: x.num_steps, from: x.first_step, to: x.last_step,
-      ttft50: x.ttft_p50_s, ttft99: x.ttft_p99_s, tbt50: x.tbt_p50_s, tbt99: x.tbt_p99_s,
-      stall: x.stall_max_s, tps: x.output_tokens_per_s, tokens: x.output_tokens, kvFill: x.kv_used_max,
-      waiting: x.waiting_max, busy: x.busy_s, transfers: x.transfers, transfer50: x.transfer_p50_s,
-      transfer99: x.transfer_p99_s, transferBytes: x.transfer_bytes, server: true,
-    };
+    const out = { server: true };
+    for (const [name, key] of Object.entries(SERVER_KEYS)) out[name] = x[key];
+    return out;
   };
 
   // the columns to show: this page's own numbers when it saw the whole run (or is looking back at
