@@ -51,9 +51,11 @@ def rss_mb(pid: int) -> float:
 
 
 def references(max_tokens: int) -> dict[str, str]:
-    """Greedy replies computed one at a time in-process: what every batch must reproduce."""
+    """Greedy replies computed in-process: what every batch must reproduce. fp32 on both sides: a bf16
+    matmul's rounding depends on the batch's shape (the default dtype on CPUs with AMX), fp32's only
+    below what changes a greedy choice."""
     from engine import EngineConfig, LLMEngine, SamplingParams
-    eng = LLMEngine(EngineConfig(kv_cache_gb=0.25))
+    eng = LLMEngine(EngineConfig(kv_cache_gb=0.25, dtype="float32"))
     outs = eng.generate(messages=[[{"role": "user", "content": p}] for p in PROMPTS],
                         params=SamplingParams(max_tokens=max_tokens))
     return {p: o["text"] for p, o in zip(PROMPTS, outs)}
@@ -62,7 +64,7 @@ def references(max_tokens: int) -> dict[str, str]:
 def start_server(port: int, kv_cache_gb: float, block_size: int) -> subprocess.Popen:
     env = {**os.environ, "PRESENTER_KEY": KEY}
     cmd = [sys.executable, "-m", "app", "--port", str(port), "--kv-cache-gb", str(kv_cache_gb),
-           "--block-size", str(block_size),
+           "--block-size", str(block_size), "--dtype", "float32",
            "--max-waiting", "1000", "--max-num-seqs", "16", "--log-level", "warning"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
