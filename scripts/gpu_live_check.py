@@ -32,8 +32,8 @@ from gpu_check import build_model  # noqa: E402
 
 FULL = dict(model="qwen2.5-0.5b", vocab=151936, chats=8, chat_prompt=64, chat_tokens=200, docs=6, doc_prompt=4000,
             doc_every_s=0.4, budget=256, max_num_seqs=16, max_model_len=8192)
-QUICK = dict(model="tiny", vocab=1024, chats=3, chat_prompt=8, chat_tokens=12, docs=2, doc_prompt=150,
-             doc_every_s=0.2, budget=32, max_num_seqs=8, max_model_len=512)
+QUICK = dict(model="tiny", vocab=1024, chats=3, chat_prompt=8, chat_tokens=150, docs=2, doc_prompt=150,
+             doc_every_s=0.1, budget=32, max_num_seqs=8, max_model_len=512)
 KEY = "gpu-live-check"
 
 
@@ -104,7 +104,8 @@ def run_policy(url: str, stream: StepStream, policy: str, p: dict) -> dict:
     def one(content: str, max_tokens: int, ids: list):
         try:
             s = client.chat.completions.create(model="model", messages=[{"role": "user", "content": content}],
-                                               max_tokens=max_tokens, temperature=0, stream=True)
+                                               max_tokens=max_tokens, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})   # replies of known length
             for chunk in s:
                 if chunk.id and not ids:
                     ids.append(chunk.id.removeprefix("chatcmpl-"))
