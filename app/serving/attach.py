@@ -31,7 +31,7 @@ from app.serving.broadcast import Broadcaster, RecordRing
 from app.config import ServerConfig
 from app.serving.prometheus import Metrics
 from app.serving.rate_limit import Caller, ClientKeys, RateLimiter
-from app.serving.request_stream import Delta, QueueFull, RequestStream, ServiceUnavailable
+from app.serving.request_stream import Delta, QueueFull, RequestStream, ServiceUnavailable, reply_text
 from engine import EngineConfig, SamplingParams
 
 log = logging.getLogger("batchscope.attach")
@@ -253,12 +253,8 @@ class AttachedService:
     async def stream(self, messages: list[dict], params: SamplingParams | None = None,
                      label: str | None = None) -> AsyncIterator[str]:
         stream = await self.submit(messages=messages, params=params, label=label)
-        async with stream:
-            async for delta in stream:
-                if delta.error:
-                    raise RuntimeError(delta.error)
-                if delta.text:
-                    yield delta.text
+        async for text in reply_text(stream):
+            yield text
 
     # ================= settings: read-only =================
     async def set_policy(self, **changes) -> dict:

@@ -75,3 +75,14 @@ def deliver(by_loop: dict):
 def _put_all(items: list[tuple[RequestStream, Delta]]):
     for stream, delta in items:
         stream.queue.put_nowait(delta)
+
+
+async def reply_text(stream: RequestStream) -> AsyncIterator[str]:
+    """A submitted request's reply text, piece by piece (a failure raises RuntimeError with its reason).
+    Leaving the loop early aborts the request."""
+    async with stream:
+        async for delta in stream:
+            if delta.error:
+                raise RuntimeError(delta.error)
+            if delta.text:
+                yield delta.text

@@ -26,7 +26,7 @@ from app.config import ServerConfig, check_step_delay
 from app.serving.engine_loop import EngineLoop
 from app.serving.prometheus import Metrics
 from app.serving.rate_limit import Caller, ClientKeys, RateLimiter
-from app.serving.request_stream import QueueFull, RequestStream, ServiceUnavailable, ShuttingDown
+from app.serving.request_stream import QueueFull, RequestStream, ServiceUnavailable, ShuttingDown, reply_text
 from engine import EngineConfig, SamplingParams
 from engine.protocol import Engine
 
@@ -162,12 +162,8 @@ class EngineService:
                      label: str | None = None) -> AsyncIterator[str]:
         """The reply's text, piece by piece. Leaving the loop early aborts the request."""
         stream = await self.submit(messages=messages, params=params, label=label)
-        async with stream:
-            async for delta in stream:
-                if delta.error:
-                    raise RuntimeError(delta.error)
-                if delta.text:
-                    yield delta.text
+        async for text in reply_text(stream):
+            yield text
 
     def abort(self, request_id: str, reason: str = "aborted"):
         """Fire and forget, from any thread."""
