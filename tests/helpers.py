@@ -1,7 +1,13 @@
-"""Shared test helpers: tiny random models saved in HF format, and the transformers reference."""
+"""Shared test helpers: tiny random models saved in HF format, the transformers reference, and a server
+in a child process (Served)."""
 from __future__ import annotations
 
+import queue
+import re
 import shutil
+import subprocess
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -55,3 +61,36 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: bool = Tru
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=0, **kwargs)
     return out[0, len(prompt_ids):].tolist()
+
+
+class Served:
+    """A server in a child process; .url once it prints where it listens, .output everything it printed."""
+
+    def __init__(self, cmd: list[str], cwd: Path, env: dict, pattern: str = r"serving .* at (http://[\d.]+:\d+)"):
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        self.output: list[str] = []
+        lines: queue.Queue[str] = queue.Queue()
+
+        def pump():
+            for line in self.proc.stdout:
+                self.output.append(line)
+                lines.put(line)
+            lines.put("")
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + 180
+        self.url = None
+        while self.url is None:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
+            assert line, "the server exited before serving:\n" + "".join(self.output)
+            if m := re.search(pattern, line):
+                self.url = m.group(1)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -2,19 +2,14 @@
 /ws/steps, /metrics and the chart page, which says the chat panels need gradio. The server runs in a
 subprocess whose imports of gradio fail, so this machine's gradio stays out of it."""
 import json
-import queue
-import re
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from websockets.sync.client import connect
 
-from tests.helpers import save_tiny_model
+from tests.helpers import Served, save_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
@@ -37,24 +32,10 @@ def test_server_without_gradio(tmp_path):
     folder = save_tiny_model("llama", tmp_path / "llama")
     args = ["--model", str(folder), "--device", "cpu", "--dtype", "float32", "--kv-cache-gb", "0.05",
             "--cpu-threads", "1", "--port", "0"]
-    proc = subprocess.Popen([sys.executable, "-c", NO_GRADIO, *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    output: list[str] = []
-
-    def pump():
-        for line in proc.stdout:
-            output.append(line)
-            lines.put(line)
-        lines.put("")
-    threading.Thread(target=pump, daemon=True).start()
+    server = Served([sys.executable, "-c", NO_GRADIO, *args], cwd=ROOT, env=None,
+                    pattern=r"serving .* at (http://127\.0\.0\.1:\d+)")
+    url, output = server.url, server.output
     try:
-        url, deadline = None, time.monotonic() + 180
-        while url is None:
-            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
-            assert line, "the server exited before serving:\n" + "".join(output)
-            if m := re.search(r"serving .* at (http://127\.0\.0\.1:\d+)", line):
-                url = m.group(1)
         assert any("gradio is not installed" in x for x in output)
         with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
             page = http.get("/")
@@ -73,5 +54,4 @@ def test_server_without_gradio(tmp_path):
             metrics = http.get("/metrics")
             assert metrics.status_code == 200 and "# TYPE" in metrics.text
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        server.stop()

@@ -3,7 +3,6 @@ exactly as Hugging Face Spaces starts it."""
 from __future__ import annotations
 
 import os
-import queue
 import re
 import shutil
 import site
@@ -11,14 +10,14 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import threading
-import time
-import tomllib
 import zipfile
 from pathlib import Path
 
 import httpx
 import pytest
+import tomllib
+
+from tests.helpers import Served
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ("engine", "app", "demos", "static")      # the folders the wheel carries, every file in them
@@ -63,39 +62,6 @@ def test_the_wheel_carries_every_file_of_the_app_and_the_command(wheel):
     assert not missing, f"files the wheel leaves out: {missing}"
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     assert "batchscope = app.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
-
-
-class Served:
-    """A server in a child process; .url once it prints where it listens, .output everything it printed."""
-
-    def __init__(self, cmd: list[str], cwd: Path, env: dict, pattern: str = r"serving .* at (http://[\d.]+:\d+)"):
-        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
-        self.output: list[str] = []
-        lines: queue.Queue[str] = queue.Queue()
-
-        def pump():
-            for line in self.proc.stdout:
-                self.output.append(line)
-                lines.put(line)
-            lines.put("")
-        threading.Thread(target=pump, daemon=True).start()
-        deadline = time.monotonic() + 180
-        self.url = None
-        while self.url is None:
-            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
-            assert line, "the server exited before serving:\n" + "".join(self.output)
-            if m := re.search(pattern, line):
-                self.url = m.group(1)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def _clean_env(**extra) -> dict:
