@@ -303,7 +303,8 @@ class DisaggregatedEngine:
         """The router ends a request: an abort, or its worker died. Later word of it from a worker is dropped."""
         self.router.ended.add(seq.id)
         self._retire(seq, Status.ABORTED, finish_reason, reason)
-        self.book.emit(RequestEvent("aborted", seq.id, seq.label, seq.finish_time, reason=reason))
+        self.book.emit(RequestEvent("aborted", seq.id, seq.label, seq.finish_time, reason=reason,
+                                    finish_reason=finish_reason))
 
     def _retire(self, seq: Sequence, status: Status, finish_reason: str, error: str | None,
                 t: float | None = None):

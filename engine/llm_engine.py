@@ -253,7 +253,7 @@ class LLMEngine:
     def _abort(self, seq: Sequence, finish_reason: str, message: str):
         """End seq early: `abort` (a client asked, message is its reason) or `error` (message says what failed)."""
         self._end(seq, Status.ABORTED, finish_reason, message)
-        self._emit_request(seq, "aborted", reason=message)
+        self._emit_request(seq, "aborted", reason=message, finish_reason=finish_reason)
 
     def _end(self, seq: Sequence, status: Status, reason: str, error: str | None = None):
         self.scheduler.remove(seq)

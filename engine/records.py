@@ -223,7 +223,8 @@ class RequestEvent(Record):
     prompt_len: int | None = doc("arrived: prompt tokens", optional=True)
     max_tokens: int | None = doc("arrived: most reply tokens asked for", optional=True)
     ttft: float | None = doc("first_token: seconds from arrival to the first token", optional=True)
-    finish_reason: str | None = doc("finished: `stop` or `length`", optional=True)
+    finish_reason: str | None = doc("finished: `stop` or `length`; aborted: `abort` (a client or the server "
+                                    "stopped it) or `error` (it failed)", optional=True)
     output_tokens: int | None = doc("finished: reply tokens", optional=True)
     reason: str | None = doc("aborted: why (the client's reason, or the error that failed it)", optional=True)
     step: int | None = doc("preempted: the step being built when it was preempted", optional=True)

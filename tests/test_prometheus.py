@@ -18,7 +18,8 @@ def run(tmp_path_factory):
     folder = save_tiny_model("llama", tmp_path_factory.mktemp("tiny"))
     engine = LLMEngine(EngineConfig(model=str(folder), kv_cache_gb=0.02, cpu_threads=1, max_num_seqs=2))
     prom, stream = Metrics(), []
-    prom.attach(engine, "tiny")
+    stats = engine.stats()
+    prom.attach("tiny", engine.max_model_len, stats["dtype"], stats["kv"])
     engine.subscribe(prom.observe)
     engine.subscribe(stream.append)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -78,24 +79,65 @@ def test_every_end_is_counted_by_its_reason(run):
 
 
 def test_phases_add_up_and_match_the_stream(run):
+    """Every time here is the stream's (app/readers/metrics.py): a token's time is its step's end, as on the page."""
     engine, prom, stream, rids = run
     s = samples(prom)
-    done = [engine.get_request(r) for r in rids[:2]]          # the finished ones; the aborted is not timed
+    times, arrived = defs.token_times(stream), defs.arrivals(stream)
+    done = rids[:2]                                            # the finished ones; the aborted is not timed
     assert value(s, "vllm:request_queue_time_seconds_count") == 2
-    ttft = sum(q.first_token_time - q.arrival_time for q in done)
+    ttft = sum(times[r][0] - arrived[r] for r in done)
+    assert value(s, "vllm:time_to_first_token_seconds_sum") == pytest.approx(
+        sum(times[r][0] - arrived[r] for r in rids), abs=1e-9)   # the aborted one had its first token too
     queue, prefill = value(s, "vllm:request_queue_time_seconds_sum"), value(s, "vllm:request_prefill_time_seconds_sum")
     assert queue + prefill == pytest.approx(ttft, abs=1e-9)
     decode = value(s, "vllm:request_decode_time_seconds_sum")
     assert prefill + decode == pytest.approx(value(s, "vllm:request_inference_time_seconds_sum"), abs=1e-9)
-    assert decode == pytest.approx(sum(q.token_times[-1] - q.token_times[0] for q in done), abs=1e-9)
+    assert decode == pytest.approx(sum(times[r][-1] - times[r][0] for r in done), abs=1e-9)
     assert value(s, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(
-        sum((q.token_times[-1] - q.token_times[0]) / (q.num_output_tokens - 1) for q in done), abs=1e-9)
+        sum((times[r][-1] - times[r][0]) / (len(times[r]) - 1) for r in done), abs=1e-9)
+    assert value(s, "vllm:e2e_request_latency_seconds_sum") == pytest.approx(
+        sum(times[r][-1] - arrived[r] for r in done), abs=1e-9)
+    tbts = defs.tbts(stream)
+    assert value(s, "vllm:inter_token_latency_seconds_count") == sum(len(g) for g in tbts.values())
+    assert value(s, "vllm:inter_token_latency_seconds_sum") == pytest.approx(sum(sum(g) for g in tbts.values()))
     assert value(s, "vllm:request_generation_tokens_sum") == value(s, "vllm:request_max_num_generation_tokens_sum") == 12
-    assert value(s, "vllm:request_prompt_tokens_sum") == sum(q.prompt_len for q in done)
+    assert value(s, "vllm:request_prompt_tokens_sum") == sum(engine.get_request(r).prompt_len for r in done)
     # the first scheduled step comes from the records: the stream's first step holding each request
     first = {}
     for rec in defs.steps(stream):
         for item in rec["items"]:
             first.setdefault(item["req"], rec["t_start"])
-    assert queue == pytest.approx(sum(first[q.id] - q.arrival_time for q in done), abs=1e-9)
-    assert not prom.scheduled                                  # nothing kept for ended requests
+    assert queue == pytest.approx(sum(first[r] - arrived[r] for r in done), abs=1e-9)
+    assert not prom.live and not prom.clock.last               # nothing kept for ended requests
+
+
+def test_an_attached_stream_alone_gives_the_same_numbers(run):
+    """Attach mode has no engine to ask: the same class fed only the recorded stream agrees with the live one."""
+    engine, prom, stream, _ = run
+    again = Metrics()
+    stats = engine.stats()
+    again.attach("tiny", engine.max_model_len, stats["dtype"], stats["kv"])
+    for obj in stream:
+        again.observe(obj)
+    strip = lambda m: {k: sorted((tuple(sorted(x.labels.items())), x.value) for x in xs)
+                       for k, xs in samples(m).items() if not k.endswith("_created")}
+    assert strip(again) == strip(prom)
+
+
+def test_a_failed_request_is_counted_as_an_error_not_an_abort(tmp_path):
+    """The aborted event says which end it was (finish_reason), so /metrics needs nothing else."""
+    folder = save_tiny_model("llama", tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(folder), kv_cache_gb=0.02, cpu_threads=1))
+    prom = Metrics()
+    stats = engine.stats()
+    prom.attach("tiny", engine.max_model_len, stats["dtype"], stats["kv"])
+    engine.subscribe(prom.observe)
+    ok, bad = (engine.add_request(prompt_token_ids=list(range(3, 20)), params=SamplingParams(max_tokens=4))
+               for _ in range(2))
+    engine.step()
+    engine._abort(engine.get_request(bad), "error", "the model produced non-finite logits")
+    engine.abort(ok)
+    s = samples(prom)
+    assert value(s, "vllm:request_success_total", finished_reason="error") == 1
+    assert value(s, "vllm:request_success_total", finished_reason="abort") == 1
+    assert not prom.live

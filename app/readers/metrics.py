@@ -118,6 +118,11 @@ class TokenClock:
         self.left_out.update(rec.get("stalled", ()))
         return out
 
+    def forget(self, req: str):
+        """req has ended: a long-running reader lets go of it."""
+        self.last.pop(req, None)
+        self.left_out.discard(req)
+
 
 def tokens(stream: Iterable[dict]) -> dict[str, list[Token]]:
     """req -> its output tokens in order, each with its TBT and whether that TBT was a stall."""

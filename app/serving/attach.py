@@ -130,6 +130,7 @@ class AttachedService:
         self.fixed = {k: v for k, v in s.items() if k not in self.settings}
         self.engine_name = hello.get("engine")
         self.device, _, self.dtype = str(hello.get("device", "")).partition("/")
+        self.metrics.attach(self.model_name, self.max_model_len, self.dtype)   # /metrics: from vLLM's records
         self._on_record({"type": "policy", "step": 0, "t": 0.0, **self.settings, "engine": self.engine_name})
         self.accepting = True
 

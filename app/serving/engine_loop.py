@@ -165,9 +165,10 @@ class EngineLoop:
             self.engine.subscribe(self._publish)
             self._drain()                       # what the engine asked to run first (a disaggregated start)
             e = self.engine
-            self.info = {"model_name": e.model_name, "device": e.device, "dtype": e.stats()["dtype"],
-                         "max_model_len": e.max_model_len, "settings": e.settings(),
-                         "cuda_graphs": e.stats().get("cuda_graphs")}
+            stats = e.stats()
+            self.info = {"model_name": e.model_name, "device": e.device, "dtype": stats["dtype"],
+                         "max_model_len": e.max_model_len, "settings": e.settings(), "kv": stats["kv"],
+                         "cuda_graphs": stats.get("cuda_graphs")}
         except BaseException as e:
             log.exception("could not load the model")
             self.load_error = e

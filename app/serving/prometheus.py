@@ -33,15 +33,19 @@ batchscope's own, by scheduling policy:
     batchscope:stall_seconds_total{policy}  time running replies spent left out of a step: each step adds
                                             its duration once per reply it stalled (the record's `stalled`)
 
-Everything is observed on the engine thread from the record stream (plus, for
-a request that ends, its token times); prometheus_client is thread-safe, so a
-scrape on the event loop reads it without asking the engine anything.
+Everything is observed from the record stream alone (steps and request events), with
+app/readers/metrics.py's definitions: a token's time is its step's end (TokenClock), so the TTFT
+and TBT here are the page's. That is why the same class serves the own engine (engine thread) and
+an attached vLLM (its lanes' threads, `engine` = the data-parallel lane); prometheus_client is
+thread-safe, so a scrape on the event loop reads it without asking the engine anything.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from app.readers.metrics import phases
+from app.readers.metrics import TokenClock, phases
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -52,7 +56,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISH_REASONS = ("stop", "length", "abort", "error")
-ENGINE = "0"                                           # vLLM's engine label: one engine core
+ENGINE = "0"                                           # vLLM's engine label: one engine core (lane 0)
 
 
 def buckets_1_2_5(top: int) -> tuple[int, ...]:
@@ -66,12 +70,25 @@ def buckets_1_2_5(top: int) -> tuple[int, ...]:
         scale *= 10
 
 
+@dataclass
+class _Request:
+    """What the stream has said so far about one live request."""
+    arrival: float
+    prompt_len: int
+    lane: str = ENGINE
+    scheduled: float | None = None           # t_start of the first step that ran it
+    times: list[float] = field(default_factory=list)   # its token times (the steps' ends)
+    output_tokens: int | None = None         # set by its `finished` event
+
+
 class Metrics:
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        self.engine = None
-        self.scheduled: dict[str, float] = {}           # live request -> t_start of the first step that ran it
-        self.ended: list[tuple] = []                     # (request, finished?) ended since the last record
+        self.model: str | None = None
+        self.dtype = ""
+        self.live: dict[str, _Request] = {}             # arrived, not yet ended (or ended, last token due)
+        self.clock = TokenClock()
+        self.lanes_seen: set = set()                     # lanes, and ("cache", lane) once its cache is shown
         m = ["model_name", "engine"]
         self.running = Gauge("vllm:num_requests_running", "Requests in the running set", m, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", m, registry=r)
@@ -110,31 +127,37 @@ class Metrics:
         self.stall = Counter("batchscope:stall_seconds", "Seconds running replies spent left out of a step",
                              p, registry=r)
 
-    def attach(self, engine, model_name: str):
-        """Engine thread, once loaded: the engine whose ended requests give their token times
-        (get_request) and whose stats() give the cache's configuration."""
-        self.engine, self.model = engine, model_name
-        stats = getattr(engine, "engine", engine).stats()   # the service's EngineLoop, or an LLMEngine
-        labels = (model_name, ENGINE)
-        for gauge in (self.running, self.waiting, self.kv_usage):
-            gauge.labels(*labels).set(0)
-        for reason in ("capacity", "deferred"):
-            self.waiting_by_reason.labels(*labels, reason).set(0)
-        for reason in FINISH_REASONS:                   # every series from the start, as vLLM does
-            self.success.labels(*labels, reason)
-        kv = stats["kv"]
-        self.cache_info.labels(str(kv["block_size"]), str(kv["total"]), str(stats["dtype"]), ENGINE).set(1)
+    def attach(self, model_name: str, max_model_len: int, dtype: str, kv: dict | None = None):
+        """Once the engine is known: label every series with its model, make the length histograms
+        (their buckets follow max_model_len) and start every request-end series at 0, as vLLM does."""
+        self.model, self.dtype = model_name, str(dtype)
+        self._lane(ENGINE, kv)                        # kv: the cache's block_size and total, where known
+        for reason in FINISH_REASONS:
+            self.success.labels(model_name, ENGINE, reason)
         if not self.lengths:
-            top = buckets_1_2_5(stats["max_model_len"])
+            top = buckets_1_2_5(max_model_len)
             for key, name, text in (("prompt", "vllm:request_prompt_tokens", "Prompt tokens of a finished request"),
                                     ("generation", "vllm:request_generation_tokens", "Output tokens of a finished request"),
                                     ("max_generation", "vllm:request_max_num_generation_tokens",
                                      "Most output tokens among a finished request's choices")):
                 self.lengths[key] = Histogram(name, text, ["model_name", "engine"], buckets=top, registry=self.registry)
 
+    def _lane(self, lane: str, kv: dict | None = None):
+        """A lane's gauges from 0, and its cache's configuration once a record shows it."""
+        m = self.model, lane
+        if lane not in self.lanes_seen:
+            self.lanes_seen.add(lane)
+            for gauge in (self.running, self.waiting, self.kv_usage):
+                gauge.labels(*m).set(0)
+            for reason in ("capacity", "deferred"):
+                self.waiting_by_reason.labels(*m, reason).set(0)
+        if kv is not None and ("cache", lane) not in self.lanes_seen:
+            self.lanes_seen.add(("cache", lane))
+            self.cache_info.labels(str(kv["block_size"]), str(kv["total"]), self.dtype, lane).set(1)
+
     def observe(self, obj: dict):
-        """Engine thread: one record or request event."""
-        if self.engine is None:
+        """One record or request event, in stream order (a step's request events come before it)."""
+        if self.model is None:
             return
         if obj.get("type") == "step":
             self._step(obj)
@@ -142,58 +165,74 @@ class Metrics:
             self._request(obj)
 
     def _step(self, rec: dict):
-        m = self.model, ENGINE
+        lane = str(rec.get("lane") or 0)
+        m = self.model, lane
+        self._lane(lane, rec["kv"])
         self.running.labels(*m).set(rec["running"])
         self.waiting.labels(*m).set(rec["waiting"])
         self.waiting_by_reason.labels(*m, "capacity").set(rec["waiting"])
         kv = rec["kv"]
         self.kv_usage.labels(*m).set(kv["used"] / kv["total"] if kv["total"] else 0.0)
         self.preemptions.labels(*m).inc(len(rec["preempted"]))
-        sampled = sum(1 for i in rec["items"] if i["kind"] == "decode" or i.get("completes_prompt"))
-        self.generation_tokens.labels(*m).inc(sampled)
         if rec["items"]:
             self.step_tokens.labels(*m).observe(rec["num_tokens"])
         for item in rec["items"]:
-            self.scheduled.setdefault(item["req"], rec["t_start"])
-        for seq, finished in self.ended:    # a step's request events come before its record: time them now
-            scheduled = self.scheduled.pop(seq.id, None)
-            if finished:
-                self._finished(seq, scheduled)
-        self.ended.clear()
+            q = self.live.get(item["req"])
+            if q is not None and q.scheduled is None:
+                q.scheduled, q.lane = rec["t_start"], lane
+                self.cache_queries.labels(*m).inc(q.prompt_len)
+                self.cache_hits.labels(*m).inc(item.get("cached") or 0)
+        new = self.clock.step(rec)
+        self.generation_tokens.labels(*m).inc(len(new))
+        for req, tk in new:
+            q = self.live.get(req)
+            if tk.gap is not None:
+                self.tbt.labels(*m).observe(tk.gap)
+            elif q is not None:
+                self.ttft.labels(*m).observe(tk.t - q.arrival)
+                self.prompt_tokens.labels(*m).inc(q.prompt_len)
+            if q is not None:
+                q.times.append(tk.t)
+                if q.output_tokens is not None and len(q.times) >= q.output_tokens:
+                    self._finished(req, q)
         self.steps.labels(self.model, rec["policy"]).inc()
         self.stall.labels(self.model, rec["policy"]).inc((rec["t_end"] - rec["t_start"]) * len(rec.get("stalled", ())))
 
     def _request(self, ev: dict):
-        m, event = (self.model, ENGINE), ev["event"]
-        if event == "first_token":
-            seq = self.engine.get_request(ev["req"])
-            self.ttft.labels(*m).observe(ev["ttft"])
-            self.prompt_tokens.labels(*m).inc(seq.prompt_len)
-            self.cache_queries.labels(*m).inc(seq.prompt_len)
-            self.cache_hits.labels(*m).inc(seq.num_cached_tokens)
-        elif event == "finished":
-            seq = self.engine.get_request(ev["req"])
-            self.success.labels(*m, ev["finish_reason"]).inc()
-            times = seq.token_times
-            for a, b in zip(times, times[1:]):
-                self.tbt.labels(*m).observe(b - a)
-            self.e2e.labels(*m).observe(seq.finish_time - seq.arrival_time)
-            self.ended.append((seq, True))
-        elif event == "aborted":                # counted, not timed
-            seq = self.engine.get_request(ev["req"])
-            self.success.labels(*m, seq.finish_reason or "abort").inc()
-            self.scheduled.pop(seq.id, None)    # between steps; in a step, the record below re-adds it:
-            self.ended.append((seq, False))     # so drop it again after that record
+        event, req = ev["event"], ev["req"]
+        if event == "arrived":
+            self.live[req] = _Request(ev["t"], ev.get("prompt_len") or 0)
+            return
+        if event not in ("finished", "aborted"):
+            return
+        q = self.live.get(req)
+        reason = ev.get("finish_reason") or ("abort" if event == "aborted" else "stop")
+        self.success.labels(self.model, q.lane if q else ENGINE, reason).inc()
+        if event == "aborted" or q is None:          # counted, not timed
+            self._forget(req)
+            return
+        q.output_tokens = ev.get("output_tokens") or 0
+        if len(q.times) >= q.output_tokens:          # its last token's step has been seen already
+            self._finished(req, q)
+        # else: its last token is in the step record that follows this event
 
-    def _finished(self, seq, scheduled: float | None):
-        m = self.model, ENGINE
-        if scheduled is not None and seq.token_times:
-            ph = phases(seq.arrival_time, scheduled, seq.token_times)
+    def _finished(self, req: str, q: _Request):
+        m = self.model, q.lane
+        self._forget(req)
+        if not q.times:
+            return
+        self.e2e.labels(*m).observe(q.times[-1] - q.arrival)
+        if q.scheduled is not None:
+            ph = phases(q.arrival, q.scheduled, q.times)
             for hist, value in ((self.queue, ph.queue), (self.prefill, ph.prefill), (self.decode, ph.decode),
                                 (self.inference, ph.inference), (self.tpot, ph.tpot)):
                 if value is not None:
                     hist.labels(*m).observe(value)
         if self.lengths:
-            self.lengths["prompt"].labels(*m).observe(seq.prompt_len)
-            self.lengths["generation"].labels(*m).observe(seq.num_output_tokens)
-            self.lengths["max_generation"].labels(*m).observe(seq.num_output_tokens)
+            self.lengths["prompt"].labels(*m).observe(q.prompt_len)
+            self.lengths["generation"].labels(*m).observe(len(q.times))
+            self.lengths["max_generation"].labels(*m).observe(len(q.times))
+
+    def _forget(self, req: str):
+        self.live.pop(req, None)
+        self.clock.forget(req)

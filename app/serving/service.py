@@ -66,7 +66,7 @@ class EngineService:
         self.device, self.dtype, self.max_model_len = info["device"], info["dtype"], info["max_model_len"]
         self.settings = info["settings"]
         self.cuda_graphs = info.get("cuda_graphs")
-        self.metrics.attach(self.loop.engine, self.model_name)   # finds a request on whichever engine runs it
+        self.metrics.attach(self.model_name, self.max_model_len, self.dtype, info["kv"])
         self.accepting = True
 
     def begin_shutdown(self, reason: str = "server shutting down"):

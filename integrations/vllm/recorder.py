@@ -132,7 +132,7 @@ class Recording:
             if req.status.name == "FINISHED_ABORTED":
                 rid = req.request_id
                 self.emit(RequestEvent("aborted", rid, self.labels.get(rid) or reading.label_of(rid), t,
-                                       reason="aborted by the client"))
+                                       reason="aborted by the client", finish_reason="abort"))
                 self._forget(rid)
 
     def _first_token(self, rid: str, t: float):
