@@ -11,7 +11,8 @@
   const ROW_H = 30, MIN_ROWS = 5;   // the chart grows with its rows, up to BS.chartMaxH px
   const MIN_ROW_H = 10, READABLE_ROW_H = 16;   // a crowd keeps readable rows and counts the rest
   const QUIET = 0.4;          // alpha of other people's cells on a student's page
-  let shrinkVotes = 0, rowKey = "";
+  const SHRINK_AFTER_MS = 1500;   // a smaller chart must be wanted this long before it shrinks (no jumping)
+  let shrinkSince = null, rowKey = "";
 
   BS.chartScale = 1;          // drawing units per CSS px (the projector draws everything bigger)
   BS.chartMaxH = 420;         // px (CSS) the Gantt may grow to
@@ -65,11 +66,16 @@
     const grouped = BS.role !== "lecturer";
     const all = BS.layout.rowsOf(win, Infinity, grouped).rows.length;
     const want = Math.min(BS.chartMaxH, (TOP + AXIS + Math.max(MIN_ROWS, all) * ROW_H) * S);
-    if (!resized && Math.abs(want - h * S) > 2 && (want > h * S || ++shrinkVotes > 30)) {   // shrink only once it has lasted
-      gantt.style.height = want + "px"; shrinkVotes = 0;
+    // grow at once; shrink once the smaller size has lasted, by the clock, with a redraw booked for
+    // then (an idle chart gets no other redraw to notice it)
+    const now = performance.now();
+    if (want < h * S - 2) {
+      if (shrinkSince == null) { shrinkSince = now; setTimeout(() => BS.redrawChart(), SHRINK_AFTER_MS + 50); }
+    } else shrinkSince = null;
+    if (!resized && (want > h * S + 2 || (shrinkSince != null && now - shrinkSince >= SHRINK_AFTER_MS))) {
+      gantt.style.height = want + "px"; shrinkSince = null;
       return drawGantt(gantt, true);
     }
-    if (want >= h * S) shrinkVotes = 0;
     const avail = h - TOP - AXIS;
     const rowH = Math.max(grouped ? READABLE_ROW_H : MIN_ROW_H, Math.min(ROW_H, Math.floor(avail / Math.max(1, all))));
     const { rows: shown, more, collapsed } = BS.layout.rowsOf(win, Math.floor(avail / rowH), grouped);

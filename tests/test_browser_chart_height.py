@@ -1,0 +1,34 @@
+"""The Gantt's height follows its rows: it grows at once, and shrinks once the smaller size has been
+wanted for a moment, even when nothing else redraws it (an idle class, a projector window made smaller)."""
+from tests.browser import MARKS, chromium, load_stage
+from tests.factories import arrived, dec, step
+
+pytestmark = MARKS
+
+
+def stream(n_reqs: int) -> list[dict]:
+    reqs = [f"r{i}" for i in range(n_reqs)]
+    out = [arrived(r, 0.0) for r in reqs]
+    out += [step(i, 0.1 * i, 0.1 * i + 0.09, [dec(r, 10 + i) for r in reqs]) for i in range(6)]
+    return out
+
+
+def height(page) -> float:
+    return page.evaluate("document.querySelector('[data-testid=gantt]').getBoundingClientRect().height")
+
+
+def test_the_chart_grows_with_its_rows_and_shrinks_when_idle():
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": 1366, "height": 768})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        load_stage(page, stream(12))
+        page.wait_for_function("document.querySelector('[data-testid=gantt]').getBoundingClientRect().height > 300")
+        tall = height(page)
+        # a smaller room for the chart (what a projector window made smaller sets), then one redraw only
+        page.evaluate("BS.chartMaxH = 250; BS.redrawChart()")
+        page.wait_for_timeout(300)
+        assert height(page) == tall, "it shrank at once: a passing dip would make it jump"
+        page.wait_for_function("document.querySelector('[data-testid=gantt]').getBoundingClientRect().height <= 252",
+                               timeout=6000)
+        assert not errors, errors
