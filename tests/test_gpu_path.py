@@ -255,7 +255,9 @@ def test_gpu_live_check_quick(tmp_path):
         r = res[policy]
         assert not r["errors"] and r["steps"] > 0 and r["chat_tbt_p99_ms"] > 0, r
     assert res["continuous"]["stall_count"] > 0                  # whole documents stall the chats ...
-    assert res["targets"]["chat_tbt_p99_continuous_over_chunked"] > 1   # ... and chunking shortens the gaps
+    assert res["targets"]["chunked_stall_free"], res["chunked"]  # ... and chunked steps never leave one out
+    # (the TBT ratio is a speed figure, printed by the script: a timed assertion here fails on a busy machine)
+    assert res["targets"]["chat_tbt_p99_continuous_over_chunked"] > 0
 
 
 def test_kv_sizing_after_warmup(tmp_path, monkeypatch):
