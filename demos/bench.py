@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None):
     vllm = vllm_side.named(args)
     if vllm is not None:                # ours take vLLM's budgets: one schedule shape on both sides
         args.budget, args.batch = vllm.settings["max_num_batched_tokens"], vllm.settings["max_num_seqs"]
+        args.dtype = vllm.dtype
         print(f"{vllm.name}: budget {args.budget}, max_num_seqs {args.batch} (batchscope's engine runs with the same)",
               file=sys.stderr)
     cfg = dict(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.batch,
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None):
                         out["ratios"][name][f"{k}_{b}_over_ours"] = ratio(out["systems"][b].get(k), s[k])
     if streams:
         out["record"] = {p: record_fraction(st) for p, st in streams.items()}
-    with vllm_side.serving(args, vllm, args.model, args.budget, args.batch) as vllm:
+    with vllm_side.serving(args, vllm, args.model, args.budget, args.batch, dtype=args.dtype) as vllm:
         if vllm is not None:
             out["systems"][vllm.name], _ = vllm_side.run_workload(vllm, workload)
             out["vllm"] = {"engine": vllm.hello.get("engine"), "device": vllm.hello.get("device"),

@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None):
         threading.Thread(target=read_records, args=(sides["recording"]["records"], count), daemon=True).start()
         rng = random.Random(0)
         prompts = [[rng.randrange(1000, 49152) for _ in range(args.prompt)] for _ in range(args.requests)]
-        for s in sides.values():                 # a warm-up round each, not counted
-            asyncio.run(one_round(s["url"], prompts[:2], 4, "warm"))
+        for s in sides.values():                 # a warm-up round each, the whole workload, not counted
+            asyncio.run(one_round(s["url"], prompts, 8, "warm"))
         rates = {name: [] for name in sides}
         for r in range(args.rounds):
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]

@@ -288,15 +288,17 @@ def main(argv: list[str] | None = None):
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
     vllm = vllm_side.named(args)
-    if vllm is not None:                    # ours run under vLLM's budgets, so the rows compare one schedule shape
-        kw.update({k: vllm.settings[k] for k in ("max_num_batched_tokens", "max_num_seqs")})
+    if vllm is not None:                    # ours run under vLLM's budgets and dtype: one schedule shape, one model
+        kw.update({k: vllm.settings[k] for k in ("max_num_batched_tokens", "max_num_seqs")}, dtype=vllm.dtype)
+    elif args.vllm_start:
+        kw.setdefault("dtype", "float32")
         print(f"{vllm.name}: budget {kw['max_num_batched_tokens']}, max_num_seqs {kw['max_num_seqs']} "
               f"(batchscope's engine runs with the same)", file=sys.stderr)
     runs, summaries, each = compare(scenario, policies, kw, warmup=not args.no_warmup, progress=not args.quiet,
                                     trace_dir=args.traces, repeats=args.repeats)
     budgets = {**{f.name: f.default for f in dataclasses.fields(EngineConfig)}, **scenario.engine, **kw}
     with vllm_side.serving(args, vllm, args.model, budgets["max_num_batched_tokens"], budgets["max_num_seqs"],
-                           budgets.get("max_prefill_chunk")) as vllm:
+                           budgets.get("max_prefill_chunk"), kw.get("dtype", "float32")) as vllm:
         if vllm is not None:
             vruns = [vllm_run(vllm, scenario, runs) for _ in range(args.repeats)]
             runs[vllm.name] = vruns[-1]

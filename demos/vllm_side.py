@@ -7,7 +7,8 @@
 --vllm URL: a running vLLM with batchscope's recording scheduler (docs/vllm.md), its records read at
 --vllm-records HOST:PORT (default: the URL's host, 8765). --vllm-start: one is started here from the
 vLLM environment (scripts/install_vllm.sh) on the same model folder, with the run's token budget and
-sequence limit, chunked prefill on, -O0 (add flags with --vllm-args), and stopped after.
+sequence limit and dtype (float32 unless named: batchscope's "auto" would pick bfloat16 on a CPU with
+AMX), chunked prefill on, -O0 (add flags with --vllm-args), and stopped after.
 
 Both rows are app/readers/metrics.py over each engine's own StepRecords: the same definition of TTFT,
 TBT and stall on both sides. Requests go through vLLM's OpenAI API (token ids as a completion prompt,
@@ -54,6 +55,11 @@ class Vllm:
         return self.hello.get("settings", {})
 
     @property
+    def dtype(self) -> str:
+        """The dtype vLLM computes in (the recorder's `device` is `cpu/float32`)."""
+        return str(self.hello.get("device", "")).partition("/")[2] or "float32"
+
+    @property
     def name(self) -> str:
         s = self.settings
         return f"vllm-{s.get('policy', '?')}"
@@ -78,7 +84,7 @@ def connect(url: str, records: str | None = None) -> Vllm:
 
 @contextmanager
 def started(model: str | None, budget: int, seqs: int, extra: str = "", chunk: int | None = None,
-            log_dir: str | None = None):
+            dtype: str = "float32", log_dir: str | None = None):
     """A vLLM server from the vLLM environment on batchscope's model folder (the default model unless
     named), with this budget, sequence limit and prompt chunk cap; stopped on exit."""
     from demos import vllm_server as vs
@@ -88,7 +94,8 @@ def started(model: str | None, budget: int, seqs: int, extra: str = "", chunk: i
     folder = vs.folder_for(model)
     port, records = vs.free_port(), vs.free_port()
     log = Path(log_dir or tempfile.mkdtemp(prefix="vllm-")) / "vllm.log"
-    flags = ["--max-num-batched-tokens", str(budget), "--max-num-seqs", str(seqs), "--optimization-level", "0"]
+    flags = ["--max-num-batched-tokens", str(budget), "--max-num-seqs", str(seqs), "--optimization-level", "0",
+             "--dtype", dtype]
     if chunk:
         flags += ["--long-prefill-token-threshold", str(chunk)]
     proc = vs.start(folder, port, records, log, *flags, *shlex.split(extra), kv_cache_gb=1)
@@ -230,11 +237,12 @@ def named(args) -> Vllm | None:
 
 
 @contextmanager
-def serving(args, vllm: Vllm | None, model: str | None, budget: int, seqs: int, chunk: int | None = None):
+def serving(args, vllm: Vllm | None, model: str | None, budget: int, seqs: int, chunk: int | None = None,
+            dtype: str = "float32"):
     """--vllm's server as it is, or --vllm-start's, started now (after batchscope's runs, so that it
     never shares the CPU with them) with batchscope's budgets; None without either flag."""
     if vllm is not None or not args.vllm_start:
         yield vllm
     else:
-        with started(model, budget, seqs, args.vllm_args, chunk) as v:
+        with started(model, budget, seqs, args.vllm_args, chunk, dtype) as v:
             yield v
