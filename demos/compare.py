@@ -290,10 +290,10 @@ def main(argv: list[str] | None = None):
     vllm = vllm_side.named(args)
     if vllm is not None:                    # ours run under vLLM's budgets and dtype: one schedule shape, one model
         kw.update({k: vllm.settings[k] for k in ("max_num_batched_tokens", "max_num_seqs")}, dtype=vllm.dtype)
-    elif args.vllm_start:
+        print(f"{vllm.name}: budget {kw['max_num_batched_tokens']}, max_num_seqs {kw['max_num_seqs']}, "
+              f"{vllm.dtype} (batchscope's engine runs with the same)", file=sys.stderr)
+    elif args.vllm_start:                   # one dtype on both (batchscope's "auto" may pick bfloat16)
         kw.setdefault("dtype", "float32")
-        print(f"{vllm.name}: budget {kw['max_num_batched_tokens']}, max_num_seqs {kw['max_num_seqs']} "
-              f"(batchscope's engine runs with the same)", file=sys.stderr)
     runs, summaries, each = compare(scenario, policies, kw, warmup=not args.no_warmup, progress=not args.quiet,
                                     trace_dir=args.traces, repeats=args.repeats)
     budgets = {**{f.name: f.default for f in dataclasses.fields(EngineConfig)}, **scenario.engine, **kw}
