@@ -111,3 +111,51 @@ def test_the_what_if_routes_say_why_they_cannot_run(attached):  # noqa: F811
     for path in ("/api/whatif", "/api/whatif/log"):
         r = http.get(path)
         assert r.status_code == 400 and "token ids" in r.json()["error"]["message"], (path, r.text)
+
+
+@pytest.mark.browser
+def test_the_page_draws_one_lane_per_vllm_engine():
+    """Two engines' records through attach mode: the chart's rows are a lane per engine, each named."""
+    import httpx
+    import uvicorn
+
+    from app.__main__ import build, parse_args
+    from tests.browser import CHROMIUM, chromium, live_page
+    from tests.test_attach import Thread, fake_vllm, free_port as free
+    if not CHROMIUM.exists():
+        pytest.skip("Debian's Chromium (/usr/bin/chromium) is not installed; browser tests need it")
+    base = free_run(2)
+    pubs = [Publisher("127.0.0.1", base + lane, hello(lane)) for lane in (0, 1)]
+    vport, aport = free(), free()
+    vllm = Thread(uvicorn.Config(fake_vllm([]), host="127.0.0.1", port=vport, log_level="warning"))
+    vllm.run_in_thread()
+    service, asgi = build(parse_args(["--attach", f"http://127.0.0.1:{vport}", "--attach-records",
+                                      f"127.0.0.1:{base}", "--port", str(aport)]), env={})
+    service.start()
+    app = Thread(uvicorn.Config(asgi, host="127.0.0.1", port=aport, log_level="warning"))
+    app.run_in_thread()
+    try:
+        t = time.time()
+        for n in range(4):
+            for lane in (0, 1):
+                pubs[lane].publish(step(n, t + 0.1 * n, [{"req": f"e{lane}", "label": ("Alice", "Bob")[lane],
+                                                          "kind": "decode", "tokens": 1, "start": 5 + n}]))
+        deadline = time.monotonic() + 10
+        while sum(r["type"] == "step" for r in httpx.get(f"http://127.0.0.1:{aport}/api/trace",
+                                                          trust_env=False).json()["records"]) < 8:
+            assert time.monotonic() < deadline, "the records did not arrive"
+            time.sleep(0.05)
+        with chromium() as browser, live_page(browser, f"http://127.0.0.1:{aport}", {"width": 1400, "height": 900}) as pg:
+            pg.wait_for_function("() => BS.view.drawn && BS.view.drawn.rows.some((r) => r.header)", timeout=20000)
+            rows = pg.evaluate("() => BS.view.drawn.rows.map((r) => [r.lane, r.header, r.label])")
+            names = pg.evaluate("() => [BS.laneName('dp0'), BS.laneName('dp1')]")
+            legend = pg.locator("[data-testid=legend-handover]")
+            assert legend.count() == 0 or not legend.is_visible(), "no KV hand-over between vLLM's engines"
+    finally:
+        app.should_exit = vllm.should_exit = True
+        service.stop()
+        for p in pubs:
+            p.close()
+    assert [r[0] for r in rows if r[1]] == ["dp0", "dp1"]
+    assert [(r[0], r[2]) for r in rows if not r[1]] == [("dp0", "Alice"), ("dp1", "Bob")]
+    assert names == ["vLLM engine 0", "vLLM engine 1"]
