@@ -2,6 +2,7 @@
 
     python -m demos.bench --json out/bench.json                 # fp32, the default mixed workload
     python -m demos.bench --requests 64 --prompt-range 32,1024 --output-range 16,256 --json out/big.json
+    python -m demos.bench --skip hf-static,hf-cb,decode --policies chunked --vllm-start    # beside vLLM
 
 Parts (each can be skipped with --skip):
   workload   N requests, all arriving at t=0, prompts and reply lengths drawn
@@ -24,6 +25,9 @@ Parts (each can be skipped with --skip):
              in the machine's speed weighs on each alike; ratios are medians of
              per-round ratios.
   record     the fraction of our step time spent building the StepRecord.
+  vllm       with --vllm URL or --vllm-start (demos/vllm_side.py): the workload on a vLLM server
+             with batchscope's recording scheduler, on the same model (our engine then takes its
+             token budget and sequence limit); its row and ours in one table.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from tqdm import tqdm
 
 from app.readers import metrics
 from demos.baselines import hf_decode_stepper, hf_has_cb, load_hf, run_hf_cb, run_hf_static
+from demos import vllm_side
 from demos.compare import machine
 from demos.runner import warm_up
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -242,6 +247,7 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--md", default=None, help="also write the tables as markdown here")
     ap.add_argument("--quiet", action="store_true")
+    vllm_side.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -249,6 +255,12 @@ def main(argv: list[str] | None = None):
     progress = not args.quiet
     prange = tuple(int(x) for x in args.prompt_range.split(","))
     orange = tuple(int(x) for x in args.output_range.split(","))
+    vllm = vllm_side.named(args)
+    if vllm is not None:                # ours take vLLM's budgets: one schedule shape on both sides
+        args.budget, args.batch = vllm.settings["max_num_batched_tokens"], vllm.settings["max_num_seqs"]
+        args.dtype = vllm.dtype
+        print(f"{vllm.name}: budget {args.budget}, max_num_seqs {args.batch} (batchscope's engine runs with the same)",
+              file=sys.stderr)
     cfg = dict(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.batch,
                max_num_batched_tokens=args.budget)
     probe = LLMEngine(EngineConfig(**cfg, num_kv_blocks=64))
@@ -304,6 +316,12 @@ def main(argv: list[str] | None = None):
                         out["ratios"][name][f"{k}_{b}_over_ours"] = ratio(out["systems"][b].get(k), s[k])
     if streams:
         out["record"] = {p: record_fraction(st) for p, st in streams.items()}
+    with vllm_side.serving(args, vllm, args.model, args.budget, args.batch, dtype=args.dtype) as vllm:
+        if vllm is not None:
+            out["systems"][vllm.name], _ = vllm_side.run_workload(vllm, workload)
+            out["vllm"] = {"engine": vllm.hello.get("engine"), "device": vllm.hello.get("device"),
+                           "settings": vllm.settings}
+            log(f"{vllm.name} done")
 
     if "decode" not in skip:
         out["decode"] = decode_part(args, cfg, folder, hf, skip, log)
@@ -312,6 +330,8 @@ def main(argv: list[str] | None = None):
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2))
     print_summary(out)
+    if "vllm" in out:
+        print(vllm_side.table([(k, s) for k, s in out["systems"].items() if "error" not in s]))
     print(f"wrote {args.json}")
     if args.md:
         Path(args.md).write_text(markdown(out))

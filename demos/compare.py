@@ -4,6 +4,7 @@
         --policies static,continuous,chunked --out out/report.html --json out/metrics.json
     python -m demos.compare --trace saved.json --policies static,chunked    # a live session, replayed
     python -m demos.compare --scenario long-prompt-interrupts --policies chunked,disaggregated
+    python -m demos.compare --scenario long-prompt-interrupts --policies chunked --vllm-start   # and vLLM's row
 
 --trace takes an arrival log saved from the server (GET /api/whatif/log, presenter
 key): the class's own requests, replayed at the steps they arrived under each
@@ -13,6 +14,10 @@ shows what actually happened live.
 `disaggregated` runs on a DisaggregatedEngine (engine/disagg.py): a prefill worker and
 a decode worker, each with half the threads; its numbers add the KV hand-overs
 (kv_transfers, kv_transfer_p50_s, kv_transfer_p99_s, kv_transfer_bytes).
+
+--vllm URL (a running vLLM with the recording scheduler) or --vllm-start (one started from the
+vLLM environment on the same model) adds vLLM's run of the same scenario: batchscope's engine then
+runs with vLLM's token budget and sequence limit, and both print in one table (demos/vllm_side.py).
 
 Writes a self-contained HTML report (demos/report.py) and a JSON file with, per
 policy, the numbers of app.readers.metrics.summarize (ttft_p50_s, ttft_p99_s,
@@ -24,6 +29,7 @@ when it arrived, and chunked-vs-continuous ratios of them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -34,7 +40,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from demos import trace
+from demos import trace, vllm_side
 from app.readers import metrics
 from demos.report import fmt, write_report
 from demos.runner import Run, longest_prompt, run_scenario, warm_up
@@ -137,6 +143,14 @@ def compare(scenario: Scenario, policies: list[str], engine_kwargs: dict | None 
             trace.save(Path(trace_dir) / f"{scenario.name}.{policy}.json", run.stream, meta=run.meta)
             trace.save_chrome(Path(trace_dir) / f"{scenario.name}.{policy}.chrome.json", [run.meta, *run.stream])
     return runs, {p: median_summary(ss) for p, ss in each.items()}, each
+
+
+def vllm_run(vllm, scenario: Scenario, ours: dict[str, Run]) -> Run:
+    """The scenario on a vLLM server (demos/vllm_side.py), as a Run like ours."""
+    stream = vllm_side.run_scenario(vllm, scenario)
+    meta = {**next(iter(ours.values())).meta, "policy": vllm.settings.get("policy"), "engine": vllm.hello.get("engine"),
+            "device": vllm.hello.get("device")}
+    return Run(scenario, meta, stream, vllm_side.request_ids(stream, [a.label for a in scenario.arrivals]))
 
 
 def median_summary(summaries: list[dict]) -> dict:
@@ -256,6 +270,7 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--md", default=None, help="also write the table as markdown here")
     ap.add_argument("--repeats", type=int, default=1, help="runs per policy; the tables report medians")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    vllm_side.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.threads:
         import torch
@@ -272,9 +287,26 @@ def main(argv: list[str] | None = None):
                                 max_num_seqs=args.max_num_seqs).items() if v is not None}
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
+    vllm = vllm_side.named(args)
+    if vllm is not None:                    # ours run under vLLM's budgets and dtype: one schedule shape, one model
+        kw.update({k: vllm.settings[k] for k in ("max_num_batched_tokens", "max_num_seqs")}, dtype=vllm.dtype)
+        print(f"{vllm.name}: budget {kw['max_num_batched_tokens']}, max_num_seqs {kw['max_num_seqs']}, "
+              f"{vllm.dtype} (batchscope's engine runs with the same)", file=sys.stderr)
+    elif args.vllm_start:                   # one dtype on both (batchscope's "auto" may pick bfloat16)
+        kw.setdefault("dtype", "float32")
     runs, summaries, each = compare(scenario, policies, kw, warmup=not args.no_warmup, progress=not args.quiet,
                                     trace_dir=args.traces, repeats=args.repeats)
+    budgets = {**{f.name: f.default for f in dataclasses.fields(EngineConfig)}, **scenario.engine, **kw}
+    with vllm_side.serving(args, vllm, args.model, budgets["max_num_batched_tokens"], budgets["max_num_seqs"],
+                           budgets.get("max_prefill_chunk"), kw.get("dtype", "float32")) as vllm:
+        if vllm is not None:
+            vruns = [vllm_run(vllm, scenario, runs) for _ in range(args.repeats)]
+            runs[vllm.name] = vruns[-1]
+            each[vllm.name] = [summarize_run(r) for r in vruns]
+            summaries[vllm.name] = median_summary(each[vllm.name])
     print_table(summaries)
+    if vllm is not None:
+        print(vllm_side.table(list(summaries.items())))
     r = ratios(summaries)
     if r:
         print("chunked vs continuous: " + ", ".join(f"{k} {v:.2f}x" for k, v in r.items() if v is not None))

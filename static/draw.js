@@ -90,7 +90,7 @@
     const cells = drawCells(g, win, rowIndex, rowH, quiet ? new Set(shown.filter((r) => !r.mine).map((r) => r.rid)) : null);
     const handovers = drawHandovers(g, win, rowIndex, rowH, plotW);
     const legend = document.querySelector("[data-testid=legend-handover]");
-    if (legend) legend.hidden = !BS.layout.lanesOf(win);
+    if (legend) legend.hidden = !win.steps.some(R.worker);        // hand-overs: the disaggregated pair only
     if (win.axis === "step") drawGaps(g, win, avail);
     const markers = drawMarkers(g, win, TOP - 20, h - AXIS, true);
     // after the markers, so that no setting flag ever hides a slow step's duration
@@ -136,12 +136,14 @@
     g.fillText(BS.laneTitle(lane), 6, y + rowH / 2);
   }
 
+  // "prefill worker", or for a vLLM data-parallel engine "vLLM engine 1"
+  BS.laneName = (lane) => (/^dp\d+$/.test(lane) ? BS.t("lane.dp") + " " + lane.slice(2) : BS.t("lane." + lane));
   // "prefill worker · 1 thread": the thread count from the newest step of that worker
   BS.laneTitle = function (lane) {
     const steps = BS.store.steps;
     let threads = null;
     for (let i = steps.length - 1; i >= 0 && threads == null && lane !== "engine"; i--) if (R.worker(steps[i]) === lane) threads = R.threads(steps[i]);
-    const name = BS.t("lane." + lane);
+    const name = BS.laneName(lane);
     return threads == null ? name : name + " · " + threads + " " + BS.t(threads === 1 ? "lane.thread" : "lane.threads");
   };
 
@@ -417,7 +419,7 @@
     g.fillText("0", LABEL_W - 6, bottom - 4);
     g.fillText(BS.t("bar.budget") + " " + budgetNow, LABEL_W - 6, Y(budgetNow));
     g.textAlign = "left"; g.textBaseline = "top";
-    g.fillText(lane ? BS.t("lane." + lane) + ": " + BS.t("bar.axis") : BS.t("bar.axis"), 4, top - 14);
+    g.fillText(lane ? BS.laneName(lane) + ": " + BS.t("bar.axis") : BS.t("bar.axis"), 4, top - 14);
 
     g.textAlign = "center";
     for (const s of steps) {

@@ -5,6 +5,7 @@
 // with x/w in px from the left of the plot (row labels excluded).
 // Disaggregated steps (records with a `worker`) get one lane per worker, prefill on top: each lane
 // is a header row then the rows of the requests that worker ran in view (see lanesOf, rowsOf).
+// A vLLM server's data-parallel engines (records with a `lane`) get one lane each, the same way.
 (function () {
   const BS = (window.BS = window.BS || {});
   const R = BS.rec;                    // record fields are read through record.js
@@ -112,15 +113,20 @@
   const GROUPS = ["running", "queued", "finished"];
 
   const LANES = ["prefill", "decode"], ENGINE = "engine";
+  const dpLane = (s) => (R.lane(s) == null ? null : "dp" + R.lane(s));     // "dp1": vLLM's engine of rank 1
   // the workers' lanes when the window holds disaggregated steps, else null (one engine: no lanes);
-  // a window across a switch also holds the single engine's steps: they get a lane of their own, on top
+  // a window across a switch also holds the single engine's steps: they get a lane of their own, on top.
+  // A vLLM server's data-parallel engines: one lane per engine in view, by rank
   function lanesOf(win) {
+    const dp = [...new Set(win.steps.map(dpLane).filter(Boolean))];
+    if (dp.length) return dp.sort((a, b) => a.slice(2) - b.slice(2));
     if (!win.steps.some((s) => R.worker(s))) return null;
     return win.steps.some((s) => !R.worker(s)) ? [ENGINE, ...LANES] : LANES;
   }
-  const laneOf = (s) => R.worker(s) || ENGINE;           // in lanes mode: the lane a step's cells go to
+  const laneOf = (s) => R.worker(s) || dpLane(s) || ENGINE;     // in lanes mode: the lane a step's cells go to
   // where a prompt queues: the prefill worker once the newest step is the pair's, else the one engine
-  const queueLane = (win) => (R.worker(win.last) ? LANES[0] : ENGINE);
+  // (data-parallel engines: the first lane, as vLLM's records do not say which engine a waiting request will get)
+  const queueLane = (win) => (R.worker(win.last) ? LANES[0] : dpLane(win.last) ? lanesOf(win)[0] : ENGINE);
   // the row a request's cell goes to: the request in its worker's lane, or the request alone
   const rowKey = (lane, rid) => (lane ? lane + ":" + rid : rid);
 

@@ -36,6 +36,7 @@
     // disaggregated: the worker that ran this step ("prefill" | "decode"), null for one engine
     worker: (s) => s.worker || null,
     threads: (s) => s.threads ?? null,    // disaggregated: torch threads of that worker (its share of the cores)
+    lane: (s) => s.lane ?? null,          // a vLLM server with several data-parallel engines: the engine's rank
     // a stretch of steps runs under one setting: policy, token budget, max sequences
     settingKey: (s) => s.policy + "/" + s.token_budget + "/" + s.max_num_seqs,
 

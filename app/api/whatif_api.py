@@ -43,7 +43,7 @@ def router(service) -> APIRouter:
         if not since_step.isdigit():
             raise APIError(400, f"since_step must be a non-negative integer, got {since_step!r}", param="since_step")
         job = service.whatif
-        logged, records, left_out = service.arrival_log.window(int(since_step))
+        logged, records, left_out = _window(service, int(since_step))
         estimate = {"since_step": int(since_step), "requests": len(logged), "left_out_running": left_out,
                     "seconds_per_setting": busy_seconds(records)}
         return {"running": job is not None, "progress": job.progress if job else None,
@@ -110,7 +110,7 @@ def router(service) -> APIRouter:
     @api.get("/api/whatif/log")
     async def saved_log(request: Request, since_step: int = 0):
         presenter(request)
-        logged, records, left_out = service.arrival_log.window(since_step)
+        logged, records, left_out = _window(service, since_step)
         doc = {"type": "arrival_log", "version": 1, **service.describe(), "left_out_running": left_out,
                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "arrivals": [{"req": a.req, "label": a.label, "t": a.t, "step": a.step,
@@ -126,6 +126,14 @@ def router(service) -> APIRouter:
         return service.arrival_log.status()
 
     return api
+
+
+def _window(service, since_step: int):
+    """The arrival log's window; a source that keeps no log (an attached vLLM) says why, as a 400."""
+    try:
+        return service.arrival_log.window(since_step)
+    except WhatIfError as e:
+        raise APIError(400, str(e)) from None
 
 
 def _report_html(job: WhatIfJob) -> str:

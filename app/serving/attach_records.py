@@ -1,7 +1,11 @@
 """The record streams of an attached vLLM server: one TCP stream per engine (data-parallel lane).
 
 Each engine's recording scheduler (integrations/vllm) listens on its own port, the first engine's
-plus its lane number, and sends a `hello` line, then one JSON record per line. Here one thread per
+plus its lane number, and sends a `hello` line (with its `lane`), then one JSON record per line.
+How many engines there are: the first hello's `lanes` where vLLM still knows it in the engine (a MoE
+model); for a dense model vLLM runs its data-parallel engines as independent ones that each believe
+they are alone, so the next ports are tried while a recorder of the same vLLM answers there with the
+next lane. Here one thread per
 lane reads them and hands each record to `on_record`, after two changes that make several engines
 one stream for the page:
   - times: the recorder stamps wall-clock seconds; they become seconds since the app attached;
@@ -19,6 +23,7 @@ from collections.abc import Callable
 
 log = logging.getLogger("batchscope.attach")
 RETRY_S = 2.0
+PROBE_S = 1.0           # to find another engine's recorder at start, past the lanes the hello named
 TIME_FIELDS = ("t_start", "t_end", "t")
 
 
@@ -62,12 +67,30 @@ class Lanes:
         self._stop = threading.Event()
 
     def start(self, timeout: float):
-        """Connect to lane 0 (raising RecordsUnavailable), learn how many lanes there are, read them all."""
+        """Connect to lane 0 (raising RecordsUnavailable), find how many lanes there are, read them all."""
         sock, self.hello = read_hello(self.host, self.port, timeout)
-        self.lanes = int(self.hello.get("lanes") or 1)
-        self._spawn(0, sock)
-        for lane in range(1, self.lanes):
-            self._spawn(lane, None)
+        named = int(self.hello.get("lanes") or 1)
+        socks = [sock]
+        while True:
+            lane = len(socks)
+            found = self._probe(lane)
+            if found is None and lane >= named:
+                break
+            socks.append(found)             # None below `named`: that engine's lane reconnects until it answers
+        self.lanes = len(socks)
+        for lane, s in enumerate(socks):
+            self._spawn(lane, s)
+
+    def _probe(self, lane: int) -> socket.socket | None:
+        """The recorder of engine `lane` of the same vLLM, if one answers now at port + lane."""
+        try:
+            sock, hello = read_hello(self.host, self.port + lane, PROBE_S)
+        except RecordsUnavailable:
+            return None
+        if hello.get("lane") != lane or hello.get("engine") != self.hello.get("engine"):
+            sock.close()
+            return None
+        return sock
 
     def stop(self):
         self._stop.set()

@@ -45,8 +45,12 @@ class Recording:
         self.pending: dict[int, tuple] = {}     # id(SchedulerOutput) -> (it, what schedule() read)
         cfg = sched.vllm_config
         sc, par = cfg.scheduler_config, cfg.parallel_config
-        self.lane = par.data_parallel_index if par.data_parallel_size > 1 else None
-        self.lanes = par.data_parallel_size
+        # the engine's data-parallel rank: data_parallel_index, which vLLM keeps when it runs the engines of a
+        # dense model as independent ones (it then sets data_parallel_size to 1 and data_parallel_rank to 0 in
+        # each engine process); None for the one engine of a server without data parallelism
+        index = par.data_parallel_index
+        self.lane = index if par.data_parallel_size > 1 or index > 0 else None
+        self.lanes = par.data_parallel_size     # the engines, where vLLM still says (a MoE model); else 1
         self.budget = min(sched.max_num_scheduled_tokens, sc.max_num_batched_tokens)
         self.policy = "chunked" if sc.enable_chunked_prefill else "continuous"
         self.device = f"{cfg.device_config.device_type}/{str(cfg.model_config.dtype).replace('torch.', '')}"
@@ -62,7 +66,8 @@ class Recording:
         cfg = self.sched.vllm_config
         name = str(cfg.model_config.served_model_name)
         return {"type": "hello", "engine": self.engine, "lane": self.lane or 0, "lanes": self.lanes,
-                "model": os.path.basename(name.rstrip("/")),      # never a machine path "max_model_len": cfg.model_config.max_model_len,
+                "model": os.path.basename(name.rstrip("/")),      # never a machine path
+                "max_model_len": cfg.model_config.max_model_len,
                 "device": self.device, "settings": self.settings, "time": time.time()}
 
     def emit(self, record):

