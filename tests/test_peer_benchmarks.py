@@ -95,7 +95,7 @@ def test_the_side_by_side_script_measures_a_server(server):
 
 def vllm_python_or_skip() -> str:
     """vLLM's own environment (scripts/install_vllm.sh; $BATCHSCOPE_VLLM_PYTHON names another)."""
-    from tests import vllm_server
+    from demos import vllm_server
     path = vllm_server.vllm_python()
     if path is None:
         pytest.skip("vLLM is not installed (bash scripts/install_vllm.sh)")
