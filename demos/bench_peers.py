@@ -5,8 +5,11 @@
 
 Each server is started in turn on a free loopback port with the same prepared model folder (a standard
 Hugging Face folder): batchscope with its serving preset (`python -m app --serving`), then vLLM
-(`python -m vllm.entrypoints.openai.api_server`, fp32, both cores) where --vllm-python (or $VLLM_PYTHON)
-is a Python that imports vllm; otherwise its row says "not installed". For each concurrency level the
+(`python -m vllm.entrypoints.openai.api_server`, both cores) where --vllm-python (or $VLLM_PYTHON)
+is a Python that imports vllm; otherwise its row says "not installed". Both compute in the same
+precision: --dtype (auto: bfloat16 on a CPU with AMX, else float32, as batchscope picks) goes to both;
+int8 (batchscope's int8 linears) has no vLLM-CPU counterpart, so vLLM then runs float32. Each row
+names its dtype. For each concurrency level the
 same client (this script, an asyncio streaming client) keeps that many /v1/completions streams busy
 with fixed-length requests (distinct token-id prompts, ignore_eos) and measures, per server:
 
@@ -45,15 +48,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def dtypes(given: str) -> tuple[str, str]:
+    """(batchscope's --dtype, vLLM's --dtype) for --dtype: auto resolved as the engine resolves it on this CPU."""
+    from engine.config import DTYPES, EngineConfig
+    ours = EngineConfig(dtype=given, device="cpu").dtype
+    return ours, DTYPES[ours]
+
+
 def batchscope_cmd(folder: Path, port: int, args) -> tuple[list[str], dict]:
     cmd = [sys.executable, "-m", "app", "--serving", "--model", str(folder), "--served-model-name", NAME,
-           "--port", str(port), "--dtype", args.dtype, "--log-level", "warning", *args.batchscope_args.split()]
+           "--port", str(port), "--dtype", dtypes(args.dtype)[0], "--log-level", "warning",
+           *args.batchscope_args.split()]
     return cmd, {}
 
 
 def vllm_cmd(python: str, folder: Path, port: int, args) -> tuple[list[str], dict]:
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name", NAME,
-           "--dtype", "float32", "--max-model-len", "4096", "--port", str(port), "--host", "127.0.0.1",
+           "--dtype", dtypes(args.dtype)[1], "--max-model-len", "4096", "--port", str(port), "--host", "127.0.0.1",
            "--disable-log-stats"]
     return cmd, {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}   # both cores compute
 
@@ -149,7 +160,8 @@ def main():
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--requests", type=int, default=3, help="requests per stream and level")
-    p.add_argument("--dtype", default="auto", help="batchscope's --dtype (auto: int8 linears where fbgemm runs)")
+    p.add_argument("--dtype", default="auto", help="both servers' dtype (auto: bfloat16 with AMX, else float32; "
+                                                   "int8: batchscope's int8 linears, vLLM float32)")
     p.add_argument("--batchscope-args", default="", help="more flags for batchscope, e.g. '--cpu-threads 1'")
     p.add_argument("--model", default=None, help="a prepared model folder (default: the embedded model's)")
     p.add_argument("--vllm-python", default=None, help="a Python that imports vllm (default $VLLM_PYTHON)")
@@ -158,10 +170,11 @@ def main():
     from engine.loader import resolve_model
     folder = resolve_model(args.model)
     levels = [int(x) for x in args.concurrency.split(",")]
-    servers = [(" ".join(["batchscope --serving", args.batchscope_args]).strip(),
+    ours, theirs = dtypes(args.dtype)
+    servers = [(" ".join(["batchscope --serving", args.batchscope_args]).strip() + f" ({ours})",
                 lambda port: batchscope_cmd(folder, port, args))]
     python = vllm_python(args.vllm_python)
-    servers.append(("vLLM-CPU", (lambda port: vllm_cmd(python, folder, port, args)) if python else None))
+    servers.append((f"vLLM-CPU ({theirs})", (lambda port: vllm_cmd(python, folder, port, args)) if python else None))
     print(f"load average before: {load()}; {args.prompt_tokens}-token prompts, {args.output_tokens}-token replies, "
           f"{args.requests} requests per stream")
     lines = []

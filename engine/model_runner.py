@@ -37,6 +37,23 @@ def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(raw).view(dtype).view(shape)
 
 
+def keep_freed_memory():
+    """CPU, glibc: keep freed memory in the heap for the next op instead of handing it back to the system.
+    By default glibc gives each freed block above a threshold (128 KB at first) back at once, and trims
+    the heap's top when 128 KB of it are free; a step's activations (several MB each at a 2048-token
+    step) then come back as fresh pages, faulted in and zeroed on first touch, op after op. Serving
+    engines on CPU preload tcmalloc or jemalloc for this; raising the two thresholds does it here. The
+    KV cache (larger than 32 MB) is still mapped on its own and lazily zeroed. A no-op without glibc."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3          # glibc's mallopt parameter numbers (malloc.h)
+    libc.mallopt(m_mmap_threshold, 32 * 2**20)          # the largest value glibc accepts on 64-bit
+    libc.mallopt(m_trim_threshold, 2**30)
+
+
 @dataclass
 class StepInputs:
     """One step's flat inputs as host lists: one row per token, decodes first, then prefill chunks."""
@@ -66,6 +83,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype          # activations and KV cache ("int8": fp32, int8 linears)
         self.block_size = config.block_size
         cuda = self.device.type == "cuda"
+        if self.device.type == "cpu":
+            keep_freed_memory()
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if cuda else 0   # the memory budget's base
         self.backend = select_backend(config.attention_backend, self.device, config.block_size, head_dim_of(hf_config))
         self.graphs: StepGraphs | None = None
