@@ -28,6 +28,14 @@ def hf_default_model():
     return AutoModelForCausalLM.from_pretrained(default_model_folder(), dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="module")
+def browser():
+    """One Debian Chromium per browser-test module (tests/browser.py)."""
+    from tests.browser import chromium
+    with chromium() as b:
+        yield b
+
+
 # ---- a real server on loopback, shared by the server tests ----
 PRESENTER_KEY = "test-presenter-key"
 
