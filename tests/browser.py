@@ -87,3 +87,17 @@ def load_stage(pg, stream: list[dict], ready: str = "window.BS && BS.store"):
         pg.add_script_tag(content=(ROOT / "static" / name).read_text())
     pg.wait_for_function(ready)
     pg.evaluate("(s) => BS.ingestAll(s)", stream)
+
+
+def api(server: str, path: str, body=None, headers=None):
+    """A JSON call to the served app (GET, or POST when there is a body)."""
+    import json
+    import urllib.request
+    req = urllib.request.Request(server + path, data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def wait_js(pg, expr, timeout=120):
+    pg.wait_for_function(expr, timeout=timeout * 1000)

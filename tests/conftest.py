@@ -28,6 +28,14 @@ def hf_default_model():
     return AutoModelForCausalLM.from_pretrained(default_model_folder(), dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="module")
+def browser():
+    """One Debian Chromium per browser-test module (tests/browser.py)."""
+    from tests.browser import chromium
+    with chromium() as b:
+        yield b
+
+
 # ---- a real server on loopback, shared by the server tests ----
 PRESENTER_KEY = "test-presenter-key"
 
@@ -66,7 +74,29 @@ class LiveServer:
 
 
 @pytest.fixture(scope="session")
-def live_server():
+def tiny_model(tmp_path_factory):
+    """A random 2-layer Llama with the default tokenizer, saved once a session, for the tests whose subject
+    is not the model's words. Its text is gibberish and it never ends a reply by itself: ask for max_tokens."""
+    from tests.helpers import TINY_MODEL_NAME, save_tiny_model
+    return save_tiny_model("llama", tmp_path_factory.mktemp("tiny") / TINY_MODEL_NAME)
+
+
+@pytest.fixture(scope="session")
+def live_server(tiny_model):
+    """batchscope on the tiny random model, served by uvicorn on a free 127.0.0.1 port (see serve_on_loopback):
+    the server, websocket, limits and fuzz tests."""
+    from engine import EngineConfig
+    yield from serve_on_loopback(EngineConfig(model=str(tiny_model), dtype="float32", kv_cache_gb=0.25))
+
+
+@pytest.fixture(scope="session")
+def real_server():
+    """The same server on the real default model: for the few end-to-end tests about what it says."""
+    from engine import EngineConfig
+    yield from serve_on_loopback(EngineConfig(kv_cache_gb=0.25))
+
+
+def serve_on_loopback(engine_config):
     """batchscope served by uvicorn on a free 127.0.0.1 port, in a thread of this process (so tests can
     also reach its service), with small limits; stopped at the end of the session."""
     import socket
@@ -76,9 +106,8 @@ def live_server():
     import uvicorn
 
     from app import EngineService, ServerConfig, create_app
-    from engine import EngineConfig
 
-    service = EngineService(EngineConfig(kv_cache_gb=0.25),
+    service = EngineService(engine_config,
                             ServerConfig(presenter_key=PRESENTER_KEY, max_tokens_cap=256, default_max_tokens=16,
                                          max_body_bytes=64 * 1024, max_ws_subscribers=8, ws_buffer=8,
                                          history=1024, snapshot_steps=50, health_recovery_s=3.0))

@@ -23,6 +23,23 @@ def pre(req, n, start, prompt_len, cached=None):
     return item
 
 
+def cost_step(i, seconds, items, device="cpu/float32", **extra):
+    return step(i, i * 10.0, i * 10.0 + seconds, items, device=device, **extra)
+
+
+def linear_stream(a, b, c, shapes, device="cpu/float32"):
+    """Steps whose time is exactly a + b*tokens + c*context: shapes = [(decode starts, (prefill start, n) | None)]."""
+    out = []
+    for i, (decodes, chunk) in enumerate(shapes):
+        items = [dec(f"d{j}", start) for j, start in enumerate(decodes)]
+        if chunk:
+            items.append(pre("p", chunk[1], chunk[0], chunk[0] + chunk[1]))
+        tokens = sum(it["tokens"] for it in items)
+        context = sum(it["start"] + it["tokens"] for it in items)
+        out.append(cost_step(i, a + b * tokens + c * context, items, device))
+    return out
+
+
 def arrived(req, t):
     return {"type": "request", "event": "arrived", "req": req, "label": req.upper(), "t": t}
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+TINY_MODEL_NAME = "tiny-llama"    # the folder conftest's tiny_model saves to, so the name the server shows
+
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -61,6 +63,15 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: bool = Tru
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=0, **kwargs)
     return out[0, len(prompt_ids):].tolist()
+
+
+def wait_for(condition, timeout: float = 60, what: str = "condition"):
+    """Poll condition() until it is truthy (returned) or timeout seconds pass (a failed assertion)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
 
 
 class Served:

@@ -10,28 +10,11 @@ from app.readers import analysis
 from demos import trace
 from app.readers import metrics
 from engine.records import KV_MAP_EVERY, kv_map, kv_ops
-from tests.test_scheduler_properties import Case
-from tests.factories import arrived, dec, pre, step
+from tests.scheduler_workload import Case
+from tests.factories import arrived, cost_step, dec, linear_stream, pre, step
 
 WHY_TRACE = Path(__file__).parent / "data" / "why_trace.json"
 GPU_TRACE = Path(__file__).resolve().parent.parent / "static" / "data" / "gpu_cost_trace.json"
-
-
-def cost_step(i, seconds, items, device="cpu/float32", **extra):
-    return step(i, i * 10.0, i * 10.0 + seconds, items, device=device, **extra)
-
-
-def linear_stream(a, b, c, shapes, device="cpu/float32"):
-    """Steps whose time is exactly a + b*tokens + c*context: shapes = [(decode starts, (prefill start, n) | None)]."""
-    out = []
-    for i, (decodes, chunk) in enumerate(shapes):
-        items = [dec(f"d{j}", start) for j, start in enumerate(decodes)]
-        if chunk:
-            items.append(pre("p", chunk[1], chunk[0], chunk[0] + chunk[1]))
-        tokens = sum(it["tokens"] for it in items)
-        context = sum(it["start"] + it["tokens"] for it in items)
-        out.append(cost_step(i, a + b * tokens + c * context, items, device))
-    return out
 
 
 # ---- the fit ----

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import MARKS, live_page, load_stage, served_ui
-from tests.test_browser_ui import api, browser, wait_js  # noqa: F401 (fixtures)
+from tests.browser import MARKS, api, live_page, load_stage, served_ui, wait_js
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -13,9 +13,8 @@ import time
 
 import pytest
 
-from tests.browser import MARKS, live_page, served_ui
-from tests.test_browser_ui import api, browser, wait_js  # noqa: F401 (fixtures)
-from tests.test_page_metrics import TABLE_JS, check
+from tests.browser import MARKS, api, live_page, served_ui, wait_js
+from tests.page_table import TABLE_JS, check
 
 pytestmark = MARKS
 

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from tests.browser import MARKS, chromium, served_ui
+from tests.browser import MARKS, served_ui
 
 pytestmark = MARKS
 KEY = "lecturer-secret"
@@ -22,12 +22,6 @@ def server():
     with served_ui(EngineConfig(kv_cache_gb=0.25, policy="chunked"), dict(presenter_key=KEY, step_delay=0.03),
                    max_tokens=10) as (url, _):
         yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with chromium() as b:
-        yield b
 
 
 def open_page(browser, url, errors, **ctx):

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import MARKS, live_page, served_ui
-from tests.test_browser_ui import browser, wait_js  # noqa: F401 (fixtures)
+from tests.browser import MARKS, api, live_page, served_ui, wait_js
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 SIZES = [(1366, 768), (1920, 1080)]
@@ -64,7 +63,6 @@ def test_a_pressed_lesson_shows_caption_chart_and_batch_bar_on_one_screen(server
 
 
 def test_the_chunk_cap_shows_and_clears_from_the_page(server, browser):  # noqa: F811
-    from tests.test_browser_ui import api
     with live_page(browser, server, {"width": 1366, "height": 768}) as pg:
         api(server, "/api/engine", {"max_prefill_chunk": 4})
         pg.reload()
@@ -132,7 +130,7 @@ def test_a_slow_step_after_a_setting_change_keeps_its_duration_and_a_running_ste
     duration sits on the column, drawn after the flag. Then no step comes for 3 s while a reply is
     under way: the chart says a step is running, and for how long."""
     from tests.browser import load_stage
-    from tests.test_metrics import arrived, dec, pre, step
+    from tests.factories import arrived, dec, pre, step
     s, t = [arrived("a", 0.0), arrived("d", 0.4)], 0.0
     for i in range(10):
         s.append(step(i, t, t + 0.05, [pre("a", 8, 0, 8)] if i == 0 else [dec("a")]))

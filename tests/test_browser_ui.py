@@ -7,12 +7,11 @@ Set BATCHSCOPE_SCREENSHOT_DIR to keep the long-prompt screenshots somewhere (def
 import json
 import os
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.browser import MARKS, chromium, live_page, served_ui
+from tests.browser import MARKS, api, live_page, served_ui, wait_js
 
 pytestmark = MARKS
 SCENARIO = dict(reply_tokens=16, doc_tokens=2, doc_at=8)
@@ -26,23 +25,10 @@ def server():
         yield url
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with chromium() as b:
-        yield b
-
-
 @pytest.fixture
 def page(server, browser):
     with live_page(browser, server, {"width": 1400, "height": 1100}) as pg:
         yield pg
-
-
-def api(server, path, body=None, headers=None):
-    req = urllib.request.Request(server + path, data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
 
 
 @pytest.fixture
@@ -51,10 +37,6 @@ def slow_motion(server):
     api(server, "/api/engine", {"step_delay": 0.05})
     yield
     api(server, "/api/engine", {"step_delay": 0.0})
-
-
-def wait_js(pg, expr, timeout=120):
-    pg.wait_for_function(expr, timeout=timeout * 1000)
 
 
 def replies_done(pg, n_labels):

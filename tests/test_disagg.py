@@ -1,6 +1,7 @@
 """Disaggregated prefill/decode (engine/disagg.py) on the real default model: the same greedy tokens as
 transformers, prompts only on the prefill worker and replies only on the decode worker, every block
-given back on both workers after aborts at any moment, and a killed worker restarted."""
+given back on both workers after aborts at any moment; and a killed worker restarted (on the tiny random
+model: what is checked there is which requests fail and that the survivor's tokens are the single engine's)."""
 import os
 import random
 import signal
@@ -135,11 +136,18 @@ def test_aborts_at_random_moments_free_every_block(engine):
                 assert seq.num_output_tokens == seq.params.max_tokens
 
 
+@pytest.fixture(scope="module")
+def tiny_single(tiny_model):
+    from engine import LLMEngine
+    return LLMEngine(EngineConfig(model=str(tiny_model), **CONFIG))
+
+
 @pytest.mark.parametrize("victim", ["decode", "prefill"])
-def test_a_killed_worker_is_restarted_and_only_its_requests_fail(victim, default_engine_fp32):
-    with DisaggregatedEngine(EngineConfig(**CONFIG, max_num_batched_tokens=16)) as eng:
+def test_a_killed_worker_is_restarted_and_only_its_requests_fail(victim, tiny_model, tiny_single):
+    with DisaggregatedEngine(EngineConfig(model=str(tiny_model), **CONFIG, max_num_batched_tokens=16)) as eng:
+        # long enough to be still decoding when the other prompt's first chunks are done, on a fast model too
         decoding = eng.add_request(prompt_token_ids=document_ids(eng, 30, 4),
-                                   params=SamplingParams(max_tokens=100, ignore_eos=True))
+                                   params=SamplingParams(max_tokens=400, ignore_eos=True))
         drive(eng, lambda: eng.get_request(decoding).num_output_tokens >= 2)
         prompt = document_ids(eng, 400, 5)                   # 25 chunks of 16
         prefilling = eng.add_request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=8))
@@ -152,7 +160,7 @@ def test_a_killed_worker_is_restarted_and_only_its_requests_fail(victim, default
         assert f"the {victim} worker process died (exit code -9)" in eng.get_request(dead).error
         survivor = eng.get_request(alive)
         assert survivor.error is None and survivor.finish_reason == "length"
-        want = default_engine_fp32.generate([survivor.prompt_token_ids], SamplingParams(
+        want = tiny_single.generate([survivor.prompt_token_ids], SamplingParams(
             max_tokens=survivor.params.max_tokens, ignore_eos=survivor.params.ignore_eos))[0]["token_ids"]
         assert survivor.output_token_ids == want
         assert eng.workers[victim].restarts == 1 and eng.stats()["worker_restarts"] == 1

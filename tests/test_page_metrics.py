@@ -7,8 +7,6 @@ server: the stage's HTML and scripts, fed through BS.ingestAll as a trace file
 would be). Every cell must hold the numbers app.readers.metrics.stretches() gives for
 the same stream, and show them formatted as the page formats them.
 """
-import math
-from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import pytest
@@ -18,23 +16,10 @@ from tests.browser import MARKS, chromium, load_stage
 from demos import trace
 from app.readers import metrics
 from tests.factories import random_streams
+from tests.page_table import TABLE_JS, check
 
 TRACE = Path(__file__).parent / "data" / "page_trace.json"
 pytestmark = MARKS
-ROWS = ["steps", "ttft", "tbt", "stall", "tps", "kv", "waiting"]
-MAX_COLUMNS = 4         # the page shows the newest four stretches
-# the metrics table's columns as the page shows them: per row, the text and the numbers behind it
-TABLE_JS = """() => {
-    const t = document.querySelector('[data-testid=metrics] table');
-    return [...t.tHead.rows[0].querySelectorAll('th[data-policy]')].map((th, i) => {
-        const col = {policy: th.dataset.policy};
-        for (const tr of t.querySelectorAll('tr[data-metric]')) {
-            const td = tr.cells[i + 1];
-            col[tr.dataset.metric] = {text: td.textContent, values: JSON.parse(td.dataset.values)};
-        }
-        return col;
-    });
-}"""
 
 
 @pytest.fixture(scope="module")
@@ -52,60 +37,6 @@ def stage():
             return page.evaluate(TABLE_JS)
 
         yield show
-
-
-def fixed(x: float, digits: int) -> str:
-    """JavaScript's Number.toFixed: the exact binary value rounded half up (Python's format rounds half to even)."""
-    return str(Decimal(x).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
-
-
-def sec(v):
-    """The page's time format (static/metrics.js)."""
-    return "–" if v is None else fixed(v * 1000, 0) + " ms" if v < 1 else fixed(v, 2) + " s"
-
-
-def size(n: int) -> str:
-    """The page's byte format (static/draw.js BS.fmtBytes)."""
-    return fixed(n / 1e6, 1) + " MB" if n >= 1e6 else fixed(n / 1e3, 0) + " kB" if n >= 1e3 else f"{n} B"
-
-
-def expected(m: dict) -> dict:
-    """app.readers.metrics.stretches() output as the page's rows: (numbers, text)."""
-    rows = {
-        "steps": ([m["first_step"], m["last_step"], m["num_steps"]],
-                  f"{m['first_step']}–{m['last_step']} ({m['num_steps']})"),
-        "ttft": ([m["ttft_p50_s"], m["ttft_p99_s"]], f"{sec(m['ttft_p50_s'])} / {sec(m['ttft_p99_s'])}"),
-        "tbt": ([m["tbt_p50_s"], m["tbt_p99_s"]], f"{sec(m['tbt_p50_s'])} / {sec(m['tbt_p99_s'])}"),
-        "stall": ([m["stall_max_s"]], sec(m["stall_max_s"]) if m["stall_max_s"] > 0 else "0"),
-        "tps": ([m["output_tokens_per_s"]],
-                "–" if m["output_tokens_per_s"] is None else fixed(m["output_tokens_per_s"], 1)),
-        "kv": ([m["kv_used_max"]], fixed(m["kv_used_max"] * 100, 1) + " %"),
-        "waiting": ([m["waiting_max"]], str(m["waiting_max"])),
-        "transfer": ([m["transfers"], m["transfer_p50_s"], m["transfer_p99_s"], m["transfer_bytes"]],
-                     f"{m['transfers']} · {sec(m['transfer_p50_s'])} / {sec(m['transfer_p99_s'])} · "
-                     f"{size(m['transfer_bytes'])}" if m["transfers"] else "–"),
-    }
-    return rows
-
-
-def same(a, b) -> bool:
-    return (a is None and b is None) or (a is not None and b is not None and math.isclose(a, b, rel_tol=1e-12,
-                                                                                          abs_tol=1e-12))
-
-
-def check(page_cols: list[dict], stream: list[dict]):
-    want = metrics.stretches(stream)[-MAX_COLUMNS:]
-    assert [c["policy"] for c in page_cols] == [m["policy"] for m in want]
-    handed_over = any(m["transfers"] for m in want)       # the KV hand-over line shows only then
-    for col, m in zip(page_cols, want):
-        assert ("transfer" in col) == handed_over
-        for row, (values, text) in expected(m).items():
-            if row == "transfer" and not handed_over:
-                continue
-            got = col[row]
-            assert len(got["values"]) == len(values) and all(map(same, got["values"], values)), (m["policy"], row,
-                                                                                                 got, values)
-            assert got["text"] == text, (m["policy"], row, got["text"], text)
 
 
 def test_recorded_trace_page_table_matches_python(stage):

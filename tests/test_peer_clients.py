@@ -1,6 +1,8 @@
 """What the field's benchmark clients (guidellm, aiperf, vllm bench serve) send and probe, on a real server:
 /health, HEAD /metrics, /v1/models' root and max_model_len, vLLM's sampling extensions and
-stream_options.continuous_usage_stats; and a field that is not supported stays a 400 naming it."""
+stream_options.continuous_usage_stats; and a field that is not supported stays a 400 naming it.
+min_tokens, ignore_eos and the repetition penalty need a model that ends its replies by itself and repeats
+itself: they run on the real default model (real_server); the rest on the tiny random one (live_server)."""
 import json
 
 import pytest
@@ -20,31 +22,31 @@ def test_models_names_root_and_context(live_server):
     assert model["max_model_len"] == live_server.service.max_model_len > 0
 
 
-def test_min_tokens_holds_off_the_end(live_server):
-    short = live_server.chat("Reply with one word: yes or no?", max_tokens=40).json()
+def test_min_tokens_holds_off_the_end(real_server):
+    short = real_server.chat("Reply with one word: yes or no?", max_tokens=40).json()
     n = short["usage"]["completion_tokens"]
     assert short["choices"][0]["finish_reason"] == "stop" and n < 20
-    longer = live_server.chat("Reply with one word: yes or no?", max_tokens=40, min_tokens=n + 10).json()
+    longer = real_server.chat("Reply with one word: yes or no?", max_tokens=40, min_tokens=n + 10).json()
     assert longer["usage"]["completion_tokens"] >= n + 10
 
 
-def test_ignore_eos_and_skip_special_tokens(live_server):
+def test_ignore_eos_and_skip_special_tokens(real_server):
     body = dict(max_tokens=20, ignore_eos=True)        # a reply that ends by itself well before that
-    shown = live_server.chat("Reply with one word: yes or no?", **body, skip_special_tokens=False).json()
-    hidden = live_server.chat("Reply with one word: yes or no?", **body).json()
+    shown = real_server.chat("Reply with one word: yes or no?", **body, skip_special_tokens=False).json()
+    hidden = real_server.chat("Reply with one word: yes or no?", **body).json()
     assert shown["usage"]["completion_tokens"] == hidden["usage"]["completion_tokens"] == 20
     assert "<|im_end|>" in shown["choices"][0]["message"]["content"]
     assert "<|im_end|>" not in hidden["choices"][0]["message"]["content"]
 
 
-def test_repetition_penalty_and_min_p_are_applied(live_server):
+def test_repetition_penalty_and_min_p_are_applied(real_server):
     prompt = "Repeat the word 'cat' twenty times."
-    plain = live_server.chat(prompt, max_tokens=16).json()["choices"][0]["message"]["content"]
-    penalised = live_server.chat(prompt, max_tokens=16, repetition_penalty=1.8).json()
+    plain = real_server.chat(prompt, max_tokens=16).json()["choices"][0]["message"]["content"]
+    penalised = real_server.chat(prompt, max_tokens=16, repetition_penalty=1.8).json()
     assert penalised["choices"][0]["message"]["content"] != plain
     # min_p = 1 keeps only the most likely token: sampling at any temperature is then greedy
-    hot = live_server.chat(prompt, max_tokens=12, temperature=1.5, min_p=1.0, seed=3).json()
-    greedy = live_server.chat(prompt, max_tokens=12).json()
+    hot = real_server.chat(prompt, max_tokens=12, temperature=1.5, min_p=1.0, seed=3).json()
+    greedy = real_server.chat(prompt, max_tokens=12).json()
     assert hot["choices"][0]["message"]["content"] == greedy["choices"][0]["message"]["content"]
 
 

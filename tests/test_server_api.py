@@ -1,4 +1,6 @@
-"""The OpenAI-compatible API on a real server: the official client, concurrency, limits, bad input."""
+"""The OpenAI-compatible API on a real server: the official client, concurrency, limits, bad input.
+What the reply says ('Paris') is asked of the real default model (real_server); the rest runs on the
+tiny random model (live_server), whose replies always run to max_tokens."""
 from __future__ import annotations
 
 import asyncio
@@ -9,20 +11,22 @@ import time
 import openai
 import pytest
 
+from tests.helpers import TINY_MODEL_NAME
+
 pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 QUESTION = "What is the capital of France?"
 
 
-def test_health_and_models(live_server):
-    r = live_server.http.get("/healthz")
+def test_health_and_models(real_server):
+    r = real_server.http.get("/healthz")
     assert r.status_code == 200
     assert r.json() == {"status": "ok", "model": "SmolLM2-135M-Instruct", "device": "cpu", "cuda_graphs": None}
-    models = live_server.openai().models.list()
+    models = real_server.openai().models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
 
 
-def test_openai_client_streams_and_matches_the_non_streamed_reply(live_server):
-    client = live_server.openai()
+def test_openai_client_streams_and_matches_the_non_streamed_reply(real_server):
+    client = real_server.openai()
     chunks = list(client.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}], max_tokens=12,
         temperature=0, stream=True, stream_options={"include_usage": True}))
@@ -44,8 +48,8 @@ def test_openai_client_streams_and_matches_the_non_streamed_reply(live_server):
     assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (usage.prompt_tokens, usage.completion_tokens)
 
 
-def test_length_stop_and_seed(live_server):
-    client = live_server.openai()
+def test_length_stop_and_seed(real_server):
+    client = real_server.openai()
     r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=5, temperature=0,
                                        messages=[{"role": "user", "content": "Tell me a long story."}],
                                        extra_body={"ignore_eos": True})
@@ -65,7 +69,7 @@ def test_two_clients_share_a_step(live_server):
 
         async def one(name: str):
             stream = await client.chat.completions.create(
-                model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": f"Say hello to {name}."}],
+                model=TINY_MODEL_NAME, messages=[{"role": "user", "content": f"Say hello to {name}."}],
                 max_tokens=10, temperature=0, stream=True, user=name, extra_body={"ignore_eos": True})
             ids, text = set(), ""
             async for c in stream:
@@ -88,7 +92,7 @@ BAD = [  # (body, status, words the message must contain, param)
     ("{not json", 400, "not valid JSON", None),
     ("[1, 2]", 400, "JSON object", None),
     ("", 400, "empty", None),
-    ('{"model": "SmolLM2-135M-Instruct"}', 400, "Missing required parameter: 'messages'", "messages"),
+    ('{"model": "%s"}' % TINY_MODEL_NAME, 400, "Missing required parameter: 'messages'", "messages"),
     ({"messages": "hello"}, 400, "messages", "messages"),
     ({"messages": []}, 400, "non-empty", "messages"),
     ({"messages": [{"role": "user"}]}, 400, "content", "messages.0.content"),
@@ -143,7 +147,7 @@ def test_bad_input_gets_an_openai_error(live_server, body, status, words, param)
 def test_bad_input_through_the_official_client_and_server_keeps_serving(live_server):
     client = live_server.openai()
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=-5,
+        client.chat.completions.create(model=TINY_MODEL_NAME, max_tokens=-5,
                                        messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])

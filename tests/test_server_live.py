@@ -11,6 +11,8 @@ import time
 import pytest
 from websockets.sync.client import connect
 
+from tests.helpers import TINY_MODEL_NAME, wait_for
+
 pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 
 
@@ -23,14 +25,6 @@ def read_until(ws, done, timeout: float = 120) -> list[dict]:
     while not done(out):
         out.append(json.loads(ws.recv(timeout=max(deadline - time.monotonic(), 0.01))))
     return out
-
-
-def wait_for(condition, timeout: float = 60, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def test_viewer_sees_the_steps_of_the_requests_it_saw_arrive(live_server):
@@ -76,7 +70,7 @@ def test_snapshot_on_connect_and_on_request(live_server):
         steps = [r for r in snap["records"] if r["type"] == "step"]
         assert 3 <= len(steps) <= 50 and steps[-1]["step"] == last_step
         assert [s["step"] for s in steps] == list(range(steps[0]["step"], last_step + 1))
-        assert snap["model"] == "SmolLM2-135M-Instruct" and snap["max_model_len"] > 0
+        assert snap["model"] == TINY_MODEL_NAME and snap["max_model_len"] > 0
         ws.send(json.dumps({"type": "snapshot", "last": 2}))
         again = json.loads(ws.recv(timeout=30))
         assert [r["step"] for r in again["records"] if r["type"] == "step"] == [last_step - 1, last_step]
@@ -157,6 +151,9 @@ class RawViewer:
 
 
 def test_a_viewer_that_never_reads_does_not_stall_the_engine(live_server):
+    # slow motion spreads the replies' steps over about a second, as a real model's would be: most of
+    # them come after the server's send to the stuck viewer is blocked
+    assert live_server.set_engine(step_delay=0.08).status_code == 200
     stuck = RawViewer(live_server.port)
     try:
         # 15k pongs (about 250 kB) are more than twice what the socket buffers hold:
@@ -182,6 +179,7 @@ def test_a_viewer_that_never_reads_does_not_stall_the_engine(live_server):
             msgs.append(stuck.recv())
     finally:
         stuck.sock.close()
+        assert live_server.set_engine(step_delay=0).status_code == 200
     gaps = [i for i, m in enumerate(msgs) if m["type"] == "gap"]
     assert len(gaps) == 1 and msgs[gaps[0]]["dropped"] > 0
     after = msgs[gaps[0] + 1:]
@@ -262,7 +260,7 @@ def test_slow_motion(live_server):
 def test_trace_export(live_server):
     live_server.chat("Hi", max_tokens=2)
     doc = live_server.http.get("/api/trace", params={"last": 2}).json()
-    assert [r["type"] for r in doc["records"]].count("step") == 2 and doc["model"] == "SmolLM2-135M-Instruct"
+    assert [r["type"] for r in doc["records"]].count("step") == 2 and doc["model"] == TINY_MODEL_NAME
     chrome = live_server.http.get("/api/trace", params={"last": 2, "format": "chrome"})
     events = chrome.json()["traceEvents"]
     slices = [e for e in events if e["ph"] == "X"]

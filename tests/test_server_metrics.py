@@ -6,7 +6,7 @@ import threading
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_server_live import wait_for
+from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from app.readers import analysis
 from demos import trace
 from app.readers import metrics
-from tests.test_analysis import linear_stream
+from tests.factories import linear_stream
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = Path(__file__).parent / "data" / "why_trace.json"
