@@ -11,7 +11,7 @@ import pytest
 
 from app.serving.attach_records import Lanes
 from integrations.vllm.publisher import Publisher
-from tests.test_attach import SETTINGS, attached, step  # noqa: F401  (attached: the fixture)
+from tests.fake_vllm import SETTINGS, attached, step  # noqa: F401  (attached: the fixture)
 
 pytestmark = pytest.mark.server
 
@@ -121,7 +121,7 @@ def test_the_page_draws_one_lane_per_vllm_engine():
 
     from app.__main__ import build, parse_args
     from tests.browser import CHROMIUM, chromium, live_page
-    from tests.test_attach import Thread, fake_vllm, free_port as free
+    from tests.fake_vllm import Thread, fake_vllm, free_port as free
     if not CHROMIUM.exists():
         pytest.skip("Debian's Chromium (/usr/bin/chromium) is not installed; browser tests need it")
     base = free_run(2)

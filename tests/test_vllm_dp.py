@@ -21,7 +21,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from app.serving.attach_records import Lanes  # noqa: E402
 from integrations.vllm import RecordingScheduler  # noqa: E402
-from tests.test_vllm_recorder import BLOCK, MAX_LEN, Driver, kv_cache, model_folder  # noqa: E402
+from tests.vllm_driver import BLOCK, MAX_LEN, Driver, kv_cache, model_folder  # noqa: E402
 
 
 def engine_config(rank: int) -> VllmConfig:

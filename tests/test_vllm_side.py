@@ -9,7 +9,7 @@ import uvicorn
 
 from demos import vllm_side
 from integrations.vllm.publisher import Publisher
-from tests.test_attach import SETTINGS, Thread, fake_vllm, free_port
+from tests.fake_vllm import SETTINGS, Thread, fake_vllm, free_port
 
 pytestmark = pytest.mark.server
 
