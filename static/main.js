@@ -68,9 +68,9 @@ function whenThere(start) {
   mo.observe(document.documentElement, { childList: true, subtree: true });
 }
 
-// window.BS: the handle for the browser console, the browser tests (page.evaluate("BS.store.steps"))
-// and a page that holds the chart in a frame (leaderboard.js). No module reads it: they import what
-// they use. Every export of every module is on it, read live; the settings of state.js can be set
+// window.BS: the handle for the browser console, the browser tests (page.evaluate("BS.store.steps")),
+// the Gradio page's event scripts (app/ui/page.py: a lesson's caption, the language) and a page that
+// holds the chart in a frame (leaderboard.js). No module reads it: they import what they use. Every export of every module is on it, read live; the settings of state.js can be set
 // (BS.offline = false), and so can BS.connect, which the socket's reconnect timer calls (a test swaps
 // it to keep the line cut). A page may set window.BS = {offline: true} before this module runs.
 function handle(preset) {

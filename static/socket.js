@@ -1,5 +1,5 @@
 // The record store and the /ws/steps connection.
-// Every StepRecord and request event lands in store; the chart, the metrics
+// Every StepRecord and request event lands in `store`; the chart, the metrics
 // and the sparklines read only from there. A dropped socket reconnects by
 // itself; the snapshot sent on connect backfills the steps it missed.
 import { t } from "./i18n.js";
@@ -108,16 +108,16 @@ function addStep(rec) {
 }
 
 function addEvent(ev) {
-  const r = req(R.evReq(ev), R.evLabel(ev)), t = R.evT(ev);
+  const r = req(R.evReq(ev), R.evLabel(ev)), at = R.evT(ev);
   switch (R.event(ev)) {
-    case "arrived": r.arrived = t; r.promptLen = R.evPromptLen(ev); r.maxTokens = R.evMaxTokens(ev); break;
-    case "first_token": r.first = t; break;
-    case "finished": r.end = t; r.endEvent = "finished"; r.reason = R.finishReason(ev); r.outputTokens = R.outputTokens(ev); break;
-    case "aborted": r.end = t; r.endEvent = "aborted"; r.reason = R.abortReason(ev); break;
+    case "arrived": r.arrived = at; r.promptLen = R.evPromptLen(ev); r.maxTokens = R.evMaxTokens(ev); break;
+    case "first_token": r.first = at; break;
+    case "finished": r.end = at; r.endEvent = "finished"; r.reason = R.finishReason(ev); r.outputTokens = R.outputTokens(ev); break;
+    case "aborted": r.end = at; r.endEvent = "aborted"; r.reason = R.abortReason(ev); break;
     case "preempted": break;
     case "kv_transfer": {
       // t: the import is done; t0: the export began, `seconds` before
-      const x = { rid: r.rid, label: r.label, t, t0: t - R.xferSeconds(ev), seconds: R.xferSeconds(ev), blocks: R.xferBlocks(ev),
+      const x = { rid: r.rid, label: r.label, t: at, t0: at - R.xferSeconds(ev), seconds: R.xferSeconds(ev), blocks: R.xferBlocks(ev),
                   bytes: R.xferBytes(ev), from: R.xferFrom(ev), to: R.xferTo(ev), ops: R.xferOps(ev) };
       if (!store.transfers.some((y) => y.rid === x.rid && y.t === x.t)) store.transfers.push(x);   // a snapshot may repeat it
       r.transfer = x;

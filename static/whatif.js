@@ -105,9 +105,9 @@ async function run() {
 
 // ---- the Gantts: one per run, rows = users in arrival order, x = seconds since the first arrival ----
 function startOf(records) {
-  const t = records.filter((r) => r.type === "request" && r.event === "arrived").map((r) => r.t);
-  const s = records.filter((r) => r.type === "step").map((r) => R.tStart(r));
-  return Math.min(...(t.length ? t : s));
+  const arrivals = records.filter((r) => r.type === "request" && r.event === "arrived").map((r) => r.t);
+  const starts = records.filter((r) => r.type === "step").map((r) => R.tStart(r));
+  return Math.min(...(arrivals.length ? arrivals : starts));
 }
 
 function draw(runs, result) {
@@ -141,7 +141,7 @@ function gantt(run, span) {
   canvas.style.width = w + "px"; canvas.style.height = h + "px";
   const g = canvas.getContext("2d");
   g.scale(dpr, dpr);
-  const x = (t) => LEFT + ((t - t0) / span) * (w - LEFT - 10);
+  const x = (sec) => LEFT + ((sec - t0) / span) * (w - LEFT - 10);
   g.font = "11px system-ui, sans-serif";
   g.fillStyle = colors.soft;
   rows.forEach((req, i) => g.fillText(names[req], 4, i * ROW + 12));
@@ -164,8 +164,8 @@ function gantt(run, span) {
   g.fillStyle = colors.muted;
   const y = rows.length * ROW + 16;
   for (let k = 0; k <= 4; k++) {
-    const t = (span * k) / 4;
-    g.fillText(t.toFixed(1) + " s", LEFT + (k / 4) * (w - LEFT - 10) - (k === 4 ? 30 : 0), y);
+    const sec = (span * k) / 4;
+    g.fillText(sec.toFixed(1) + " s", LEFT + (k / 4) * (w - LEFT - 10) - (k === 4 ? 30 : 0), y);
   }
   fig.append(cap, canvas);
   return fig;
@@ -175,7 +175,7 @@ function gantt(run, span) {
 function seconds(v) { return v == null ? "–" : v < 1 ? (v * 1000).toFixed(0) + " ms" : v.toFixed(2) + " s"; }
 
 function table(result) {
-  const t = $("whatif-table");
+  const box = $("whatif-table");
   const cols = [["ttft_s", t("whatif.ttft")], ["tbt_p99_s", t("whatif.tbt")], ["longest_stall_s", t("whatif.stall")]];
   const head = [t("whatif.user"), ...result.whatif.map((w, i) =>
     fmt("whatif.versus", { k: i + 1, policy: w.settings.policy ? t("policy." + w.settings.policy) : t("whatif.live") }))];
@@ -196,8 +196,8 @@ function table(result) {
     }));
     rows.push(tr);
   }
-  t.replaceChildren(...rows);
-  t.hidden = false;
+  box.replaceChildren(...rows);
+  box.hidden = false;
 }
 
 

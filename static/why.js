@@ -89,7 +89,7 @@ function plotCost(g, w, h, pts, fit, ctx, budget, advice, hollow) {
   const L = 52, B = 30, T = 10, Rm = 12;
   const xMax = Math.max(8, budget, advice || 0, ...pts.map((p) => p.tokens)) * 1.05;
   const yMax = Math.max(...pts.map((p) => p.seconds), A.predict(fit, xMax, ctx)) * 1.1 || 1;
-  const X = (t) => L + (t / xMax) * (w - L - Rm), Y = (sec) => h - B - (sec / yMax) * (h - B - T);
+  const X = (n) => L + (n / xMax) * (w - L - Rm), Y = (sec) => h - B - (sec / yMax) * (h - B - T);
   g.strokeStyle = "#999"; g.lineWidth = 1; g.beginPath(); g.moveTo(L, T); g.lineTo(L, h - B); g.lineTo(w - Rm, h - B); g.stroke();
   g.fillStyle = "#444"; g.font = "11px sans-serif"; g.textAlign = "center"; g.textBaseline = "top";
   for (let i = 0; i <= 4; i++) g.fillText(Math.round(xMax * i / 4), X(xMax * i / 4), h - B + 4);
@@ -242,18 +242,18 @@ function drawMask(c, items) {
   let q = 0, k = 0;
   g.strokeStyle = "#ccc"; g.strokeRect(L, top, W, H);
   for (const it of items) {
-    const color = colorOf(R.label(it)), t = R.tokens(it), st = R.start(it);
-    const x0 = L + (q / n) * W, x1 = L + ((q + t) / n) * W;
+    const color = colorOf(R.label(it)), nt = R.tokens(it), st = R.start(it);
+    const x0 = L + (q / n) * W, x1 = L + ((q + nt) / n) * W;
     g.fillStyle = R.isDecode(it) ? color : prefillPattern(g, color); g.fillRect(x0, 14, Math.max(1, x1 - x0 - 1), 12);
-    // keys k .. k+st (cached context, all visible) then k+st .. k+st+t (causal triangle)
-    const y0 = top + (q / n) * H, y1 = top + ((q + t) / n) * H;
+    // keys k .. k+st (cached context, all visible) then k+st .. k+st+nt (causal triangle)
+    const y0 = top + (q / n) * H, y1 = top + ((q + nt) / n) * H;
     const kx = (j) => L + (j / keys) * W;
     g.fillStyle = color; g.globalAlpha = 0.45;
     g.fillRect(kx(k), y0, Math.max(1, kx(k + st) - kx(k)), Math.max(1, y1 - y0));
     g.globalAlpha = 0.9; g.beginPath();
-    g.moveTo(kx(k + st), y0); g.lineTo(kx(k + st + 1), y0); g.lineTo(kx(k + st + t), y1); g.lineTo(kx(k + st), y1);
+    g.moveTo(kx(k + st), y0); g.lineTo(kx(k + st + 1), y0); g.lineTo(kx(k + st + nt), y1); g.lineTo(kx(k + st), y1);
     g.closePath(); g.fill(); g.globalAlpha = 1;
-    q += t; k += st + t;
+    q += nt; k += st + nt;
   }
 }
 

@@ -79,3 +79,15 @@ def test_the_page_loads_one_entry_module_and_maps_every_module_to_its_version():
     imports = json.loads(re.search(r'<script type="importmap">(.*?)</script>', head, re.S).group(1))["imports"]
     assert set(imports) == {f"{STATIC_URL}/{name}" for name in MODULES}
     assert all(re.fullmatch(re.escape(plain) + r"\?v=[0-9a-f]{10}", url) for plain, url in imports.items())
+
+
+def test_no_local_name_hides_an_import():
+    """A local `t` in a function that also says t("key") breaks the page only when that line runs."""
+    for name, src in MODULES.items():
+        code = code_of(src)
+        imported = {n.split(" as ")[-1].strip() for names, _, _ in IMPORT.findall(src) for n in names.split(",") if n.strip()}
+        for local in imported:
+            n = re.escape(local)
+            hides = re.search(rf"(?:\b(?:const|let|var|function)\s+{n}\b|[(,]\s*{n}\s*(?:[,)]\s*=>|\)\s*=>)"
+                              rf"|,\s*{n}\s*=(?!=)|\(\s*{n}\s*\)\s*=>)", code)
+            assert not hides, (name, local, hides and hides.group(0))
