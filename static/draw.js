@@ -1,468 +1,468 @@
 // Drawing the chart: the Gantt (one row per request, one column per step) and under it the
 // batch bar (what each step computed against its token budget), on two canvases that share
 // one x mapping (the window from layout.js). Text goes on canvas or through textContent only.
-(function () {
-  const BS = (window.BS = window.BS || {});
-  const R = BS.rec;                    // record fields are read through record.js
-  const C = () => BS.colors;
-  let LABEL_W = 132;          // px for row labels, left of both plots (narrower on a phone: see drawGantt)
-  const TOP = 24;             // px above the rows, for setting-change flags
-  const AXIS = 20;            // px below the rows, for the x axis
-  const ROW_H = 30, MIN_ROWS = 5;   // the chart grows with its rows, up to BS.chartMaxH px
-  const MIN_ROW_H = 10, READABLE_ROW_H = 16;   // a crowd keeps readable rows and counts the rest
-  const QUIET = 0.4;          // alpha of other people's cells on a student's page
-  const SHRINK_AFTER_MS = 1500;   // a smaller chart must be wanted this long before it shrinks (no jumping)
-  let shrinkSince = null, rowKey = "";
+import { lang, t } from "./i18n.js";
+import { layout, view } from "./layout.js";
+import { colorOf, colors, drawLabelSwatch, prefillPattern, stallPattern, unusedPattern } from "./palette.js";
+import { rec as R } from "./record.js";   // record fields are read through record.js
+import { store } from "./socket.js";
+import { state } from "./state.js";
 
-  BS.chartScale = 1;          // drawing units per CSS px (the projector draws everything bigger)
-  BS.chartMaxH = 420;         // px (CSS) the Gantt may grow to
+const C = () => colors;      // palette.js
+let LABEL_W = 132;          // px for row labels, left of both plots (narrower on a phone: see drawGantt)
+const TOP = 24;             // px above the rows, for setting-change flags
+const AXIS = 20;            // px below the rows, for the x axis
+const ROW_H = 30, MIN_ROWS = 5;   // the chart grows with its rows, up to state.chartMaxH px
+const MIN_ROW_H = 10, READABLE_ROW_H = 16;   // a crowd keeps readable rows and counts the rest
+const QUIET = 0.4;          // alpha of other people's cells on a student's page
+const SHRINK_AFTER_MS = 1500;   // a smaller chart must be wanted this long before it shrinks (no jumping)
+let shrinkSince = null, rowKey = "";
+// a shrink has waited long enough: interact.js redraws for it (an idle chart gets no other redraw)
+export const shrinkDue = (now) => shrinkSince != null && now - shrinkSince >= SHRINK_AFTER_MS;
 
-  // the canvas in drawing units: (ctx, width, height), scaled for the screen and the view
-  function fit(canvas) {
-    const dpr = window.devicePixelRatio || 1, S = BS.chartScale, r = canvas.getBoundingClientRect();
-    const cw = Math.max(200, Math.round(r.width)), ch = Math.max(60, Math.round(r.height));
-    if (canvas.width !== cw * dpr || canvas.height !== ch * dpr) { canvas.width = cw * dpr; canvas.height = ch * dpr; }
-    const g = canvas.getContext("2d");
-    g.setTransform(dpr * S, 0, 0, dpr * S, 0, 0);
-    return { g, w: cw / S, h: ch / S };
+
+// the canvas in drawing units: (ctx, width, height), scaled for the screen and the view
+function fit(canvas) {
+  const dpr = window.devicePixelRatio || 1, S = state.chartScale, r = canvas.getBoundingClientRect();
+  const cw = Math.max(200, Math.round(r.width)), ch = Math.max(60, Math.round(r.height));
+  if (canvas.width !== cw * dpr || canvas.height !== ch * dpr) { canvas.width = cw * dpr; canvas.height = ch * dpr; }
+  const g = canvas.getContext("2d");
+  g.setTransform(dpr * S, 0, 0, dpr * S, 0, 0);
+  return { g, w: cw / S, h: ch / S };
+}
+
+function ellipsize(g, text, max) {
+  if (g.measureText(text).width <= max) return text;
+  while (text.length > 1 && g.measureText(text + "…").width > max) text = text.slice(0, -1);
+  return text + "…";
+}
+
+export const fmtMs = (sec) => (sec < 1 ? (sec * 1000).toFixed(0) + " ms" : sec.toFixed(2) + " s");
+
+const settingKey = R.settingKey;
+
+function markerText(prev, s) {
+  if (R.policy(prev) !== R.policy(s)) {
+    if (R.policy(s) === "chunked") return t("marker.on");
+    if (R.policy(prev) === "chunked") return t("marker.off") + " → " + t("policy." + R.policy(s));
+    return t("policy." + R.policy(s));
   }
+  const parts = [];
+  if (R.budget(prev) !== R.budget(s)) parts.push(t("bar.budget") + " " + R.budget(s));
+  if (prev.max_num_seqs !== s.max_num_seqs) parts.push(t("marker.seqs") + " " + s.max_num_seqs);
+  return parts.join(", ");
+}
 
-  function ellipsize(g, text, max) {
-    if (g.measureText(text).width <= max) return text;
-    while (text.length > 1 && g.measureText(text + "…").width > max) text = text.slice(0, -1);
-    return text + "…";
+function drawGantt(gantt, resized) {
+  const { g, w, h } = fit(gantt), S = state.chartScale;
+  g.clearRect(0, 0, w, h);
+  LABEL_W = draw.LABEL_W = w < 480 ? 100 : 132;     // a phone keeps two thirds of its width for the steps
+  const plotW = w - LABEL_W - 8;
+  const win = layout.windowOf(plotW);
+  if (!win) {
+    g.fillStyle = C().muted; g.font = "16px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
+    g.fillText(t("metrics.empty"), w / 2, h / 2);
+    view.drawn = { steps: [], rows: [], cells: [] };
+    syncRowLabels(gantt, []);
+    setNote(gantt, "");
+    return null;
   }
+  const grouped = state.role !== "lecturer";
+  const all = layout.rowsOf(win, Infinity, grouped).rows.length;
+  const want = Math.min(state.chartMaxH, (TOP + AXIS + Math.max(MIN_ROWS, all) * ROW_H) * S);
+  // grow at once; shrink once the smaller size has lasted, by the clock
+  const now = performance.now();
+  if (want < h * S - 2) { if (shrinkSince == null) shrinkSince = now; } else shrinkSince = null;
+  if (!resized && (want > h * S + 2 || shrinkDue(now))) {
+    gantt.style.height = want + "px"; shrinkSince = null;
+    return drawGantt(gantt, true);
+  }
+  const avail = h - TOP - AXIS;
+  const rowH = Math.max(grouped ? READABLE_ROW_H : MIN_ROW_H, Math.min(ROW_H, Math.floor(avail / Math.max(1, all))));
+  const { rows: shown, more, collapsed } = layout.rowsOf(win, Math.floor(avail / rowH), grouped);
+  const rowIndex = new Map(shown.map((r, i) => [r.key, i]));   // key: the request, or the request in a lane
+  const quiet = state.role === "student" && shown.some((r) => r.mine);
+  drawRowLabels(g, shown, rowH, plotW);
+  const notes = [];
+  if (more > 0) notes.push("+" + more + " " + t("rows.more"));
+  if (collapsed > 0) notes.push(collapsed + " " + t("rows.finished"));
+  setNote(gantt, notes.join(" · "));
+  drawQueued(g, win, shown, rowIndex, rowH, plotW);
+  const cells = drawCells(g, win, rowIndex, rowH, quiet ? new Set(shown.filter((r) => !r.mine).map((r) => r.rid)) : null);
+  const handovers = drawHandovers(g, win, rowIndex, rowH, plotW);
+  const legend = document.querySelector("[data-testid=legend-handover]");
+  if (legend) legend.hidden = !win.steps.some(R.worker);        // hand-overs: the disaggregated pair only
+  if (win.axis === "step") drawGaps(g, win, avail);
+  const markers = drawMarkers(g, win, TOP - 20, h - AXIS, true);
+  // after the markers, so that no setting flag ever hides a slow step's duration
+  const slow = win.axis === "step" ? labelLongSteps(g, win, avail) : [];
+  const running = drawRunning(g, win, avail, plotW);
+  drawAxis(g, win, h - AXIS, plotW);
+  view.drawn = { steps: win.steps.map((s) => R.step(s)),
+                    rows: shown.map((r) => ({ rid: r.rid, label: r.label, mine: r.mine, group: r.group, lane: r.lane, header: !!r.header })),
+                    cells, markers, handovers, rowH, win, slow, running };
+  syncRowLabels(gantt, shown);
+  return win;
+}
 
-  const fmtMs = (BS.fmtMs = (sec) => (sec < 1 ? (sec * 1000).toFixed(0) + " ms" : sec.toFixed(2) + " s"));
-
-  const settingKey = R.settingKey;
-
-  function markerText(prev, s) {
-    if (R.policy(prev) !== R.policy(s)) {
-      if (R.policy(s) === "chunked") return BS.t("marker.on");
-      if (R.policy(prev) === "chunked") return BS.t("marker.off") + " → " + BS.t("policy." + R.policy(s));
-      return BS.t("policy." + R.policy(s));
+// row labels with each label's colour and mark; the viewer's own rows on a band, marked "you"
+function drawRowLabels(g, shown, rowH, plotW) {
+  g.textBaseline = "middle";
+  shown.forEach((r, i) => {
+    const y = TOP + i * rowH;
+    if (r.header) return drawLaneHeader(g, r.lane, y, rowH, plotW, i > 0);
+    if (r.mine) { g.fillStyle = C().mineBand; g.fillRect(0, y, LABEL_W + plotW, rowH); }
+    else if (i % 2) { g.fillStyle = C().stripe; g.fillRect(LABEL_W, y, plotW, rowH); }
+    if (i > 0 && !shown[i - 1].header && shown[i - 1].group !== r.group && state.role !== "lecturer") {
+      g.fillStyle = C().rule; g.fillRect(0, y, LABEL_W + plotW, 1);
     }
-    const parts = [];
-    if (R.budget(prev) !== R.budget(s)) parts.push(BS.t("bar.budget") + " " + R.budget(s));
-    if (prev.max_num_seqs !== s.max_num_seqs) parts.push(BS.t("marker.seqs") + " " + s.max_num_seqs);
-    return parts.join(", ");
-  }
+    drawLabelSwatch(g, r.label, 4, y + 3, 10, rowH - 6);
+    g.fillStyle = C().ink; g.textAlign = "left";
+    g.font = (rowH >= 18 ? "bold 14px" : "bold 11px") + " sans-serif";
+    const text = r.mine ? t("row.you") + " · " + r.label : r.label;
+    const narrow = LABEL_W < 132;           // a phone: the name gets the whole label, the request id goes
+    g.fillText(ellipsize(g, text, LABEL_W - (narrow ? 24 : 60)), 19, y + rowH / 2);
+    g.font = (rowH >= 18 ? "11px" : "9px") + " sans-serif"; g.fillStyle = C().muted; g.textAlign = "right";
+    if (!narrow) g.fillText(r.rid, LABEL_W - 6, y + rowH / 2);
+    if (r.mine) { g.strokeStyle = C().ink; g.lineWidth = 2; g.strokeRect(1, y + 1, LABEL_W + plotW - 2, rowH - 2); }
+  });
+}
 
-  function drawGantt(gantt, resized) {
-    const { g, w, h } = fit(gantt), S = BS.chartScale;
-    g.clearRect(0, 0, w, h);
-    LABEL_W = BS.draw.LABEL_W = w < 480 ? 100 : 132;     // a phone keeps two thirds of its width for the steps
-    const plotW = w - LABEL_W - 8;
-    const win = BS.layout.windowOf(plotW);
-    if (!win) {
-      g.fillStyle = C().muted; g.font = "16px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
-      g.fillText(BS.t("metrics.empty"), w / 2, h / 2);
-      BS.view.drawn = { steps: [], rows: [], cells: [] };
-      syncRowLabels(gantt, []);
-      setNote(gantt, "");
-      return null;
+// a worker's lane starts with a band naming the worker and its share of the machine
+function drawLaneHeader(g, lane, y, rowH, plotW, rule) {
+  g.fillStyle = C().laneBand; g.fillRect(0, y, LABEL_W + plotW, rowH);
+  if (rule) { g.fillStyle = C().ink; g.fillRect(0, y, LABEL_W + plotW, 2); }
+  g.fillStyle = C().ink; g.textAlign = "left"; g.textBaseline = "middle";
+  g.font = "bold " + (rowH >= 18 ? 14 : 11) + "px sans-serif";
+  g.fillText(laneTitle(lane), 6, y + rowH / 2);
+}
+
+// "prefill worker", or for a vLLM data-parallel engine "vLLM engine 1"
+export const laneName = (lane) => (/^dp\d+$/.test(lane) ? t("lane.dp") + " " + lane.slice(2) : t("lane." + lane));
+// "prefill worker · 1 thread": the thread count from the newest step of that worker
+export function laneTitle(lane) {
+  const steps = store.steps;
+  let threads = null;
+  for (let i = steps.length - 1; i >= 0 && threads == null && lane !== "engine"; i--) if (R.worker(steps[i]) === lane) threads = R.threads(steps[i]);
+  const name = laneName(lane);
+  return threads == null ? name : name + " · " + threads + " " + t(threads === 1 ? "lane.thread" : "lane.threads");
+}
+
+// rows left out or collapsed: said above the chart, in the page (the canvas top holds step labels)
+function setNote(gantt, text) {
+  const el = gantt.parentElement && gantt.parentElement.querySelector("[data-testid=rows-note]");
+  if (el && el.textContent !== text) el.textContent = text;
+}
+
+// the rows on screen as a list in the DOM, for screen readers and tests
+function syncRowLabels(gantt, shown) {
+  const list = gantt.parentElement && gantt.parentElement.querySelector("[data-testid=row-labels]");
+  if (!list) return;
+  const key = lang() + "|" + shown.map((r) => r.key + (r.mine ? "*" : "") + r.group).join(",");
+  if (key === rowKey) return;
+  rowKey = key;
+  list.replaceChildren(...shown.map((r) => {
+    const li = document.createElement("li");
+    if (r.header) { li.textContent = laneTitle(r.lane); li.dataset.lane = r.lane; li.dataset.header = "true"; return li; }
+    if (r.lane) li.dataset.lane = r.lane;
+    li.textContent = (r.mine ? t("row.you") + ": " : "") + r.label + " (" + r.rid + ", " + t("group." + r.group) + ")";
+    li.dataset.label = r.label; li.dataset.rid = r.rid; li.dataset.group = r.group;
+    if (r.mine) li.dataset.mine = "true";
+    return li;
+  }));
+}
+
+// queued spans: from arrival to the first step that ran the request
+function drawQueued(g, win, shown, rowIndex, rowH, plotW) {
+  g.save(); g.setLineDash([4, 4]); g.strokeStyle = C().queued; g.lineWidth = 2;
+  for (const r of shown) {
+    if (r.arrived == null || r.header || (r.lane && r.lane !== layout.queueLane(win))) continue;   // a prompt queues for the prefill worker
+    const req = store.reqs.get(r.rid), y = TOP + rowIndex.get(r.key) * rowH + rowH / 2;
+    let xa = win.xOfTime(r.arrived);
+    if (xa == null) continue;
+    const fs = req.firstStep != null && req.firstStep <= win.last.step ? layout.stepRec(req.firstStep) : null;
+    // until its first step; a request that ended without one (aborted while queued) until its end
+    const xe = !fs && req.end != null ? win.xOfTime(req.end) : null;
+    let xb = fs ? win.x(fs) : xe != null ? xe : plotW;
+    xa = Math.max(0, xa); xb = Math.min(plotW, xb);
+    if (xb - xa > 2) { g.beginPath(); g.moveTo(LABEL_W + xa, y); g.lineTo(LABEL_W + xb - 2, y); g.stroke(); }
+  }
+  g.restore();
+}
+
+function drawCells(g, win, rowIndex, rowH, quietRids) {
+  const cells = [], lanes = layout.lanesOf(win);
+  g.textAlign = "center"; g.textBaseline = "middle";
+  for (const s of win.steps) {
+    const x = LABEL_W + win.x(s), cw = win.w(s);
+    if (x + cw < LABEL_W) continue;
+    const x0 = Math.max(LABEL_W, x), wid = Math.max(1, cw - (cw > 5 ? 1 : 0) - (x0 - x));
+    const lane = lanes ? layout.laneOf(s) : null;
+    for (const it of R.items(s)) {
+      const i = rowIndex.get(layout.rowKey(lane, R.req(it)));
+      if (i === undefined) continue;
+      const y = TOP + i * rowH + 2, hh = rowH - 4;
+      g.globalAlpha = quietRids && quietRids.has(R.req(it)) ? QUIET : 1;
+      drawItem(g, it, win.axis, x0, y, wid, hh);
+      g.globalAlpha = 1;
+      cells.push({ step: R.step(s), req: R.req(it), label: R.label(it), kind: R.kind(it), tokens: R.tokens(it), x: x0, y, w: wid, h: hh,
+                   lane, t0: R.tStart(s), t1: R.tEnd(s) });
     }
-    const grouped = BS.role !== "lecturer";
-    const all = BS.layout.rowsOf(win, Infinity, grouped).rows.length;
-    const want = Math.min(BS.chartMaxH, (TOP + AXIS + Math.max(MIN_ROWS, all) * ROW_H) * S);
-    // grow at once; shrink once the smaller size has lasted, by the clock, with a redraw booked for
-    // then (an idle chart gets no other redraw to notice it)
-    const now = performance.now();
-    if (want < h * S - 2) {
-      if (shrinkSince == null) { shrinkSince = now; setTimeout(() => BS.redrawChart(), SHRINK_AFTER_MS + 50); }
-    } else shrinkSince = null;
-    if (!resized && (want > h * S + 2 || (shrinkSince != null && now - shrinkSince >= SHRINK_AFTER_MS))) {
-      gantt.style.height = want + "px"; shrinkSince = null;
-      return drawGantt(gantt, true);
+    for (const rid of s.stalled || []) {
+      const i = rowIndex.get(layout.rowKey(lane, rid));
+      if (i === undefined) continue;
+      const y = TOP + i * rowH + 2, hh = rowH - 4;
+      drawStall(g, s, x0, y, wid, hh);
+      const req = store.reqs.get(rid);
+      cells.push({ step: R.step(s), req: rid, label: req ? req.label : rid, kind: "stall", tokens: 0, x: x0, y, w: wid, h: hh,
+                   lane, t0: R.tStart(s), t1: R.tEnd(s) });
     }
-    const avail = h - TOP - AXIS;
-    const rowH = Math.max(grouped ? READABLE_ROW_H : MIN_ROW_H, Math.min(ROW_H, Math.floor(avail / Math.max(1, all))));
-    const { rows: shown, more, collapsed } = BS.layout.rowsOf(win, Math.floor(avail / rowH), grouped);
-    const rowIndex = new Map(shown.map((r, i) => [r.key, i]));   // key: the request, or the request in a lane
-    const quiet = BS.role === "student" && shown.some((r) => r.mine);
-    drawRowLabels(g, shown, rowH, plotW);
-    const notes = [];
-    if (more > 0) notes.push("+" + more + " " + BS.t("rows.more"));
-    if (collapsed > 0) notes.push(collapsed + " " + BS.t("rows.finished"));
-    setNote(gantt, notes.join(" · "));
-    drawQueued(g, win, shown, rowIndex, rowH, plotW);
-    const cells = drawCells(g, win, rowIndex, rowH, quiet ? new Set(shown.filter((r) => !r.mine).map((r) => r.rid)) : null);
-    const handovers = drawHandovers(g, win, rowIndex, rowH, plotW);
-    const legend = document.querySelector("[data-testid=legend-handover]");
-    if (legend) legend.hidden = !win.steps.some(R.worker);        // hand-overs: the disaggregated pair only
-    if (win.axis === "step") drawGaps(g, win, avail);
-    const markers = drawMarkers(g, win, TOP - 20, h - AXIS, true);
-    // after the markers, so that no setting flag ever hides a slow step's duration
-    const slow = win.axis === "step" ? labelLongSteps(g, win, avail) : [];
-    const running = drawRunning(g, win, avail, plotW);
-    drawAxis(g, win, h - AXIS, plotW);
-    BS.view.drawn = { steps: win.steps.map((s) => R.step(s)),
-                      rows: shown.map((r) => ({ rid: r.rid, label: r.label, mine: r.mine, group: r.group, lane: r.lane, header: !!r.header })),
-                      cells, markers, handovers, rowH, win, slow, running };
-    syncRowLabels(gantt, shown);
-    return win;
   }
+  return cells;
+}
 
-  // row labels with each label's colour and mark; the viewer's own rows on a band, marked "you"
-  function drawRowLabels(g, shown, rowH, plotW) {
-    g.textBaseline = "middle";
-    shown.forEach((r, i) => {
-      const y = TOP + i * rowH;
-      if (r.header) return drawLaneHeader(g, r.lane, y, rowH, plotW, i > 0);
-      if (r.mine) { g.fillStyle = C().mineBand; g.fillRect(0, y, LABEL_W + plotW, rowH); }
-      else if (i % 2) { g.fillStyle = C().stripe; g.fillRect(LABEL_W, y, plotW, rowH); }
-      if (i > 0 && !shown[i - 1].header && shown[i - 1].group !== r.group && BS.role !== "lecturer") {
-        g.fillStyle = C().rule; g.fillRect(0, y, LABEL_W + plotW, 1);
-      }
-      BS.drawLabelSwatch(g, r.label, 4, y + 3, 10, rowH - 6);
-      g.fillStyle = C().ink; g.textAlign = "left";
-      g.font = (rowH >= 18 ? "bold 14px" : "bold 11px") + " sans-serif";
-      const text = r.mine ? BS.t("row.you") + " · " + r.label : r.label;
-      const narrow = LABEL_W < 132;           // a phone: the name gets the whole label, the request id goes
-      g.fillText(ellipsize(g, text, LABEL_W - (narrow ? 24 : 60)), 19, y + rowH / 2);
-      g.font = (rowH >= 18 ? "11px" : "9px") + " sans-serif"; g.fillStyle = C().muted; g.textAlign = "right";
-      if (!narrow) g.fillText(r.rid, LABEL_W - 6, y + rowH / 2);
-      if (r.mine) { g.strokeStyle = C().ink; g.lineWidth = 2; g.strokeRect(1, y + 1, LABEL_W + plotW - 2, rowH - 2); }
-    });
-  }
-
-  // a worker's lane starts with a band naming the worker and its share of the machine
-  function drawLaneHeader(g, lane, y, rowH, plotW, rule) {
-    g.fillStyle = C().laneBand; g.fillRect(0, y, LABEL_W + plotW, rowH);
-    if (rule) { g.fillStyle = C().ink; g.fillRect(0, y, LABEL_W + plotW, 2); }
-    g.fillStyle = C().ink; g.textAlign = "left"; g.textBaseline = "middle";
-    g.font = "bold " + (rowH >= 18 ? 14 : 11) + "px sans-serif";
-    g.fillText(BS.laneTitle(lane), 6, y + rowH / 2);
-  }
-
-  // "prefill worker", or for a vLLM data-parallel engine "vLLM engine 1"
-  BS.laneName = (lane) => (/^dp\d+$/.test(lane) ? BS.t("lane.dp") + " " + lane.slice(2) : BS.t("lane." + lane));
-  // "prefill worker · 1 thread": the thread count from the newest step of that worker
-  BS.laneTitle = function (lane) {
-    const steps = BS.store.steps;
-    let threads = null;
-    for (let i = steps.length - 1; i >= 0 && threads == null && lane !== "engine"; i--) if (R.worker(steps[i]) === lane) threads = R.threads(steps[i]);
-    const name = BS.laneName(lane);
-    return threads == null ? name : name + " · " + threads + " " + BS.t(threads === 1 ? "lane.thread" : "lane.threads");
-  };
-
-  // rows left out or collapsed: said above the chart, in the page (the canvas top holds step labels)
-  function setNote(gantt, text) {
-    const el = gantt.parentElement && gantt.parentElement.querySelector("[data-testid=rows-note]");
-    if (el && el.textContent !== text) el.textContent = text;
-  }
-
-  // the rows on screen as a list in the DOM, for screen readers and tests
-  function syncRowLabels(gantt, shown) {
-    const list = gantt.parentElement && gantt.parentElement.querySelector("[data-testid=row-labels]");
-    if (!list) return;
-    const key = BS.lang() + "|" + shown.map((r) => r.key + (r.mine ? "*" : "") + r.group).join(",");
-    if (key === rowKey) return;
-    rowKey = key;
-    list.replaceChildren(...shown.map((r) => {
-      const li = document.createElement("li");
-      if (r.header) { li.textContent = BS.laneTitle(r.lane); li.dataset.lane = r.lane; li.dataset.header = "true"; return li; }
-      if (r.lane) li.dataset.lane = r.lane;
-      li.textContent = (r.mine ? BS.t("row.you") + ": " : "") + r.label + " (" + r.rid + ", " + BS.t("group." + r.group) + ")";
-      li.dataset.label = r.label; li.dataset.rid = r.rid; li.dataset.group = r.group;
-      if (r.mine) li.dataset.mine = "true";
-      return li;
-    }));
-  }
-
-  // queued spans: from arrival to the first step that ran the request
-  function drawQueued(g, win, shown, rowIndex, rowH, plotW) {
-    g.save(); g.setLineDash([4, 4]); g.strokeStyle = C().queued; g.lineWidth = 2;
-    for (const r of shown) {
-      if (r.arrived == null || r.header || (r.lane && r.lane !== BS.layout.queueLane(win))) continue;   // a prompt queues for the prefill worker
-      const req = BS.store.reqs.get(r.rid), y = TOP + rowIndex.get(r.key) * rowH + rowH / 2;
-      let xa = win.xOfTime(r.arrived);
-      if (xa == null) continue;
-      const fs = req.firstStep != null && req.firstStep <= win.last.step ? BS.layout.stepRec(req.firstStep) : null;
-      // until its first step; a request that ended without one (aborted while queued) until its end
-      const xe = !fs && req.end != null ? win.xOfTime(req.end) : null;
-      let xb = fs ? win.x(fs) : xe != null ? xe : plotW;
-      xa = Math.max(0, xa); xb = Math.min(plotW, xb);
-      if (xb - xa > 2) { g.beginPath(); g.moveTo(LABEL_W + xa, y); g.lineTo(LABEL_W + xb - 2, y); g.stroke(); }
+// a KV hand-over: an arrow from the request's prefill row, where the export starts (t0), to its
+// decode row, where the import is done (t), labelled with its size and time where there is room
+function drawHandovers(g, win, rowIndex, rowH, plotW) {
+  const out = [], t0 = win.steps.length ? R.tStart(win.steps[0]) : R.tEnd(win.last), t1 = R.tEnd(win.last);
+  const S = state.chartScale, taken = [];          // label boxes placed so far: a label that would cover one moves or is left out
+  for (const x of store.transfers) {
+    if (x.t < t0 || x.t0 > t1) continue;
+    const a = rowIndex.get(layout.rowKey(x.from, x.rid)), b = rowIndex.get(layout.rowKey(x.to, x.rid));
+    if (a === undefined || b === undefined) continue;
+    let xa = win.xOfTime(x.t0), xb = win.xOfTime(x.t);
+    if (xa == null || xb == null) continue;
+    xa = LABEL_W + Math.max(0, Math.min(plotW, xa)); xb = LABEL_W + Math.max(0, Math.min(plotW, xb));
+    const down = b > a, ya = TOP + a * rowH + (down ? rowH - 3 : 3), yb = TOP + b * rowH + (down ? 3 : rowH - 3);
+    g.save();
+    g.strokeStyle = C().paper; g.lineWidth = 5.5;                // a white halo keeps it readable over any cell
+    g.beginPath(); g.moveTo(xa, ya); g.lineTo(xb, yb); g.stroke();
+    g.strokeStyle = C().handover; g.fillStyle = C().handover; g.lineWidth = 2.5;
+    g.beginPath(); g.moveTo(xa, ya); g.lineTo(xb, yb); g.stroke();
+    const ang = Math.atan2(yb - ya, xb - xa), hl = 9;           // arrowhead at the decode row
+    g.beginPath(); g.moveTo(xb, yb);
+    g.lineTo(xb - hl * Math.cos(ang - 0.45), yb - hl * Math.sin(ang - 0.45));
+    g.lineTo(xb - hl * Math.cos(ang + 0.45), yb - hl * Math.sin(ang + 0.45));
+    g.closePath(); g.fill();
+    g.beginPath(); g.arc(xa, ya, 3.5, 0, 2 * Math.PI); g.fill();  // export starts here
+    const text = handoverText(x);
+    g.font = "bold 11px sans-serif"; g.textAlign = "left"; g.textBaseline = "middle";
+    const tw = g.measureText(text).width + 8, xm = Math.min(Math.max(xa, xb) + 6, LABEL_W + plotW - tw);
+    const ym = [0, 18, -18, 36].map((d) => (ya + yb) / 2 + d)
+      .find((y) => !taken.some(([x, yy]) => Math.abs(y - yy) < 17 && xm < x + tw + 4 && x < xm + tw + 4));
+    if (Math.abs(yb - ya) >= 14 && ym !== undefined) {
+      taken.push([xm, ym]);
+      g.fillStyle = C().paper; g.fillRect(xm, ym - 8, tw, 16);
+      g.strokeStyle = C().handover; g.lineWidth = 1; g.strokeRect(xm + 0.5, ym - 7.5, tw - 1, 15);
+      g.fillStyle = C().ink; g.fillText(text, xm + 4, ym + 0.5);
     }
     g.restore();
+    out.push({ req: x.rid, label: x.label, x0: xa * S, x1: xb * S, y0: ya * S, y1: yb * S, blocks: x.blocks, bytes: x.bytes, seconds: x.seconds, text });
   }
+  return out;
+}
 
-  function drawCells(g, win, rowIndex, rowH, quietRids) {
-    const cells = [], lanes = BS.layout.lanesOf(win);
-    g.textAlign = "center"; g.textBaseline = "middle";
-    for (const s of win.steps) {
-      const x = LABEL_W + win.x(s), cw = win.w(s);
-      if (x + cw < LABEL_W) continue;
-      const x0 = Math.max(LABEL_W, x), wid = Math.max(1, cw - (cw > 5 ? 1 : 0) - (x0 - x));
-      const lane = lanes ? BS.layout.laneOf(s) : null;
-      for (const it of R.items(s)) {
-        const i = rowIndex.get(BS.layout.rowKey(lane, R.req(it)));
-        if (i === undefined) continue;
-        const y = TOP + i * rowH + 2, hh = rowH - 4;
-        g.globalAlpha = quietRids && quietRids.has(R.req(it)) ? QUIET : 1;
-        drawItem(g, it, win.axis, x0, y, wid, hh);
-        g.globalAlpha = 1;
-        cells.push({ step: R.step(s), req: R.req(it), label: R.label(it), kind: R.kind(it), tokens: R.tokens(it), x: x0, y, w: wid, h: hh,
-                     lane, t0: R.tStart(s), t1: R.tEnd(s) });
-      }
-      for (const rid of s.stalled || []) {
-        const i = rowIndex.get(BS.layout.rowKey(lane, rid));
-        if (i === undefined) continue;
-        const y = TOP + i * rowH + 2, hh = rowH - 4;
-        drawStall(g, s, x0, y, wid, hh);
-        const req = BS.store.reqs.get(rid);
-        cells.push({ step: R.step(s), req: rid, label: req ? req.label : rid, kind: "stall", tokens: 0, x: x0, y, w: wid, h: hh,
-                     lane, t0: R.tStart(s), t1: R.tEnd(s) });
-      }
-    }
-    return cells;
-  }
+export const fmtBytes = (n) => (n >= 1e6 ? (n / 1e6).toFixed(1) + " MB" : n >= 1e3 ? (n / 1e3).toFixed(0) + " kB" : n + " B");
+// "KV 12 blocks · 1.4 MB · 3 ms"
+export const handoverText = (x) => t("handover.kv") + " " + x.blocks + " " + t("handover.blocks") + " · " + fmtBytes(x.bytes) + " · " + fmtMs(x.seconds);
 
-  // a KV hand-over: an arrow from the request's prefill row, where the export starts (t0), to its
-  // decode row, where the import is done (t), labelled with its size and time where there is room
-  function drawHandovers(g, win, rowIndex, rowH, plotW) {
-    const out = [], t0 = win.steps.length ? R.tStart(win.steps[0]) : R.tEnd(win.last), t1 = R.tEnd(win.last);
-    const S = BS.chartScale, taken = [];          // label boxes placed so far: a label that would cover one moves or is left out
-    for (const x of BS.store.transfers) {
-      if (x.t < t0 || x.t0 > t1) continue;
-      const a = rowIndex.get(BS.layout.rowKey(x.from, x.rid)), b = rowIndex.get(BS.layout.rowKey(x.to, x.rid));
-      if (a === undefined || b === undefined) continue;
-      let xa = win.xOfTime(x.t0), xb = win.xOfTime(x.t);
-      if (xa == null || xb == null) continue;
-      xa = LABEL_W + Math.max(0, Math.min(plotW, xa)); xb = LABEL_W + Math.max(0, Math.min(plotW, xb));
-      const down = b > a, ya = TOP + a * rowH + (down ? rowH - 3 : 3), yb = TOP + b * rowH + (down ? 3 : rowH - 3);
-      g.save();
-      g.strokeStyle = C().paper; g.lineWidth = 5.5;                // a white halo keeps it readable over any cell
-      g.beginPath(); g.moveTo(xa, ya); g.lineTo(xb, yb); g.stroke();
-      g.strokeStyle = C().handover; g.fillStyle = C().handover; g.lineWidth = 2.5;
-      g.beginPath(); g.moveTo(xa, ya); g.lineTo(xb, yb); g.stroke();
-      const ang = Math.atan2(yb - ya, xb - xa), hl = 9;           // arrowhead at the decode row
-      g.beginPath(); g.moveTo(xb, yb);
-      g.lineTo(xb - hl * Math.cos(ang - 0.45), yb - hl * Math.sin(ang - 0.45));
-      g.lineTo(xb - hl * Math.cos(ang + 0.45), yb - hl * Math.sin(ang + 0.45));
-      g.closePath(); g.fill();
-      g.beginPath(); g.arc(xa, ya, 3.5, 0, 2 * Math.PI); g.fill();  // export starts here
-      const text = BS.handoverText(x);
-      g.font = "bold 11px sans-serif"; g.textAlign = "left"; g.textBaseline = "middle";
-      const tw = g.measureText(text).width + 8, xm = Math.min(Math.max(xa, xb) + 6, LABEL_W + plotW - tw);
-      const ym = [0, 18, -18, 36].map((d) => (ya + yb) / 2 + d)
-        .find((y) => !taken.some(([x, yy]) => Math.abs(y - yy) < 17 && xm < x + tw + 4 && x < xm + tw + 4));
-      if (Math.abs(yb - ya) >= 14 && ym !== undefined) {
-        taken.push([xm, ym]);
-        g.fillStyle = C().paper; g.fillRect(xm, ym - 8, tw, 16);
-        g.strokeStyle = C().handover; g.lineWidth = 1; g.strokeRect(xm + 0.5, ym - 7.5, tw - 1, 15);
-        g.fillStyle = C().ink; g.fillText(text, xm + 4, ym + 0.5);
-      }
-      g.restore();
-      out.push({ req: x.rid, label: x.label, x0: xa * S, x1: xb * S, y0: ya * S, y1: yb * S, blocks: x.blocks, bytes: x.bytes, seconds: x.seconds, text });
-    }
-    return out;
-  }
-
-  const fmtBytes = (BS.fmtBytes = (n) => (n >= 1e6 ? (n / 1e6).toFixed(1) + " MB" : n >= 1e3 ? (n / 1e3).toFixed(0) + " kB" : n + " B"));
-  // "KV 12 blocks · 1.4 MB · 3 ms"
-  BS.handoverText = (x) => BS.t("handover.kv") + " " + x.blocks + " " + BS.t("handover.blocks") + " · " + fmtBytes(x.bytes) + " · " + fmtMs(x.seconds);
-
-  function drawItem(g, it, axis, x0, y, wid, hh) {
-    const color = BS.colorOf(R.label(it));
-    if (R.isDecode(it) && (axis === "step" || wid < 8)) {
-      g.fillStyle = color; g.fillRect(x0, y, wid, hh);
-    } else if (R.isDecode(it)) {
-      // wall time: one token, arriving at the end of the step; the pale body is the wait for it
-      const tick = Math.min(6, wid * 0.4), alpha = g.globalAlpha;
-      g.globalAlpha = alpha * 0.35; g.fillStyle = color; g.fillRect(x0, y, wid - tick, hh); g.globalAlpha = alpha;
-      g.fillRect(x0 + wid - tick, y, tick, hh);
-    } else {
-      g.fillStyle = BS.prefillPattern(g, color); g.fillRect(x0, y, wid, hh);
-      g.strokeStyle = color; g.lineWidth = 1.5; g.strokeRect(x0 + 0.75, y + 0.75, wid - 1.5, hh - 1.5);
-      const p = BS.t("cell.prefill");
-      const txt = wid >= 44 ? p + " " + R.tokens(it) : wid >= 12 && hh >= 12 ? p : "";
-      if (txt) {
-        g.font = "bold " + (hh >= 18 ? 12 : 10) + "px sans-serif";
-        g.fillStyle = C().labelBack;
-        const tw = g.measureText(txt).width + 4;
-        g.fillRect(x0 + wid / 2 - tw / 2, y + hh / 2 - 7, tw, 14);
-        g.fillStyle = C().ink; g.fillText(txt, x0 + wid / 2, y + hh / 2 + 1);
-      }
-    }
-  }
-
-  function drawStall(g, s, x0, y, wid, hh) {
-    g.fillStyle = BS.stallPattern(g); g.fillRect(x0, y, wid, hh);
-    g.strokeStyle = C().stallLine; g.lineWidth = 1.5; g.strokeRect(x0 + 0.75, y + 0.75, wid - 1.5, hh - 1.5);
-    if (wid >= 80 && hh >= 14) {
-      const txt = BS.t("cell.stall") + " " + fmtMs(R.dur(s));
-      g.font = "bold 11px sans-serif";
-      const tw = g.measureText(txt).width + 6;
-      g.fillStyle = C().paper; g.fillRect(x0 + wid / 2 - tw / 2, y + hh / 2 - 7, tw, 14);
+function drawItem(g, it, axis, x0, y, wid, hh) {
+  const color = colorOf(R.label(it));
+  if (R.isDecode(it) && (axis === "step" || wid < 8)) {
+    g.fillStyle = color; g.fillRect(x0, y, wid, hh);
+  } else if (R.isDecode(it)) {
+    // wall time: one token, arriving at the end of the step; the pale body is the wait for it
+    const tick = Math.min(6, wid * 0.4), alpha = g.globalAlpha;
+    g.globalAlpha = alpha * 0.35; g.fillStyle = color; g.fillRect(x0, y, wid - tick, hh); g.globalAlpha = alpha;
+    g.fillRect(x0 + wid - tick, y, tick, hh);
+  } else {
+    g.fillStyle = prefillPattern(g, color); g.fillRect(x0, y, wid, hh);
+    g.strokeStyle = color; g.lineWidth = 1.5; g.strokeRect(x0 + 0.75, y + 0.75, wid - 1.5, hh - 1.5);
+    const p = t("cell.prefill");
+    const txt = wid >= 44 ? p + " " + R.tokens(it) : wid >= 12 && hh >= 12 ? p : "";
+    if (txt) {
+      g.font = "bold " + (hh >= 18 ? 12 : 10) + "px sans-serif";
+      g.fillStyle = C().labelBack;
+      const tw = g.measureText(txt).width + 4;
+      g.fillRect(x0 + wid / 2 - tw / 2, y + hh / 2 - 7, tw, 14);
       g.fillStyle = C().ink; g.fillText(txt, x0 + wid / 2, y + hh / 2 + 1);
     }
   }
+}
 
-  // missed steps (slow connection), step axis only: they have no times to place them by
-  function drawGaps(g, win, avail) {
-    const first = win.steps.length ? win.steps[0].step : win.last.step;
-    for (const gp of BS.store.gaps) {
-      const a = Math.max(gp.after + 1, first), b = Math.min(gp.before - 1, win.last.step);
-      if (b < a) continue;
-      const xa = LABEL_W + win.xOfStep(a), xb = LABEL_W + win.xOfStep(b + 1);
-      g.fillStyle = C().gap; g.fillRect(xa, TOP, xb - xa, avail);
-      g.fillStyle = C().queued; g.font = "11px sans-serif"; g.fillText("…", (xa + xb) / 2, TOP + avail / 2);
+function drawStall(g, s, x0, y, wid, hh) {
+  g.fillStyle = stallPattern(g); g.fillRect(x0, y, wid, hh);
+  g.strokeStyle = C().stallLine; g.lineWidth = 1.5; g.strokeRect(x0 + 0.75, y + 0.75, wid - 1.5, hh - 1.5);
+  if (wid >= 80 && hh >= 14) {
+    const txt = t("cell.stall") + " " + fmtMs(R.dur(s));
+    g.font = "bold 11px sans-serif";
+    const tw = g.measureText(txt).width + 6;
+    g.fillStyle = C().paper; g.fillRect(x0 + wid / 2 - tw / 2, y + hh / 2 - 7, tw, 14);
+    g.fillStyle = C().ink; g.fillText(txt, x0 + wid / 2, y + hh / 2 + 1);
+  }
+}
+
+// missed steps (slow connection), step axis only: they have no times to place them by
+function drawGaps(g, win, avail) {
+  const first = win.steps.length ? win.steps[0].step : win.last.step;
+  for (const gp of store.gaps) {
+    const a = Math.max(gp.after + 1, first), b = Math.min(gp.before - 1, win.last.step);
+    if (b < a) continue;
+    const xa = LABEL_W + win.xOfStep(a), xb = LABEL_W + win.xOfStep(b + 1);
+    g.fillStyle = C().gap; g.fillRect(xa, TOP, xb - xa, avail);
+    g.fillStyle = C().queued; g.font = "11px sans-serif"; g.fillText("…", (xa + xb) / 2, TOP + avail / 2);
+  }
+}
+
+// the step axis hides how long a step took: say it above the steps far slower than the rest
+// step axis: a step far slower than its neighbours gets an ink frame over its whole column and its
+// duration in a box on the column, at the top of the plot (below the setting flags, drawn over them)
+function labelLongSteps(g, win, avail) {
+  const d = win.steps.map((s) => R.dur(s)).sort((a, b) => a - b);
+  const median = d[d.length >> 1] || 0, out = [];
+  if (d.length < 5) return out;
+  const slow = win.steps.filter((s) => R.dur(s) >= Math.max(4 * median, 0.2))
+    .sort((a, b) => R.dur(b) - R.dur(a));
+  g.font = "bold 13px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
+  const taken = [];                     // the longest get their label first; others only where it fits
+  for (const s of slow) {
+    const x0 = LABEL_W + win.x(s), cw = Math.max(2, win.w(s));
+    if (x0 + cw < LABEL_W) continue;
+    const x = x0 + cw / 2, txt = fmtMs(R.dur(s)), tw = g.measureText(txt).width + 10;
+    const bx = Math.max(LABEL_W, Math.min(x - tw / 2, g.canvas.width / (window.devicePixelRatio || 1) / state.chartScale - tw));
+    if (taken.some(([a, b]) => bx + tw > a && bx < b)) { out.push({ step: R.step(s), text: txt, shown: false }); continue; }
+    taken.push([bx, bx + tw]);
+    g.strokeStyle = C().ink; g.lineWidth = 2; g.strokeRect(x0 - 1, TOP - 1, cw + 2, avail + 2);
+    g.fillStyle = C().ink; g.fillRect(bx, TOP + 2, tw, 18);
+    g.fillStyle = C().paper; g.fillText(txt, bx + tw / 2, TOP + 11.5);
+    out.push({ step: R.step(s), text: txt, shown: true, x: bx * state.chartScale, y: (TOP + 2) * state.chartScale });
+  }
+  return out;
+}
+
+// live, and no step has come for a while though requests are in: a step is running (a long prefill,
+// say). Say so at the chart's right edge, with the time it has taken so far, instead of freezing.
+function drawRunning(g, win, avail, plotW) {
+  const el = store.runningFor();
+  if (el == null || view.mode !== "live") return null;
+  const x = Math.min(LABEL_W + plotW - 4, LABEL_W + win.x(win.last) + win.w(win.last) + 2);
+  g.save(); g.setLineDash([5, 4]); g.strokeStyle = C().ink; g.lineWidth = 2;
+  g.beginPath(); g.moveTo(x + 1, TOP); g.lineTo(x + 1, TOP + avail); g.stroke(); g.restore();
+  const txt = t("chart.running") + " " + fmtMs(el);
+  g.font = "bold 13px sans-serif"; g.textAlign = "left"; g.textBaseline = "middle";
+  const tw = g.measureText(txt).width + 10, bx = Math.max(LABEL_W, Math.min(x + 4, LABEL_W + plotW - tw));
+  g.fillStyle = C().paper; g.fillRect(bx, TOP + avail / 2 - 10, tw, 20);
+  g.strokeStyle = C().ink; g.lineWidth = 1.5; g.strokeRect(bx + 0.5, TOP + avail / 2 - 9.5, tw - 1, 19);
+  g.fillStyle = C().ink; g.fillText(txt, bx + 5, TOP + avail / 2 + 0.5);
+  return { seconds: el, text: txt };
+}
+
+function drawMarkers(g, win, yTop, yBottom, flags) {
+  const steps = store.steps, out = [], S = state.chartScale;
+  for (const s of win.steps) {
+    const i = layout.findIndex(R.step(s));
+    if (i === 0) continue;
+    const prev = steps[i - 1];
+    if (settingKey(prev) === settingKey(s)) continue;
+    const x = Math.round(LABEL_W + win.x(s)) - 1;
+    if (x < LABEL_W) continue;
+    g.fillStyle = C().ink; g.fillRect(x - 1, yTop, 3, yBottom - yTop);
+    const txt = markerText(prev, s);
+    out.push({ step: R.step(s), x: x * S, text: txt, policy: R.policy(s) });
+    if (flags) {
+      g.font = "bold 12px sans-serif";
+      const tw = g.measureText(txt).width + 10;
+      const bx = Math.min(x + 2, g.canvas.width / (window.devicePixelRatio || 1) / S - tw);
+      g.fillStyle = C().ink; g.fillRect(bx, yTop, tw, 18);
+      g.fillStyle = C().paper; g.textAlign = "left"; g.textBaseline = "middle";
+      g.fillText(txt, bx + 5, yTop + 9.5);
+      g.textAlign = "center";
     }
   }
+  return out;
+}
 
-  // the step axis hides how long a step took: say it above the steps far slower than the rest
-  // step axis: a step far slower than its neighbours gets an ink frame over its whole column and its
-  // duration in a box on the column, at the top of the plot (below the setting flags, drawn over them)
-  function labelLongSteps(g, win, avail) {
-    const d = win.steps.map((s) => R.dur(s)).sort((a, b) => a - b);
-    const median = d[d.length >> 1] || 0, out = [];
-    if (d.length < 5) return out;
-    const slow = win.steps.filter((s) => R.dur(s) >= Math.max(4 * median, 0.2))
-      .sort((a, b) => R.dur(b) - R.dur(a));
-    g.font = "bold 13px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
-    const taken = [];                     // the longest get their label first; others only where it fits
-    for (const s of slow) {
-      const x0 = LABEL_W + win.x(s), cw = Math.max(2, win.w(s));
-      if (x0 + cw < LABEL_W) continue;
-      const x = x0 + cw / 2, txt = fmtMs(R.dur(s)), tw = g.measureText(txt).width + 10;
-      const bx = Math.max(LABEL_W, Math.min(x - tw / 2, g.canvas.width / (window.devicePixelRatio || 1) / BS.chartScale - tw));
-      if (taken.some(([a, b]) => bx + tw > a && bx < b)) { out.push({ step: R.step(s), text: txt, shown: false }); continue; }
-      taken.push([bx, bx + tw]);
-      g.strokeStyle = C().ink; g.lineWidth = 2; g.strokeRect(x0 - 1, TOP - 1, cw + 2, avail + 2);
-      g.fillStyle = C().ink; g.fillRect(bx, TOP + 2, tw, 18);
-      g.fillStyle = C().paper; g.fillText(txt, bx + tw / 2, TOP + 11.5);
-      out.push({ step: R.step(s), text: txt, shown: true, x: bx * BS.chartScale, y: (TOP + 2) * BS.chartScale });
+function drawAxis(g, win, y, plotW) {
+  g.strokeStyle = C().rule; g.lineWidth = 1;
+  g.beginPath(); g.moveTo(LABEL_W, y + 0.5); g.lineTo(LABEL_W + plotW, y + 0.5); g.stroke();
+  g.fillStyle = C().soft; g.font = "11px sans-serif"; g.textAlign = "center"; g.textBaseline = "top";
+  for (const tk of win.ticks()) { g.fillRect(LABEL_W + tk.x, y, 1, 4); g.fillText(tk.text, LABEL_W + tk.x, y + 5); }
+  g.textAlign = "left"; g.fillText(t(win.axis === "step" ? "axis.step" : "axis.time"), 4, y + 5);
+}
+
+// one bar chart, or with workers one per lane (stacked, prefill on top), each against its own budget
+function drawBar(bar, win) {
+  const { g, w, h } = fit(bar);
+  g.clearRect(0, 0, w, h);
+  if (!win) return;
+  const lanes = layout.lanesOf(win);
+  if (!lanes) drawBarLane(g, win, win.steps, win.last, 16, h - 4, null);
+  else {
+    const lh = (h - 4) / lanes.length;
+    lanes.forEach((lane, i) => {
+      const steps = win.steps.filter((s) => layout.laneOf(s) === lane);
+      if (steps.length) drawBarLane(g, win, steps, steps[steps.length - 1], i * lh + 16, (i + 1) * lh - 4, lane);
+      if (i > 0) { g.fillStyle = C().ink; g.fillRect(0, i * lh, w, 1); }
+    });
+  }
+  drawMarkers(g, win, 0, h, false);
+}
+
+function drawBarLane(g, win, steps, last, top, bottom, lane) {
+  const H = bottom - top;
+  let ymax = 1;
+  for (const s of steps) ymax = Math.max(ymax, R.budget(s), R.numTokens(s));
+  const budgetNow = R.budget(last);
+  ymax = Math.min(ymax, budgetNow * 2.5) * 1.04;
+  const Y = (v) => bottom - Math.min(v, ymax) / ymax * H;
+
+  g.font = "11px sans-serif"; g.fillStyle = C().soft; g.textAlign = "right"; g.textBaseline = "middle";
+  g.fillText("0", LABEL_W - 6, bottom - 4);
+  g.fillText(t("bar.budget") + " " + budgetNow, LABEL_W - 6, Y(budgetNow));
+  g.textAlign = "left"; g.textBaseline = "top";
+  g.fillText(lane ? laneName(lane) + ": " + t("bar.axis") : t("bar.axis"), 4, top - 14);
+
+  g.textAlign = "center";
+  for (const s of steps) {
+    const x = LABEL_W + win.x(s), cw = win.w(s);
+    if (x + cw < LABEL_W) continue;
+    const x0 = Math.max(LABEL_W, x), wid = Math.max(1, cw - (cw > 5 ? 1 : 0) - (x0 - x));
+    let v = 0;
+    for (const it of R.items(s)) {            // decodes first, as the record lists them
+      const y1 = Y(v), y2 = Math.min(Y(v + R.tokens(it)), y1 - 1.5);
+      const color = colorOf(R.label(it));
+      g.fillStyle = R.isDecode(it) ? color : prefillPattern(g, color);
+      g.fillRect(x0, y2, wid, y1 - y2);
+      v = Math.max(v + R.tokens(it), ymax * (bottom - y2) / H);
     }
-    return out;
-  }
-
-  // live, and no step has come for a while though requests are in: a step is running (a long prefill,
-  // say). Say so at the chart's right edge, with the time it has taken so far, instead of freezing.
-  function drawRunning(g, win, avail, plotW) {
-    const el = BS.store.runningFor();
-    if (el == null || BS.view.mode !== "live") return null;
-    const x = Math.min(LABEL_W + plotW - 4, LABEL_W + win.x(win.last) + win.w(win.last) + 2);
-    g.save(); g.setLineDash([5, 4]); g.strokeStyle = C().ink; g.lineWidth = 2;
-    g.beginPath(); g.moveTo(x + 1, TOP); g.lineTo(x + 1, TOP + avail); g.stroke(); g.restore();
-    const txt = BS.t("chart.running") + " " + fmtMs(el);
-    g.font = "bold 13px sans-serif"; g.textAlign = "left"; g.textBaseline = "middle";
-    const tw = g.measureText(txt).width + 10, bx = Math.max(LABEL_W, Math.min(x + 4, LABEL_W + plotW - tw));
-    g.fillStyle = C().paper; g.fillRect(bx, TOP + avail / 2 - 10, tw, 20);
-    g.strokeStyle = C().ink; g.lineWidth = 1.5; g.strokeRect(bx + 0.5, TOP + avail / 2 - 9.5, tw - 1, 19);
-    g.fillStyle = C().ink; g.fillText(txt, bx + 5, TOP + avail / 2 + 0.5);
-    return { seconds: el, text: txt };
-  }
-
-  function drawMarkers(g, win, yTop, yBottom, flags) {
-    const steps = BS.store.steps, out = [], S = BS.chartScale;
-    for (const s of win.steps) {
-      const i = BS.layout.findIndex(R.step(s));
-      if (i === 0) continue;
-      const prev = steps[i - 1];
-      if (settingKey(prev) === settingKey(s)) continue;
-      const x = Math.round(LABEL_W + win.x(s)) - 1;
-      if (x < LABEL_W) continue;
-      g.fillStyle = C().ink; g.fillRect(x - 1, yTop, 3, yBottom - yTop);
-      const txt = markerText(prev, s);
-      out.push({ step: R.step(s), x: x * S, text: txt, policy: R.policy(s) });
-      if (flags) {
-        g.font = "bold 12px sans-serif";
-        const tw = g.measureText(txt).width + 10;
-        const bx = Math.min(x + 2, g.canvas.width / (window.devicePixelRatio || 1) / S - tw);
-        g.fillStyle = C().ink; g.fillRect(bx, yTop, tw, 18);
-        g.fillStyle = C().paper; g.textAlign = "left"; g.textBaseline = "middle";
-        g.fillText(txt, bx + 5, yTop + 9.5);
-        g.textAlign = "center";
-      }
+    const used = R.numTokens(s);
+    if (R.budget(s) <= 32 && wid >= 6 && H / ymax >= 4) {   // a small budget: one slot per token, so a step's shape reads off
+      g.globalAlpha = 0.85; g.fillStyle = C().paper;
+      for (let k = 1; k < Math.max(R.budget(s), used); k++) g.fillRect(x0, Math.round(Y(k)), wid, 1);
+      g.globalAlpha = 1;
     }
-    return out;
-  }
-
-  function drawAxis(g, win, y, plotW) {
-    g.strokeStyle = C().rule; g.lineWidth = 1;
-    g.beginPath(); g.moveTo(LABEL_W, y + 0.5); g.lineTo(LABEL_W + plotW, y + 0.5); g.stroke();
-    g.fillStyle = C().soft; g.font = "11px sans-serif"; g.textAlign = "center"; g.textBaseline = "top";
-    for (const tk of win.ticks()) { g.fillRect(LABEL_W + tk.x, y, 1, 4); g.fillText(tk.text, LABEL_W + tk.x, y + 5); }
-    g.textAlign = "left"; g.fillText(BS.t(win.axis === "step" ? "axis.step" : "axis.time"), 4, y + 5);
-  }
-
-  // one bar chart, or with workers one per lane (stacked, prefill on top), each against its own budget
-  function drawBar(bar, win) {
-    const { g, w, h } = fit(bar);
-    g.clearRect(0, 0, w, h);
-    if (!win) return;
-    const lanes = BS.layout.lanesOf(win);
-    if (!lanes) drawBarLane(g, win, win.steps, win.last, 16, h - 4, null);
-    else {
-      const lh = (h - 4) / lanes.length;
-      lanes.forEach((lane, i) => {
-        const steps = win.steps.filter((s) => BS.layout.laneOf(s) === lane);
-        if (steps.length) drawBarLane(g, win, steps, steps[steps.length - 1], i * lh + 16, (i + 1) * lh - 4, lane);
-        if (i > 0) { g.fillStyle = C().ink; g.fillRect(0, i * lh, w, 1); }
-      });
+    if (R.budget(s) > used) {
+      const yb = Y(R.budget(s)), yu = Math.min(Y(Math.max(used, v)), bottom);
+      g.fillStyle = unusedPattern(g); g.fillRect(x0, yb, wid, yu - yb);
     }
-    drawMarkers(g, win, 0, h, false);
-  }
-
-  function drawBarLane(g, win, steps, last, top, bottom, lane) {
-    const H = bottom - top;
-    let ymax = 1;
-    for (const s of steps) ymax = Math.max(ymax, R.budget(s), R.numTokens(s));
-    const budgetNow = R.budget(last);
-    ymax = Math.min(ymax, budgetNow * 2.5) * 1.04;
-    const Y = (v) => bottom - Math.min(v, ymax) / ymax * H;
-
-    g.font = "11px sans-serif"; g.fillStyle = C().soft; g.textAlign = "right"; g.textBaseline = "middle";
-    g.fillText("0", LABEL_W - 6, bottom - 4);
-    g.fillText(BS.t("bar.budget") + " " + budgetNow, LABEL_W - 6, Y(budgetNow));
-    g.textAlign = "left"; g.textBaseline = "top";
-    g.fillText(lane ? BS.laneName(lane) + ": " + BS.t("bar.axis") : BS.t("bar.axis"), 4, top - 14);
-
-    g.textAlign = "center";
-    for (const s of steps) {
-      const x = LABEL_W + win.x(s), cw = win.w(s);
-      if (x + cw < LABEL_W) continue;
-      const x0 = Math.max(LABEL_W, x), wid = Math.max(1, cw - (cw > 5 ? 1 : 0) - (x0 - x));
-      let v = 0;
-      for (const it of R.items(s)) {            // decodes first, as the record lists them
-        const y1 = Y(v), y2 = Math.min(Y(v + R.tokens(it)), y1 - 1.5);
-        const color = BS.colorOf(R.label(it));
-        g.fillStyle = R.isDecode(it) ? color : BS.prefillPattern(g, color);
-        g.fillRect(x0, y2, wid, y1 - y2);
-        v = Math.max(v + R.tokens(it), ymax * (bottom - y2) / H);
-      }
-      const used = R.numTokens(s);
-      if (R.budget(s) <= 32 && wid >= 6 && H / ymax >= 4) {   // a small budget: one slot per token, so a step's shape reads off
-        g.globalAlpha = 0.85; g.fillStyle = C().paper;
-        for (let k = 1; k < Math.max(R.budget(s), used); k++) g.fillRect(x0, Math.round(Y(k)), wid, 1);
-        g.globalAlpha = 1;
-      }
-      if (R.budget(s) > used) {
-        const yb = Y(R.budget(s)), yu = Math.min(Y(Math.max(used, v)), bottom);
-        g.fillStyle = BS.unusedPattern(g); g.fillRect(x0, yb, wid, yu - yb);
-      }
-      if (used > ymax) {                     // clipped: say how big it really was
-        g.fillStyle = C().ink; g.fillRect(x0, top - 2, wid, 2);
-      }
-      if (used > R.budget(s) && (wid >= 26 || used > ymax)) {
-        g.fillStyle = C().ink; g.font = "bold 11px sans-serif"; g.textBaseline = "bottom";
-        g.fillText(String(used), x0 + wid / 2, Math.max(top, Y(used)) - 1);
-      }
+    if (used > ymax) {                     // clipped: say how big it really was
+      g.fillStyle = C().ink; g.fillRect(x0, top - 2, wid, 2);
     }
-    // the budget line, which the bars may exceed under static and continuous batching
-    g.save(); g.setLineDash([6, 4]); g.strokeStyle = C().ink; g.lineWidth = 1.5;
-    g.beginPath();
-    let started = false;
-    for (const s of steps) {
-      const x = Math.max(LABEL_W, LABEL_W + win.x(s)), y = Math.round(Y(R.budget(s))) + 0.5;
-      if (!started) { g.moveTo(x, y); started = true; } else g.lineTo(x, y);
-      g.lineTo(LABEL_W + win.x(s) + win.w(s), y);
+    if (used > R.budget(s) && (wid >= 26 || used > ymax)) {
+      g.fillStyle = C().ink; g.font = "bold 11px sans-serif"; g.textBaseline = "bottom";
+      g.fillText(String(used), x0 + wid / 2, Math.max(top, Y(used)) - 1);
     }
-    g.stroke(); g.restore();
   }
+  // the budget line, which the bars may exceed under static and continuous batching
+  g.save(); g.setLineDash([6, 4]); g.strokeStyle = C().ink; g.lineWidth = 1.5;
+  g.beginPath();
+  let started = false;
+  for (const s of steps) {
+    const x = Math.max(LABEL_W, LABEL_W + win.x(s)), y = Math.round(Y(R.budget(s))) + 0.5;
+    if (!started) { g.moveTo(x, y); started = true; } else g.lineTo(x, y);
+    g.lineTo(LABEL_W + win.x(s) + win.w(s), y);
+  }
+  g.stroke(); g.restore();
+}
 
-  BS.draw = { gantt: drawGantt, bar: drawBar, LABEL_W, TOP };
-})();
+export const draw = { gantt: drawGantt, bar: drawBar, LABEL_W, TOP };

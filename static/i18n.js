@@ -1,284 +1,39 @@
-// Strings of the chart, controls and metrics in English and Chinese.
+// Looking words up: the strings live in one table per language (strings/en.js, strings/zh.js, the Gradio
+// page's too); this file only picks the language, looks keys up and fills {placeholders}.
 // Elements carry data-i18n="key"; setLang() rewrites their textContent (never innerHTML).
-(function () {
-  const BS = (window.BS = window.BS || {});
+import en from "./strings/en.js";
+import zh from "./strings/zh.js";
 
-  const STRINGS = {
-    en: {
-      "chart.title": "Every forward pass of the engine, live",
-      "chart.running": "step running…",
-      "chart.hint": "One row per request, one column per step (forward pass). Read a column top to bottom: who shared that step.",
-      "legend.decode": "decode: 1 new reply token",
-      "legend.prefill": "prefill: reading the prompt (tokens)",
-      "legend.stall": "stalled: reply under way, left out of this step",
-      "legend.queued": "queued: waiting to start",
-      "legend.marker": "setting changed",
-      "bar.title": "What each step computed: decode tokens, prefill tokens and unused token budget",
-      "bar.budget": "budget",
-      "bar.unused": "unused",
-      "play.pause": "Pause",
-      "play.resume": "Live",
-      "play.back": "Step back",
-      "play.step": "Step",
-      "play.replay": "Replay",
-      "play.live": "LIVE",
-      "play.paused": "PAUSED",
-      "play.replaying": "REPLAY",
-      "play.at": "step",
-      "play.zoom": "steps in view",
-      "axis.label": "x axis",
-      "axis.step": "step index",
-      "axis.time": "wall time",
-      "ctl.policy": "Scheduling policy",
-      "ctl.chunked": "Chunked prefill",
-      "ctl.on": "ON",
-      "ctl.off": "OFF",
-      "ctl.budget": "Token budget per step",
-      "ctl.seqs": "Max sequences per step",
-      "ctl.delay": "Slow motion (ms per step)",
-      "ctl.chunk": "Cap on one prefill chunk (tokens)",
-      "ctl.chunk_none": "no cap",
-      "ctl.chunk_clear": "No cap",
-      "ctl.apply": "Apply",
-      "ctl.key": "Presenter key",
-      "ctl.locked": "Locked: enter the presenter key to change settings.",
-      "ctl.read_only": "Read-only: the attached vLLM server's settings.",
-      "ctl.saved": "Applied.",
-      "ctl.failed": "Not applied",
-      "policy.static": "static",
-      "policy.continuous": "continuous",
-      "policy.chunked": "chunked",
-      "policy.disaggregated": "disaggregated",
-      "ctl.disagg_note": "disaggregated: a prefill worker and a decode worker, two processes with two copies of the model and the machine's cores split between them (the first switch loads them: a few seconds)",
-      "ctl.disagg_starting": "Starting the prefill and decode workers (two processes, a model copy each): requests go to the one engine until they are ready…",
-      "lane.engine": "one engine (before the switch)",
-      "lane.prefill": "prefill worker",
-      "lane.decode": "decode worker",
-      "lane.dp": "vLLM engine",
-      "lane.thread": "thread",
-      "lane.threads": "threads",
-      "legend.handover": "KV hand-over: a prompt's KV blocks move to the decode worker",
-      "handover.kv": "KV",
-      "handover.blocks": "blocks",
-      "tip.handover": "KV hand-over",
-      "metrics.transfer": "KV hand-overs: count · p50 / p99 · bytes",
-      "metrics.title": "Metrics per setting (each column = a stretch of steps under one setting)",
-      "metrics.segment": "setting",
-      "metrics.steps": "steps",
-      "metrics.ttft": "time to first token p50 / p99",
-      "metrics.tbt": "time between tokens p50 / p99",
-      "metrics.stall": "longest stall",
-      "metrics.tps": "output tokens / s",
-      "metrics.kv": "KV cache use (peak)",
-      "metrics.waiting": "waiting queue (peak)",
-      "metrics.empty": "No steps yet: send a message or run a scenario.",
-      "conn.live": "connected",
-      "metrics.tok": "tok",
-      "conn.lost": "connection lost, reconnecting...",
-      "conn.gap": "missed steps (slow connection)",
-      "tip.step": "step",
-      "tip.req": "request",
-      "tip.kind": "kind",
-      "tip.tokens": "tokens",
-      "tip.pos": "positions",
-      "tip.dur": "step took",
-      "tip.batch": "batch",
-      "tip.stalled": "stalled: no token this step",
-      "tip.queued": "queued since",
-      "tip.first": "first token this step",
-      "tip.cached": "from prefix cache",
-      "kind.decode": "decode",
-      "kind.prefill": "prefill",
-      "spark.gap": "longest gap",
-      "marker.on": "chunked prefill ON",
-      "marker.off": "chunked prefill OFF",
-      "marker.seqs": "max seqs",
-      "bar.axis": "tokens / step",
-      "cell.prefill": "P",
-      "cell.stall": "stall",
-      "tip.one": "1 token",
-      "tip.position": "position",
-      "tip.of": "of",
-      "tip.stalls": "stalled",
-      "tip.kv": "KV",
-      "tip.waiting": "waiting",
-      "row.you": "you",
-      "rows.more": "more rows",
-      "rows.finished": "finished (collapsed)",
-      "group.running": "running",
-      "group.queued": "queued",
-      "group.finished": "finished",
-      "room.student": "Your chat with the model",
-      "room.name": "Your name in the chart",
-      "room.join": "Join",
-      "room.rename": "Change name",
-      "room.you_are": "In the chart you are",
-      "room.placeholder": "Type a message…",
-      "room.send": "Send",
-      "room.me": "You",
-      "room.bot": "Model",
-      "room.waiting": "waiting for your reply to finish…",
-      "room.failed": "Could not send",
-      "room.join_first": "Choose a name and press Join first.",
-      "room.projector": "Join the class",
-      "room.scan": "Scan the code or type the address:",
-      "room.loopback": "This server listens on this computer only: phones cannot reach this address. Restart it with --host 0.0.0.0 (or give --public-url).",
-      "room.people": "joined on /join",
-      "room.lang": "中文",
-    },
-    zh: {
-      "chart.title": "引擎的每一次前向计算（实时）",
-      "chart.running": "这一步正在计算……",
-      "chart.hint": "每行是一个请求，每列是一步（一次前向计算）。从上往下读一列：这一步里有谁。",
-      "legend.decode": "解码：生成 1 个回复 token",
-      "legend.prefill": "预填充：读取提示词（token 数）",
-      "legend.stall": "停顿：回复进行中，却被这一步落下",
-      "legend.queued": "排队：等待开始",
-      "legend.marker": "设置变更",
-      "bar.title": "每一步算了什么：解码 token、预填充 token 和未用完的 token 预算",
-      "bar.budget": "预算",
-      "bar.unused": "未用",
-      "play.pause": "暂停",
-      "play.resume": "实时",
-      "play.back": "后退一步",
-      "play.step": "前进一步",
-      "play.replay": "回放",
-      "play.live": "实时",
-      "play.paused": "已暂停",
-      "play.replaying": "回放中",
-      "play.at": "第",
-      "play.zoom": "显示的步数",
-      "axis.label": "横轴",
-      "axis.step": "步序号",
-      "axis.time": "真实时间",
-      "ctl.policy": "调度策略",
-      "ctl.chunked": "分块预填充",
-      "ctl.on": "开",
-      "ctl.off": "关",
-      "ctl.budget": "每步 token 预算",
-      "ctl.seqs": "每步最多序列数",
-      "ctl.delay": "慢动作（毫秒/步）",
-      "ctl.chunk": "每块预填充上限（token）",
-      "ctl.chunk_none": "不限",
-      "ctl.chunk_clear": "取消上限",
-      "ctl.apply": "应用",
-      "ctl.key": "演示者密钥",
-      "ctl.locked": "已锁定：输入演示者密钥后才能修改设置。",
-      "ctl.read_only": "只读：所连接的 vLLM 服务器的设置。",
-      "ctl.saved": "已应用。",
-      "ctl.failed": "未应用",
-      "policy.static": "静态",
-      "policy.continuous": "连续",
-      "policy.chunked": "分块",
-      "policy.disaggregated": "分离式",
-      "ctl.disagg_note": "分离式：一个预填充 worker 和一个解码 worker，两个进程、两份模型，机器的 CPU 核在两者之间平分（第一次切换时加载，需要几秒）",
-      "ctl.disagg_starting": "正在启动预填充和解码 worker（两个进程，各一份模型）：准备好之前，请求仍由单个引擎处理……",
-      "lane.engine": "单个引擎（切换之前）",
-      "lane.prefill": "预填充 worker",
-      "lane.decode": "解码 worker",
-      "lane.dp": "vLLM 引擎",
-      "lane.thread": "个线程",
-      "lane.threads": "个线程",
-      "legend.handover": "KV 交接：提示词的 KV 块搬到解码 worker",
-      "handover.kv": "KV",
-      "handover.blocks": "块",
-      "tip.handover": "KV 交接",
-      "metrics.transfer": "KV 交接：次数 · p50 / p99 · 字节",
-      "metrics.title": "按设置分段的指标（每列 = 同一设置下的一段步）",
-      "metrics.segment": "设置",
-      "metrics.steps": "步",
-      "metrics.ttft": "首 token 延迟 p50 / p99",
-      "metrics.tbt": "token 间隔 p50 / p99",
-      "metrics.stall": "最长停顿",
-      "metrics.tps": "输出 token / 秒",
-      "metrics.kv": "KV 缓存占用（峰值）",
-      "metrics.waiting": "等待队列（峰值）",
-      "metrics.empty": "还没有步：发一条消息或运行一个场景。",
-      "conn.live": "已连接",
-      "metrics.tok": "个 token",
-      "conn.lost": "连接断开，正在重连……",
-      "conn.gap": "漏掉了一些步（连接太慢）",
-      "tip.step": "步",
-      "tip.req": "请求",
-      "tip.kind": "类型",
-      "tip.tokens": "token 数",
-      "tip.pos": "位置",
-      "tip.dur": "本步耗时",
-      "tip.batch": "本批",
-      "tip.stalled": "停顿：本步没有 token",
-      "tip.queued": "排队开始于",
-      "tip.first": "本步产生首个 token",
-      "tip.cached": "来自前缀缓存",
-      "kind.decode": "解码",
-      "kind.prefill": "预填充",
-      "spark.gap": "最长间隔",
-      "marker.on": "分块预填充 开",
-      "marker.off": "分块预填充 关",
-      "marker.seqs": "最多序列",
-      "bar.axis": "token / 步",
-      "cell.prefill": "预",
-      "cell.stall": "停顿",
-      "tip.one": "1 个 token",
-      "tip.position": "位置",
-      "tip.of": "共",
-      "tip.stalls": "停顿",
-      "tip.kv": "KV",
-      "tip.waiting": "等待",
-      "row.you": "你",
-      "rows.more": "行未显示",
-      "rows.finished": "已结束（已折叠）",
-      "group.running": "进行中",
-      "group.queued": "排队",
-      "group.finished": "已结束",
-      "room.student": "你和模型的对话",
-      "room.name": "你在图中的名字",
-      "room.join": "加入",
-      "room.rename": "改名",
-      "room.you_are": "你在图中的名字是",
-      "room.placeholder": "输入消息……",
-      "room.send": "发送",
-      "room.me": "你",
-      "room.bot": "模型",
-      "room.waiting": "请等当前回复结束……",
-      "room.failed": "发送失败",
-      "room.join_first": "请先起个名字并按“加入”。",
-      "room.projector": "加入课堂",
-      "room.scan": "扫码或输入地址：",
-      "room.loopback": "服务器只在本机监听：手机无法访问这个地址。请用 --host 0.0.0.0 重新启动（或设置 --public-url）。",
-      "room.people": "人已通过 /join 加入",
-      "room.lang": "English",
-    },
-  };
+const TABLES = { en, zh };
+let current = "en";
+const listeners = [];
 
-  let lang = "en";
-  const listeners = [];
+// the word for `key` in the current language (English if that language lacks it, the key if both do)
+export function t(key) {
+  return TABLES[current][key] ?? en[key] ?? key;
+}
 
-  BS.t = function (key) {
-    return (STRINGS[lang] && STRINGS[lang][key]) || STRINGS.en[key] || key;
-  };
+// t(key) with each {name} replaced by vars[name]: fmt("why.by", { by: "Alice", n: 12 })
+export function fmt(key, vars) {
+  return t(key).replace(/\{(\w+)\}/g, (_, k) => vars[k]);
+}
 
-  BS.lang = () => lang;
+export const lang = () => current;
 
-  BS.applyLang = function (root) {
-    (root || document).querySelectorAll("[data-i18n]").forEach((el) => {
-      el.textContent = BS.t(el.getAttribute("data-i18n"));
-    });
-    (root || document).querySelectorAll("[data-i18n-placeholder]").forEach((el) => {
-      el.placeholder = BS.t(el.getAttribute("data-i18n-placeholder"));
-    });
-  };
+export function applyLang(root) {
+  (root || document).querySelectorAll("[data-i18n]").forEach((el) => {
+    el.textContent = t(el.getAttribute("data-i18n"));
+  });
+  (root || document).querySelectorAll("[data-i18n-placeholder]").forEach((el) => {
+    el.placeholder = t(el.getAttribute("data-i18n-placeholder"));
+  });
+}
 
-  BS.setLang = function (next) {
-    lang = STRINGS[next] ? next : "en";
-    BS.applyLang();
-    listeners.forEach((fn) => fn(lang));
-    return lang;
-  };
+export function setLang(next) {
+  current = TABLES[next] ? next : "en";
+  applyLang();
+  listeners.forEach((fn) => fn(current));
+  return current;
+}
 
-  BS.onLang = (fn) => listeners.push(fn);
-
-  // a view file brings its own strings: {en: {...}, zh: {...}}
-  BS.addStrings = function (table) {
-    for (const l in table) STRINGS[l] = Object.assign(STRINGS[l] || {}, table[l]);
-  };
-})();
+export const onLang = (fn) => listeners.push(fn);

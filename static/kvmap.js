@@ -1,125 +1,117 @@
-// The KV cache map: every block a cell, rebuilt from the steps' kv_ops and kv_map (BS.analysis.kvBlocks,
+// The KV cache map: every block a cell, rebuilt from the steps' kv_ops and kv_map (analysis.kvBlocks,
 // the twin of app/readers/analysis.py kv_blocks). Held: the holder's chat colour; shared by a prefix hit: its
 // ref count written on it; cached but free (evictable): a pale cell with a dot; free: an empty outline.
 // Disaggregated steps come from two workers with a pool each: then one map per worker, prefill first,
 // each rebuilt from its own worker's steps (so a hand-over empties cells above and fills cells below).
-(function () {
-  const BS = (window.BS = window.BS || {});
-  const R = BS.rec;
-  const CELL = 14, GAP = 2;
-  let box, canvas, tip, shown = null, lastKey = "", lastDraw = 0;
+import { analysis } from "./analysis.js";
+import { laneTitle } from "./draw.js";
+import { lang, t } from "./i18n.js";
+import { layout, view } from "./layout.js";
+import { colorOf, colors, inkOn } from "./palette.js";
+import { rec as R } from "./record.js";   // record fields are read through record.js
+import { store } from "./socket.js";
 
-  BS.addStrings({
-    en: {
-      "kv.title": "KV cache map: who holds each block",
-      "kv.caption": "One cell per KV block, in its owner's colour; a number is a prefix shared by that many requests, pale cells are cached but free, and a preemption empties its owner's cells at once.",
-      "kv.block": "block", "kv.free": "free", "kv.cached": "cached (reusable)", "kv.holders": "held by", "kv.refs": "ref count",
-      "kv.step": "after step",
-    },
-    zh: {
-      "kv.title": "KV缓存图：每个块归谁",
-      "kv.caption": "每个格子是一个KV块，颜色是持有它的请求；数字表示被多少请求共享的前缀，浅色格是已缓存但空闲的块，抢占会立刻清空其持有者的格子。",
-      "kv.block": "块", "kv.free": "空闲", "kv.cached": "已缓存（可复用）", "kv.holders": "持有者", "kv.refs": "引用计数",
-      "kv.step": "步之后",
-    },
-  });
+const CELL = 14, GAP = 2;
+let box, canvas, tip, shown = null, lastKey = "", lastDraw = 0;
 
-  const label = (rid) => { const r = BS.store.reqs.get(rid); return r ? r.label : rid; };
+const label = (rid) => { const r = store.reqs.get(rid); return r ? r.label : rid; };
 
-  // the pools to draw after step `upto`: one engine's, or each worker's; {lane, step, total, blocks}
-  function pools(steps, last) {
-    const lanes = R.worker(last) ? BS.layout.LANES : [null];
-    return lanes.map((lane) => {
-      const own = steps.filter((s) => R.worker(s) === lane && R.step(s) <= R.step(last));
-      const end = own[own.length - 1];
-      const sent = lane ? BS.store.transfers.filter((x) => x.from === lane) : [];
-      return end ? { lane, step: R.step(end), total: R.kvTotal(end),
-                     blocks: BS.analysis.kvBlocks(own, R.step(end), sent, R.tEnd(last)) } : null;
-    }).filter(Boolean);
-  }
+// the pools to draw after step `upto`: one engine's, or each worker's; {lane, step, total, blocks}
+function pools(steps, last) {
+  const lanes = R.worker(last) ? layout.LANES : [null];
+  return lanes.map((lane) => {
+    const own = steps.filter((s) => R.worker(s) === lane && R.step(s) <= R.step(last));
+    const end = own[own.length - 1];
+    const sent = lane ? store.transfers.filter((x) => x.from === lane) : [];
+    return end ? { lane, step: R.step(end), total: R.kvTotal(end),
+                   blocks: analysis.kvBlocks(own, R.step(end), sent, R.tEnd(last)) } : null;
+  }).filter(Boolean);
+}
 
-  function draw() {
-    const steps = BS.store.steps, v = BS.view;
-    // a clicked column first (as the X-ray), else the cursor when paused, else the newest step
-    const upto = v && v.picked != null ? v.picked : v && v.mode !== "live" && v.cursor != null ? v.cursor : null;
-    const last = upto == null ? steps[steps.length - 1] : steps[steps.findLastIndex((s) => R.step(s) <= upto)];
-    const head = box.querySelector("[data-role=head]");
-    if (!last) { shown = null; return; }
-    const dpr = window.devicePixelRatio || 1, w = Math.max(200, Math.round(canvas.getBoundingClientRect().width));
-    const cols = Math.max(1, Math.floor(w / (CELL + GAP)));
-    const sections = pools(steps, last), TITLE = sections.length > 1 ? 18 : 0;
-    let h = 0;
-    for (const p of sections) { p.y0 = h + TITLE; h = p.y0 + Math.ceil(p.total / cols) * (CELL + GAP) + (TITLE ? 6 : 0); }
-    shown = { step: R.step(last), cols, sections, total: sections[0].total, blocks: sections[0].blocks };
-    box.dataset.step = R.step(last);
-    const count = (p) => [...p.blocks.values()].filter((b) => b.holders.length).length + " / " + p.total + " · " +
-      BS.t("kv.cached") + " " + [...p.blocks.values()].filter((b) => b.cached).length;
-    head.textContent = BS.t("kv.step") + " " + R.step(last) + " · " +
-      sections.map((p) => (p.lane ? BS.t("lane." + p.lane) + " " : "") + count(p)).join(" · ");
-    canvas.style.height = h + "px";
-    if (canvas.width !== w * dpr || canvas.height !== h * dpr) { canvas.width = w * dpr; canvas.height = h * dpr; }
-    const g = canvas.getContext("2d");
-    g.setTransform(dpr, 0, 0, dpr, 0, 0); g.clearRect(0, 0, w, h);
-    for (const p of sections) {
-      if (TITLE) {
-        g.font = "bold 13px sans-serif"; g.textAlign = "left"; g.textBaseline = "middle"; g.fillStyle = BS.colors.ink;
-        g.fillText(BS.laneTitle(p.lane), 0, p.y0 - TITLE / 2);
-      }
-      drawPool(g, p, cols);
+function draw() {
+  const steps = store.steps, v = view;
+  // a clicked column first (as the X-ray), else the cursor when paused, else the newest step
+  const upto = v && v.picked != null ? v.picked : v && v.mode !== "live" && v.cursor != null ? v.cursor : null;
+  const last = upto == null ? steps[steps.length - 1] : steps[steps.findLastIndex((s) => R.step(s) <= upto)];
+  const head = box.querySelector("[data-role=head]");
+  if (!last) { shown = null; return; }
+  const dpr = window.devicePixelRatio || 1, w = Math.max(200, Math.round(canvas.getBoundingClientRect().width));
+  const cols = Math.max(1, Math.floor(w / (CELL + GAP)));
+  const sections = pools(steps, last), TITLE = sections.length > 1 ? 18 : 0;
+  let h = 0;
+  for (const p of sections) { p.y0 = h + TITLE; h = p.y0 + Math.ceil(p.total / cols) * (CELL + GAP) + (TITLE ? 6 : 0); }
+  shown = { step: R.step(last), cols, sections, total: sections[0].total, blocks: sections[0].blocks };
+  box.dataset.step = R.step(last);
+  const count = (p) => [...p.blocks.values()].filter((b) => b.holders.length).length + " / " + p.total + " · " +
+    t("kv.cached") + " " + [...p.blocks.values()].filter((b) => b.cached).length;
+  head.textContent = t("kv.step") + " " + R.step(last) + " · " +
+    sections.map((p) => (p.lane ? t("lane." + p.lane) + " " : "") + count(p)).join(" · ");
+  canvas.style.height = h + "px";
+  if (canvas.width !== w * dpr || canvas.height !== h * dpr) { canvas.width = w * dpr; canvas.height = h * dpr; }
+  const g = canvas.getContext("2d");
+  g.setTransform(dpr, 0, 0, dpr, 0, 0); g.clearRect(0, 0, w, h);
+  for (const p of sections) {
+    if (TITLE) {
+      g.font = "bold 13px sans-serif"; g.textAlign = "left"; g.textBaseline = "middle"; g.fillStyle = colors.ink;
+      g.fillText(laneTitle(p.lane), 0, p.y0 - TITLE / 2);
     }
+    drawPool(g, p, cols);
   }
+}
 
-  function drawPool(g, p, cols) {
-    const { total, blocks } = p;
-    g.font = "bold 9px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
-    for (let b = 0; b < total; b++) {
-      const x = (b % cols) * (CELL + GAP), y = p.y0 + Math.floor(b / cols) * (CELL + GAP), e = blocks.get(b);
-      if (!e) { g.strokeStyle = "#c8c8c8"; g.lineWidth = 1; g.strokeRect(x + 0.5, y + 0.5, CELL - 1, CELL - 1); continue; }
-      if (!e.holders.length) {               // cached but free: evictable
-        g.fillStyle = "#e4e4e4"; g.fillRect(x, y, CELL, CELL);
-        g.fillStyle = "#777"; g.beginPath(); g.arc(x + CELL / 2, y + CELL / 2, 2, 0, 2 * Math.PI); g.fill();
-        continue;
-      }
-      const color = BS.colorOf(label(e.holders[0]));
-      g.fillStyle = color; g.fillRect(x, y, CELL, CELL);
-      if (e.holders.length > 1) { g.fillStyle = BS.inkOn(color); g.fillText(String(e.holders.length), x + CELL / 2, y + CELL / 2 + 1); }
+function drawPool(g, p, cols) {
+  const { total, blocks } = p;
+  g.font = "bold 9px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
+  for (let b = 0; b < total; b++) {
+    const x = (b % cols) * (CELL + GAP), y = p.y0 + Math.floor(b / cols) * (CELL + GAP), e = blocks.get(b);
+    if (!e) { g.strokeStyle = "#c8c8c8"; g.lineWidth = 1; g.strokeRect(x + 0.5, y + 0.5, CELL - 1, CELL - 1); continue; }
+    if (!e.holders.length) {               // cached but free: evictable
+      g.fillStyle = "#e4e4e4"; g.fillRect(x, y, CELL, CELL);
+      g.fillStyle = "#777"; g.beginPath(); g.arc(x + CELL / 2, y + CELL / 2, 2, 0, 2 * Math.PI); g.fill();
+      continue;
     }
+    const color = colorOf(label(e.holders[0]));
+    g.fillStyle = color; g.fillRect(x, y, CELL, CELL);
+    if (e.holders.length > 1) { g.fillStyle = inkOn(color); g.fillText(String(e.holders.length), x + CELL / 2, y + CELL / 2 + 1); }
   }
+}
 
-  function onMove(ev) {
-    if (!shown) return;
-    const r = canvas.getBoundingClientRect();
-    const py = ev.clientY - r.top, p = [...shown.sections].reverse().find((q) => py >= q.y0);
-    if (!p) { tip.hidden = true; return; }
-    const col = Math.floor((ev.clientX - r.left) / (CELL + GAP)), row = Math.floor((py - p.y0) / (CELL + GAP));
-    const b = row * shown.cols + col;
-    if (col >= shown.cols || b < 0 || b >= p.total) { tip.hidden = true; return; }
-    const e = p.blocks.get(b);
-    const lines = [(p.lane ? BS.t("lane." + p.lane) + " · " : "") + BS.t("kv.block") + " " + b];
-    if (!e) lines.push(BS.t("kv.free"));
-    else {
-      lines.push(BS.t("kv.refs") + " " + e.holders.length + (e.cached ? " · " + BS.t("kv.cached") : ""));
-      if (e.holders.length) lines.push(BS.t("kv.holders") + ": " + e.holders.map((h) => label(h) + " (" + h + ")").join(", "));
-    }
-    tip.textContent = lines.join(" · ");
-    tip.hidden = false;
-    tip.style.left = (ev.clientX - r.left + 12) + "px"; tip.style.top = (ev.clientY - r.top + 12) + "px";
+function onMove(ev) {
+  if (!shown) return;
+  const r = canvas.getBoundingClientRect();
+  const py = ev.clientY - r.top, p = [...shown.sections].reverse().find((q) => py >= q.y0);
+  if (!p) { tip.hidden = true; return; }
+  const col = Math.floor((ev.clientX - r.left) / (CELL + GAP)), row = Math.floor((py - p.y0) / (CELL + GAP));
+  const b = row * shown.cols + col;
+  if (col >= shown.cols || b < 0 || b >= p.total) { tip.hidden = true; return; }
+  const e = p.blocks.get(b);
+  const lines = [(p.lane ? t("lane." + p.lane) + " · " : "") + t("kv.block") + " " + b];
+  if (!e) lines.push(t("kv.free"));
+  else {
+    lines.push(t("kv.refs") + " " + e.holders.length + (e.cached ? " · " + t("kv.cached") : ""));
+    if (e.holders.length) lines.push(t("kv.holders") + ": " + e.holders.map((h) => label(h) + " (" + h + ")").join(", "));
   }
+  tip.textContent = lines.join(" · ");
+  tip.hidden = false;
+  tip.style.left = (ev.clientX - r.left + 12) + "px"; tip.style.top = (ev.clientY - r.top + 12) + "px";
+}
 
-  // the map as drawn, for tests: [[block, holders, cached]], the first pool's and each lane's
-  const cells = (blocks) => [...blocks].map(([b, e]) => [b, e.holders, e.cached]);
-  BS.kvMapShown = () => (shown ? { step: shown.step, blocks: cells(shown.blocks),
-                                   lanes: Object.fromEntries(shown.sections.map((p) => [p.lane, cells(p.blocks)])) } : null);
+// the map as drawn, for tests: [[block, holders, cached]], the first pool's and each lane's
+const cells = (blocks) => [...blocks].map(([b, e]) => [b, e.holders, e.cached]);
+export const kvMapShown = () => (shown ? { step: shown.step, blocks: cells(shown.blocks),
+                                 lanes: Object.fromEntries(shown.sections.map((p) => [p.lane, cells(p.blocks)])) } : null);
 
-  BS.initKvMap = function (stage) {
-    box = stage.querySelector("[data-testid=kv-map]");
-    if (!box) return;
-    canvas = box.querySelector("canvas"); tip = box.querySelector("[data-role=tip]");
-    canvas.addEventListener("mousemove", onMove);
-    canvas.addEventListener("mouseleave", () => { tip.hidden = true; });
-    BS.kvFrame = (now) => {                // called by main.js's one animation loop
-      const v = BS.store.version + ":" + (BS.view ? BS.view.mode + BS.view.cursor + ":" + BS.view.picked : "") + BS.lang();
-      if (v !== lastKey && now - lastDraw > 300) { lastKey = v; lastDraw = now; draw(); }
-    };
-  };
-})();
+export function initKvMap(stage) {
+  box = stage.querySelector("[data-testid=kv-map]");
+  if (!box) return;
+  canvas = box.querySelector("canvas"); tip = box.querySelector("[data-role=tip]");
+  canvas.addEventListener("mousemove", onMove);
+  canvas.addEventListener("mouseleave", () => { tip.hidden = true; });
+}
+
+// called by main.js's one animation loop; draws once initKvMap found the map
+export function kvFrame(now) {
+  if (!box) return;
+  const v = store.version + ":" + view.mode + view.cursor + ":" + view.picked + lang();
+  if (v !== lastKey && now - lastDraw > 300) { lastKey = v; lastDraw = now; draw(); }
+}

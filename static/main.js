@@ -1,56 +1,95 @@
-// Start-up and the one animation loop. The page's HTML may arrive after this script (Gradio
-// renders it), so wait for the stage to exist, then start the socket and the views once.
-// The stage's data-role (lecturer, student, projector) says which parts the server sent.
-(function () {
-  const BS = (window.BS = window.BS || {});
-  let started = false, last = 0;
+// The page's one entry module (<script type="module" src="main.js">): start-up, the one animation
+// loop, and window.BS. The page's HTML may arrive after this module runs (Gradio renders it), so
+// each part starts once it is there: the stage (its data-role, lecturer, student, projector or
+// replay, says which parts the server sent), then the socket and the views; the what-if panel
+// on its own.
+import * as analysis from "./analysis.js";
+import * as controls from "./controls.js";
+import * as draw from "./draw.js";
+import * as i18n from "./i18n.js";
+import * as interact from "./interact.js";
+import * as kvmap from "./kvmap.js";
+import * as layout from "./layout.js";
+import * as lesson from "./lesson.js";
+import * as metrics from "./metrics.js";
+import * as palette from "./palette.js";
+import * as record from "./record.js";
+import * as room from "./room.js";
+import * as socket from "./socket.js";
+import { state } from "./state.js";
+import * as whatif from "./whatif.js";
+import * as why from "./why.js";
 
-  // frames and chart redraws, for the room demo and tests (demos/room.py reads it)
-  const perf = (BS.perf = { frames: 0, draws: 0, drawMs: 0, maxDrawMs: 0, slowFrames: 0 });
+let started = false, last = 0;
 
-  function frame(now) {
-    if (last && now - last > 1000 / 30) perf.slowFrames++;    // a frame that missed 30 fps
-    last = now;
-    perf.frames++;
-    BS.flush();
-    const t0 = performance.now();
-    if (BS.chartFrame(now)) {
-      const ms = performance.now() - t0;
-      perf.draws++; perf.drawMs += ms; perf.maxDrawMs = Math.max(perf.maxDrawMs, ms);
-    }
-    BS.metricsFrame(now);
-    if (BS.roomFrame) BS.roomFrame(now);
-    if (BS.whyFrame) BS.whyFrame(now);
-    if (BS.kvFrame) BS.kvFrame(now);
-    requestAnimationFrame(frame);
+// frames and chart redraws, for the room demo and tests (demos/room.py reads it)
+const perf = { frames: 0, draws: 0, drawMs: 0, maxDrawMs: 0, slowFrames: 0 };
+
+function frame(now) {
+  if (last && now - last > 1000 / 30) perf.slowFrames++;    // a frame that missed 30 fps
+  last = now;
+  perf.frames++;
+  socket.flush();
+  const t0 = performance.now();
+  if (interact.chartFrame(now)) {
+    const ms = performance.now() - t0;
+    perf.draws++; perf.drawMs += ms; perf.maxDrawMs = Math.max(perf.maxDrawMs, ms);
   }
+  metrics.metricsFrame(now);
+  room.roomFrame(now);
+  why.whyFrame(now);
+  kvmap.kvFrame(now);
+  requestAnimationFrame(frame);
+}
 
-  function start() {
-    const stage = document.querySelector("[data-testid=stage]");
-    if (started || !stage) return false;
-    started = true;
-    BS.role = stage.dataset.role || "lecturer";
-    const lang = new URLSearchParams(location.search).get("lang");
-    if (lang) BS.setLang(lang); else BS.applyLang(document);
-    BS.drawSwatches(stage);
-    BS.initChart(stage);
-    if (stage.querySelector("[data-testid=controls]")) BS.initControls(stage);
-    BS.initMetrics(stage);
-    if (BS.fitChart) BS.fitChart();
-    BS.initRoom(stage);
-    if (stage.querySelector("[data-testid=why]")) BS.initWhy(stage);   // the lecturer's "why" views
-    if (!BS.offline) BS.connect();         // offline: a recorded stream is fed by BS.ingestAll
-    requestAnimationFrame(frame);
-    return true;
+function startStage() {
+  const stage = document.querySelector("[data-testid=stage]");
+  if (started || !stage) return false;
+  started = true;
+  state.role = stage.dataset.role || "lecturer";
+  const lang = new URLSearchParams(location.search).get("lang");
+  if (lang) i18n.setLang(lang); else i18n.applyLang(document);
+  palette.drawSwatches(stage);
+  interact.initChart(stage);
+  if (stage.querySelector("[data-testid=controls]")) controls.initControls(stage);
+  metrics.initMetrics(stage);
+  lesson.fitChart();
+  room.initRoom(stage);
+  if (stage.querySelector("[data-testid=why]")) why.initWhy(stage);   // the lecturer's "why" views
+  if (!state.offline) socket.connect();         // offline: a recorded stream is fed by ingestAll
+  requestAnimationFrame(frame);
+  return true;
+}
+
+// run start() now, or on each change of the page until it returns true
+function whenThere(start) {
+  if (start()) return;
+  const mo = new MutationObserver(() => { if (start()) mo.disconnect(); });
+  mo.observe(document.documentElement, { childList: true, subtree: true });
+}
+
+// window.BS: the handle for the browser console, the browser tests (page.evaluate("BS.store.steps")),
+// the Gradio page's event scripts (app/ui/page.py: a lesson's caption, the language) and a page that
+// holds the chart in a frame (leaderboard.js). No module reads it: they import what they use. Every export of every module is on it, read live; the settings of state.js can be set
+// (BS.offline = false), and so can BS.connect, which the socket's reconnect timer calls (a test swaps
+// it to keep the line cut). A page may set window.BS = {offline: true} before this module runs.
+function handle(preset) {
+  const BS = {};
+  const live = (k, get, set) => Object.defineProperty(BS, k, { get, set, enumerable: true, configurable: true });
+  for (const mod of [record, i18n, palette, socket, layout, draw, interact, controls, metrics, analysis,
+                     kvmap, why, room, lesson, whatif]) {
+    for (const k of Object.keys(mod)) live(k, () => mod[k]);
   }
-
-  // strings inside Gradio-rendered parts (chat panel headers) appear later too
-  function watch() {
-    if (start()) return;
-    const mo = new MutationObserver(() => { if (start()) mo.disconnect(); });
-    mo.observe(document.documentElement, { childList: true, subtree: true });
+  for (const k of Object.keys(state)) {
+    if (k in preset) state[k] = preset[k];
+    live(k, () => state[k], (v) => { state[k] = v; });
   }
+  live("connect", () => socket.line.connect, (fn) => { socket.line.connect = fn; });
+  live("perf", () => perf);
+  return BS;
+}
 
-  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", watch);
-  else watch();
-})();
+window.BS = handle(window.BS || {});
+
+const ready = (fn) => (document.readyState === "loading" ? document.addEventListener("DOMContentLoaded", fn) : fn());
+ready(() => { whenThere(startStage); whenThere(whatif.initWhatIf); });

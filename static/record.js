@@ -1,96 +1,93 @@
 // The one place the browser reads record fields: step records (s), their items (it),
 // the KV state (s.kv), request events (ev) and policy events or settings (p), as
 // engine/records.py defines them (docs/step_record.md). Every view reads records
-// through BS.rec, so a renamed field is fixed here once, and
+// through `rec` (imported as R), so a renamed field is fixed here once, and
 // tests/test_record_fields.py checks every name read here against the schema
 // (it finds them by these parameter names: s, it, ev, p, and sc for a stall cause).
-(function () {
-  const BS = (window.BS = window.BS || {});
 
-  BS.rec = {
-    type: (s) => s.type,
+export const rec = {
+  type: (s) => s.type,
 
-    // ---- step record ----
-    step: (s) => s.step,
-    tStart: (s) => s.t_start,
-    tEnd: (s) => s.t_end,
-    dur: (s) => s.t_end - s.t_start,
-    policy: (s) => s.policy,
-    budget: (s) => s.token_budget,
-    maxSeqs: (s) => s.max_num_seqs,
-    items: (s) => s.items || [],
-    numTokens: (s) => s.num_tokens,
-    stalled: (s) => s.stalled || [],
-    waiting: (s) => s.waiting,
-    kvUsed: (s) => s.kv.used,
-    kvTotal: (s) => s.kv.total,
-    kvFill: (s) => (s.kv.total ? s.kv.used / s.kv.total : 0),
-    blockSize: (s) => s.kv.block_size,
-    preempted: (s) => s.preempted || [],
-    finished: (s) => s.finished || [],
-    failed: (s) => !!s.failed,
-    device: (s) => s.device || "",
-    stallCauses: (s) => s.stall_causes || [],
-    kvOps: (s) => s.kv_ops || [],
-    kvMap: (s) => s.kv_map || null,
-    // disaggregated: the worker that ran this step ("prefill" | "decode"), null for one engine
-    worker: (s) => s.worker || null,
-    threads: (s) => s.threads ?? null,    // disaggregated: torch threads of that worker (its share of the cores)
-    lane: (s) => s.lane ?? null,          // a vLLM server with several data-parallel engines: the engine's rank
-    // a stretch of steps runs under one setting: policy, token budget, max sequences
-    settingKey: (s) => s.policy + "/" + s.token_budget + "/" + s.max_num_seqs,
+  // ---- step record ----
+  step: (s) => s.step,
+  tStart: (s) => s.t_start,
+  tEnd: (s) => s.t_end,
+  dur: (s) => s.t_end - s.t_start,
+  policy: (s) => s.policy,
+  budget: (s) => s.token_budget,
+  maxSeqs: (s) => s.max_num_seqs,
+  items: (s) => s.items || [],
+  numTokens: (s) => s.num_tokens,
+  stalled: (s) => s.stalled || [],
+  waiting: (s) => s.waiting,
+  kvUsed: (s) => s.kv.used,
+  kvTotal: (s) => s.kv.total,
+  kvFill: (s) => (s.kv.total ? s.kv.used / s.kv.total : 0),
+  blockSize: (s) => s.kv.block_size,
+  preempted: (s) => s.preempted || [],
+  finished: (s) => s.finished || [],
+  failed: (s) => !!s.failed,
+  device: (s) => s.device || "",
+  stallCauses: (s) => s.stall_causes || [],
+  kvOps: (s) => s.kv_ops || [],
+  kvMap: (s) => s.kv_map || null,
+  // disaggregated: the worker that ran this step ("prefill" | "decode"), null for one engine
+  worker: (s) => s.worker || null,
+  threads: (s) => s.threads ?? null,    // disaggregated: torch threads of that worker (its share of the cores)
+  lane: (s) => s.lane ?? null,          // a vLLM server with several data-parallel engines: the engine's rank
+  // a stretch of steps runs under one setting: policy, token budget, max sequences
+  settingKey: (s) => s.policy + "/" + s.token_budget + "/" + s.max_num_seqs,
 
-    // ---- step item ----
-    req: (it) => it.req,
-    label: (it) => it.label,
-    kind: (it) => it.kind,
-    isDecode: (it) => it.kind === "decode",
-    tokens: (it) => it.tokens,
-    start: (it) => it.start,
-    promptLen: (it) => it.prompt_len,
-    cached: (it) => it.cached,
-    completesPrompt: (it) => !!it.completes_prompt,
-    // a decode, or the prefill chunk that finishes the prompt, gives the request a token (app/readers/metrics.py)
-    producesToken: (it) => it.kind === "decode" || !!it.completes_prompt,
+  // ---- step item ----
+  req: (it) => it.req,
+  label: (it) => it.label,
+  kind: (it) => it.kind,
+  isDecode: (it) => it.kind === "decode",
+  tokens: (it) => it.tokens,
+  start: (it) => it.start,
+  promptLen: (it) => it.prompt_len,
+  cached: (it) => it.cached,
+  completesPrompt: (it) => !!it.completes_prompt,
+  // a decode, or the prefill chunk that finishes the prompt, gives the request a token (app/readers/metrics.py)
+  producesToken: (it) => it.kind === "decode" || !!it.completes_prompt,
 
-    // ---- stall cause (one entry of a step's stall_causes) ----
-    scReq: (sc) => sc.req,
-    scCause: (sc) => sc.cause,
-    scBy: (sc) => sc.by,
-    scByTokens: (sc) => sc.by_tokens,
+  // ---- stall cause (one entry of a step's stall_causes) ----
+  scReq: (sc) => sc.req,
+  scCause: (sc) => sc.cause,
+  scBy: (sc) => sc.by,
+  scByTokens: (sc) => sc.by_tokens,
 
-    // ---- KV map: a block change (op) and a block of a step's whole map (e) ----
-    opKind: (op) => op.op,
-    opBlock: (op) => op.block,
-    opReq: (op) => op.req,
-    mapBlock: (e) => e.block,
-    mapHolders: (e) => e.holders,
-    mapCached: (e) => e.cached,
+  // ---- KV map: a block change (op) and a block of a step's whole map (e) ----
+  opKind: (op) => op.op,
+  opBlock: (op) => op.block,
+  opReq: (op) => op.req,
+  mapBlock: (e) => e.block,
+  mapHolders: (e) => e.holders,
+  mapCached: (e) => e.cached,
 
-    // ---- request event ----
-    event: (ev) => ev.event,
-    evReq: (ev) => ev.req,
-    evLabel: (ev) => ev.label,
-    evT: (ev) => ev.t,
-    evPromptLen: (ev) => ev.prompt_len,
-    evMaxTokens: (ev) => ev.max_tokens,
-    finishReason: (ev) => ev.finish_reason,
-    outputTokens: (ev) => ev.output_tokens,
-    abortReason: (ev) => ev.reason,
-    // a KV hand-over (event "kv_transfer"): from export start (t - seconds) to import done (t)
-    xferBlocks: (ev) => ev.blocks,
-    xferBytes: (ev) => ev.bytes,
-    xferSeconds: (ev) => ev.seconds,
-    xferFrom: (ev) => ev.from_worker,
-    xferTo: (ev) => ev.to_worker,
-    xferOps: (ev) => ev.kv_ops || [],      // the sending worker's frees of the hand-over (no step of its carries them)
+  // ---- request event ----
+  event: (ev) => ev.event,
+  evReq: (ev) => ev.req,
+  evLabel: (ev) => ev.label,
+  evT: (ev) => ev.t,
+  evPromptLen: (ev) => ev.prompt_len,
+  evMaxTokens: (ev) => ev.max_tokens,
+  finishReason: (ev) => ev.finish_reason,
+  outputTokens: (ev) => ev.output_tokens,
+  abortReason: (ev) => ev.reason,
+  // a KV hand-over (event "kv_transfer"): from export start (t - seconds) to import done (t)
+  xferBlocks: (ev) => ev.blocks,
+  xferBytes: (ev) => ev.bytes,
+  xferSeconds: (ev) => ev.seconds,
+  xferFrom: (ev) => ev.from_worker,
+  xferTo: (ev) => ev.to_worker,
+  xferOps: (ev) => ev.kv_ops || [],      // the sending worker's frees of the hand-over (no step of its carries them)
 
-    // ---- policy event, or the settings in a snapshot (the app adds step_delay) ----
-    settings(p) {
-      const out = {}, all = { policy: p.policy, max_num_batched_tokens: p.max_num_batched_tokens,
-        max_num_seqs: p.max_num_seqs, max_prefill_chunk: p.max_prefill_chunk, step_delay: p.step_delay };
-      for (const k in all) if (all[k] !== undefined) out[k] = all[k];
-      return out;
-    },
-  };
-})();
+  // ---- policy event, or the settings in a snapshot (the app adds step_delay) ----
+  settings(p) {
+    const out = {}, all = { policy: p.policy, max_num_batched_tokens: p.max_num_batched_tokens,
+      max_num_seqs: p.max_num_seqs, max_prefill_chunk: p.max_prefill_chunk, step_delay: p.step_delay };
+    for (const k in all) if (all[k] !== undefined) out[k] = all[k];
+    return out;
+  },
+};

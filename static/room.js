@@ -1,163 +1,167 @@
 // The classroom on every page: colours for every label (numbered by the server, GET /api/room),
 // and on the student page the one chat (join with a name, send, read the reply as it streams).
 // A student's token lives in this tab's sessionStorage; the server decides what it allows.
-(function () {
-  const BS = (window.BS = window.BS || {});
-  const KEY = "batchscope.room";
-  // the projector draws the chart up to 1.8x (at 1080 px high its smallest text is 16 px, docs/ui.md), less
-  // on a lower screen, so that chart, batch bar and metrics share it
-  const projectorScale = () => Math.max(1.1, Math.min(1.8, window.innerHeight / 600));
-  let root, asking = false, lastAsk = 0, me = null, busy = false;
+import { lang, setLang, t } from "./i18n.js";
+import { redrawChart } from "./interact.js";
+import { mine } from "./layout.js";
+import { setSlots, unknownLabels } from "./palette.js";
+import { url } from "./socket.js";
+import { state } from "./state.js";
 
-  const $ = (id) => root.querySelector("[data-testid=" + id + "]");
+const KEY = "batchscope.room";
+// the projector draws the chart up to 1.8x (at 1080 px high its smallest text is 16 px, docs/ui.md), less
+// on a lower screen, so that chart, batch bar and metrics share it
+const projectorScale = () => Math.max(1.1, Math.min(1.8, window.innerHeight / 600));
+let root, asking = false, lastAsk = 0, me = null, busy = false;
 
-  async function getJSON(path, opts) {
-    const r = await fetch(BS.url(path), Object.assign({ cache: "no-store" }, opts));
-    let body = null;
-    try { body = await r.json(); } catch (e) { /* not JSON */ }
-    return { ok: r.ok, status: r.status, body };
-  }
+const $ = (id) => root.querySelector("[data-testid=" + id + "]");
 
-  const errorText = (res) => (res.body && res.body.error && res.body.error.message) || "HTTP " + res.status;
+async function getJSON(path, opts) {
+  const r = await fetch(url(path), Object.assign({ cache: "no-store" }, opts));
+  let body = null;
+  try { body = await r.json(); } catch (e) { /* not JSON */ }
+  return { ok: r.ok, status: r.status, body };
+}
 
-  // ---- label slots: asked for when the chart meets a label it cannot colour yet ----
-  async function askRoom() {
-    asking = true;
-    try {
-      const res = await getJSON("/api/room");
-      if (res.ok) {
-        BS.setSlots(res.body.labels);
-        const count = $("room-count");
-        if (count) count.textContent = String(res.body.people);
-        BS.redrawChart();
-      }
-    } catch (e) { /* offline: the socket says so */ }
-    asking = false;
-  }
+const errorText = (res) => (res.body && res.body.error && res.body.error.message) || "HTTP " + res.status;
 
-  BS.roomFrame = function (now) {
-    if (asking || now - lastAsk < 1000) return;
-    if (!BS.unknownLabels().length && !(BS.role === "projector" && now - lastAsk > 5000)) return;
-    lastAsk = now;
-    askRoom();
-  };
-
-  // ---- the student's chat ----
-  function saved() { try { return JSON.parse(sessionStorage.getItem(KEY) || "null"); } catch (e) { return null; } }
-  function save(v) { try { sessionStorage.setItem(KEY, JSON.stringify(v)); } catch (e) { /* private mode */ } }
-
-  function showError(id, text) { const el = $(id); el.textContent = text || ""; el.hidden = !text; }
-
-  function setMe(member) {
-    me = member;
-    save({ token: me.token, label: me.label });
-    $("my-label").textContent = me.label;
-    $("you-are").hidden = false;
-    $("student-name").value = me.label;
-    $("join").textContent = BS.t("room.rename");
-    $("join").dataset.i18n = "room.rename";
-    BS.redrawChart();
-  }
-
-  async function join() {
-    showError("join-error", "");
-    const res = await getJSON("/api/room/join", { method: "POST", headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({ name: $("student-name").value, token: me ? me.token : undefined }) });
-    if (!res.ok) { showError("join-error", errorText(res)); return; }
-    setMe(res.body);
-    askRoom();
-  }
-
-  function bubble(who, text) {
-    const row = document.createElement("div");
-    row.className = "bs-msg bs-msg-" + who;
-    row.dataset.who = who;
-    const name = document.createElement("b");
-    name.dataset.i18n = who === "me" ? "room.me" : "room.bot";
-    name.textContent = BS.t(name.dataset.i18n);
-    const body = document.createElement("span");
-    body.textContent = text;
-    row.append(name, body);
-    $("student-chat").append(row);
-    return body;
-  }
-
-  async function send(ev) {
-    ev.preventDefault();
-    showError("chat-error", "");
-    if (!me) { showError("chat-error", BS.t("room.join_first")); return; }
-    if (busy) { showError("chat-error", BS.t("room.waiting")); return; }
-    const box = $("student-box"), text = box.value;
-    busy = true;
-    try {
-      const r = await fetch(BS.url("/api/room/chat"), { method: "POST",
-        headers: { "Content-Type": "application/json", "X-Room-Token": me.token }, body: JSON.stringify({ text }) });
-      if (!r.ok) {
-        let body = null;
-        try { body = await r.json(); } catch (e) { /* not JSON */ }
-        if (r.status === 401) { me = null; save(null); }
-        showError("chat-error", BS.t("room.failed") + ": " + errorText({ body, status: r.status }));
-        return;
-      }
-      box.value = "";
-      bubble("me", text);
-      const reply = bubble("bot", "…");
-      let got = "", rest = "";
-      const reader = r.body.getReader(), dec = new TextDecoder();
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) break;
-        rest += dec.decode(value, { stream: true });
-        const lines = rest.split("\n");
-        rest = lines.pop();
-        for (const line of lines) {
-          if (!line) continue;
-          const m = JSON.parse(line);
-          if (m.rid) { BS.mine.add(m.rid); BS.redrawChart(); }
-          if (m.text) { got += m.text; reply.textContent = got; }
-          if (m.error) reply.textContent = got + (got ? "\n\n" : "") + "⚠ " + m.error;
-          if (m.done && !got) reply.textContent = "";
-        }
-      }
-    } catch (e) {
-      showError("chat-error", BS.t("room.failed") + ": " + e.message);
-    } finally {
-      busy = false;
+// ---- label slots: asked for when the chart meets a label it cannot colour yet ----
+async function askRoom() {
+  asking = true;
+  try {
+    const res = await getJSON("/api/room");
+    if (res.ok) {
+      setSlots(res.body.labels);
+      const count = $("room-count");
+      if (count) count.textContent = String(res.body.people);
+      redrawChart();
     }
-  }
+  } catch (e) { /* offline: the socket says so */ }
+  asking = false;
+}
 
-  async function initStudent() {
-    $("join").addEventListener("click", join);
-    $("student-name").addEventListener("keydown", (e) => { if (e.key === "Enter") join(); });
-    $("student-form").addEventListener("submit", send);
-    $("student-box").addEventListener("keydown", (e) => {
-      if (e.key === "Enter" && !e.shiftKey) send(e);
-    });
-    $("lang").addEventListener("click", () => BS.setLang(BS.lang() === "zh" ? "en" : "zh"));
-    const old = saved();
-    if (old && old.token) {
-      const res = await getJSON("/api/room/me", { headers: { "X-Room-Token": old.token } });
-      if (res.ok) {
-        res.body.rids.forEach((rid) => BS.mine.add(rid));
-        setMe({ token: old.token, label: res.body.label });
-        return;
+export function roomFrame(now) {
+  if (asking || now - lastAsk < 1000) return;
+  if (!unknownLabels().length && !(state.role === "projector" && now - lastAsk > 5000)) return;
+  lastAsk = now;
+  askRoom();
+}
+
+// ---- the student's chat ----
+function saved() { try { return JSON.parse(sessionStorage.getItem(KEY) || "null"); } catch (e) { return null; } }
+function save(v) { try { sessionStorage.setItem(KEY, JSON.stringify(v)); } catch (e) { /* private mode */ } }
+
+function showError(id, text) { const el = $(id); el.textContent = text || ""; el.hidden = !text; }
+
+function setMe(member) {
+  me = member;
+  save({ token: me.token, label: me.label });
+  $("my-label").textContent = me.label;
+  $("you-are").hidden = false;
+  $("student-name").value = me.label;
+  $("join").textContent = t("room.rename");
+  $("join").dataset.i18n = "room.rename";
+  redrawChart();
+}
+
+async function join() {
+  showError("join-error", "");
+  const res = await getJSON("/api/room/join", { method: "POST", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ name: $("student-name").value, token: me ? me.token : undefined }) });
+  if (!res.ok) { showError("join-error", errorText(res)); return; }
+  setMe(res.body);
+  askRoom();
+}
+
+function bubble(who, text) {
+  const row = document.createElement("div");
+  row.className = "bs-msg bs-msg-" + who;
+  row.dataset.who = who;
+  const name = document.createElement("b");
+  name.dataset.i18n = who === "me" ? "room.me" : "room.bot";
+  name.textContent = t(name.dataset.i18n);
+  const body = document.createElement("span");
+  body.textContent = text;
+  row.append(name, body);
+  $("student-chat").append(row);
+  return body;
+}
+
+async function send(ev) {
+  ev.preventDefault();
+  showError("chat-error", "");
+  if (!me) { showError("chat-error", t("room.join_first")); return; }
+  if (busy) { showError("chat-error", t("room.waiting")); return; }
+  const box = $("student-box"), text = box.value;
+  busy = true;
+  try {
+    const r = await fetch(url("/api/room/chat"), { method: "POST",
+      headers: { "Content-Type": "application/json", "X-Room-Token": me.token }, body: JSON.stringify({ text }) });
+    if (!r.ok) {
+      let body = null;
+      try { body = await r.json(); } catch (e) { /* not JSON */ }
+      if (r.status === 401) { me = null; save(null); }
+      showError("chat-error", t("room.failed") + ": " + errorText({ body, status: r.status }));
+      return;
+    }
+    box.value = "";
+    bubble("me", text);
+    const reply = bubble("bot", "…");
+    let got = "", rest = "";
+    const reader = r.body.getReader(), dec = new TextDecoder();
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      rest += dec.decode(value, { stream: true });
+      const lines = rest.split("\n");
+      rest = lines.pop();
+      for (const line of lines) {
+        if (!line) continue;
+        const m = JSON.parse(line);
+        if (m.rid) { mine.add(m.rid); redrawChart(); }
+        if (m.text) { got += m.text; reply.textContent = got; }
+        if (m.error) reply.textContent = got + (got ? "\n\n" : "") + "⚠ " + m.error;
+        if (m.done && !got) reply.textContent = "";
       }
-      save(null);                    // the server restarted: join again
     }
-    const res = await getJSON("/api/room/suggest");
-    if (res.ok && !$("student-name").value) $("student-name").value = res.body.name;
+  } catch (e) {
+    showError("chat-error", t("room.failed") + ": " + e.message);
+  } finally {
+    busy = false;
   }
+}
 
-  BS.initRoom = function (stage) {
-    root = stage;
-    if (BS.role === "projector") {
-      const fit = () => { BS.chartScale = projectorScale(); BS.chartMaxH = Math.round(window.innerHeight * 0.3); };
-      fit();
-      window.addEventListener("resize", fit);
-    } else if (BS.role === "student") {
-      BS.chartMaxH = 560;
-      initStudent();
+async function initStudent() {
+  $("join").addEventListener("click", join);
+  $("student-name").addEventListener("keydown", (e) => { if (e.key === "Enter") join(); });
+  $("student-form").addEventListener("submit", send);
+  $("student-box").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey) send(e);
+  });
+  $("lang").addEventListener("click", () => setLang(lang() === "zh" ? "en" : "zh"));
+  const old = saved();
+  if (old && old.token) {
+    const res = await getJSON("/api/room/me", { headers: { "X-Room-Token": old.token } });
+    if (res.ok) {
+      res.body.rids.forEach((rid) => mine.add(rid));
+      setMe({ token: old.token, label: res.body.label });
+      return;
     }
-    askRoom();
-  };
-})();
+    save(null);                    // the server restarted: join again
+  }
+  const res = await getJSON("/api/room/suggest");
+  if (res.ok && !$("student-name").value) $("student-name").value = res.body.name;
+}
+
+export function initRoom(stage) {
+  root = stage;
+  if (state.role === "projector") {
+    const fit = () => { state.chartScale = projectorScale(); state.chartMaxH = Math.round(window.innerHeight * 0.3); };
+    fit();
+    window.addEventListener("resize", fit);
+  } else if (state.role === "student") {
+    state.chartMaxH = 560;
+    initStudent();
+  }
+  askRoom();
+}

@@ -2,280 +2,243 @@
 // Presenter only: every call carries the key from this tab's sessionStorage; the server refuses otherwise.
 // Draws one Gantt per run (actual first), all on one time axis that starts at the first arrival, and
 // the per-user table with the change from actual to each what-if ("Dan: longest stall 4.3 s -> 0.5 s").
-(function () {
-  const BS = (window.BS = window.BS || {});
-  const R = BS.rec;                    // record fields are read through record.js
-  const ROW = 16, LEFT = 70;
-  let root, polling = null;
+import { fmt, t } from "./i18n.js";
+import { segments } from "./metrics.js";
+import { colorOf, colors, prefillPattern, stallPattern } from "./palette.js";
+import { rec as R } from "./record.js";   // record fields are read through record.js
+import { store, url } from "./socket.js";
+import { state } from "./state.js";
 
-  const $ = (id) => root.querySelector("[data-testid=" + id + "]");
+const ROW = 16, LEFT = 70;
+let root, polling = null;
 
-  BS.addStrings({
-    en: {
-      "whatif.title": "What if? Replay this class's own requests under other settings",
-      "whatif.note": "The server keeps a private log of the requests sent since it started (or since the log was cleared): prompts as token ids, arrival steps, seeds. Replaying runs the same arrivals at the same steps on a second engine, between the live engine's steps, so chats keep working meanwhile. Presenter only.",
-      "whatif.budget": "token budget", "whatif.live": "live", "whatif.since": "since step",
-      "whatif.last_lesson": "since the last lesson", "whatif.run": "Replay", "whatif.clear": "Clear log",
-      "whatif.download": "Download:", "whatif.dl_html": "HTML report", "whatif.dl_trace": "trace (Perfetto)",
-      "whatif.dl_log": "arrival log (for demos.compare --trace)",
-      "whatif.log": "log: {n} request(s), {steps} step(s)", "whatif.full": " (full)",
-      "whatif.progress": "setting {k} of {n}: {phase}, {tokens} of {total} tokens",
-      "whatif.estimate": "{n} request(s) since step {step}: about {s} s (limit {limit} s)",
-      "whatif.too_long": ": too long, choose a later step or fewer settings",
-      "whatif.nothing": "no finished request since step {step}",
-      "whatif.tick": "tick at least one policy", "whatif.starting": "starting…",
-      "whatif.done": "replayed {n} request(s)", "whatif.left": "; {n} still running, left out",
-      "whatif.cleared": "log cleared",
-    },
-    zh: {
-      "whatif.title": "如果换一种设置？用这堂课自己的请求重放",
-      "whatif.note": "服务器私下记录了启动（或清空记录）以来发送的请求：提示词的 token id、到达的步数和随机种子。重放会在第二个引擎上、在实时引擎的步与步之间，按同样的步数送入同样的请求，所以聊天照常进行。仅限演示者。",
-      "whatif.budget": "token 预算", "whatif.live": "当前", "whatif.since": "从第几步起",
-      "whatif.last_lesson": "从上一节课起", "whatif.run": "重放", "whatif.clear": "清空记录",
-      "whatif.download": "下载：", "whatif.dl_html": "HTML 报告", "whatif.dl_trace": "轨迹（Perfetto）",
-      "whatif.dl_log": "到达记录（用于 demos.compare --trace）",
-      "whatif.log": "记录：{n} 个请求，{steps} 步", "whatif.full": "（已满）",
-      "whatif.progress": "第 {k} 种设置（共 {n} 种）：{phase}，{tokens} / {total} 个 token",
-      "whatif.estimate": "第 {step} 步以来 {n} 个请求：约 {s} 秒（上限 {limit} 秒）",
-      "whatif.too_long": "：太长，请选更晚的步或更少的设置",
-      "whatif.nothing": "第 {step} 步以来没有已完成的请求",
-      "whatif.tick": "请至少勾选一种策略", "whatif.starting": "开始……",
-      "whatif.done": "已重放 {n} 个请求", "whatif.left": "；{n} 个仍在运行，未计入",
-      "whatif.cleared": "记录已清空",
-    },
+const $ = (id) => root.querySelector("[data-testid=" + id + "]");
+
+
+function headers() {
+  let key = "";
+  try { key = sessionStorage.getItem("batchscope.key") || ""; } catch (e) { /* no storage */ }
+  return key ? { "X-Presenter-Key": key, "Content-Type": "application/json" } : { "Content-Type": "application/json" };
+}
+
+function say(text, bad) {
+  const el = $("whatif-status");
+  el.textContent = text;
+  el.dataset.bad = bad ? "1" : "";
+}
+
+async function call(method, path, body) {
+  const r = await fetch(url(path), { method, headers: headers(), body: body ? JSON.stringify(body) : undefined,
+                                      cache: "no-store" });
+  const data = (r.headers.get("content-type") || "").includes("json") ? await r.json() : await r.text();
+  if (!r.ok) throw new Error((data && data.error && data.error.message) || r.statusText);
+  return data;
+}
+
+function showLog(log) {
+  $("whatif-log").textContent = fmt("whatif.log", { n: log.requests, steps: log.steps }) + (log.full ? t("whatif.full") : "");
+}
+
+const since = () => Math.max(0, parseInt($("whatif-since").value, 10) || 0);
+
+// before a replay starts: how long it would take for the range and settings chosen, against the limit
+function showEstimate(s) {
+  const e = s.estimate, n = settings().length, el = $("whatif-estimate");
+  if (!e || s.running) return;
+  const total = e.seconds_per_setting * Math.max(1, n), over = total > s.time_limit_s;
+  el.textContent = e.requests ? fmt("whatif.estimate", { n: e.requests, step: e.since_step, s: Math.round(total),
+                                                        limit: Math.round(s.time_limit_s) }) + (over ? t("whatif.too_long") : "")
+    : fmt("whatif.nothing", { step: e.since_step });
+  el.dataset.bad = over || !e.requests ? "1" : "";
+  $("whatif-run").disabled = over || !e.requests || !n;
+}
+
+async function poll() {
+  try {
+    const s = await call("GET", "/api/whatif?since_step=" + since());
+    showLog(s.log);
+    showEstimate(s);
+    const bar = $("whatif-progress");
+    if (s.running && s.progress) {
+      const p = s.progress;
+      bar.hidden = false;
+      bar.value = p.fraction;
+      say(fmt("whatif.progress", { k: p.setting, n: p.settings, phase: p.phase, tokens: p.tokens, total: p.tokens_total }));
+    }
+  } catch (e) {
+    say(e.message, true);
+  }
+}
+
+function settings() {
+  const budget = parseInt($("whatif-budget").value, 10);
+  return [...root.querySelectorAll("input[data-whatif-policy]:checked")].map((c) => {
+    const s = { policy: c.dataset.whatifPolicy };
+    if (budget > 0) s.max_num_batched_tokens = budget;
+    return s;
   });
-  const w = (key, vars) => BS.t(key).replace(/\{(\w+)\}/g, (_, k) => vars[k]);
-  const url = (p) => (BS.url ? BS.url(p) : p);
+}
 
-  function headers() {
-    let key = "";
-    try { key = sessionStorage.getItem("batchscope.key") || ""; } catch (e) { /* no storage */ }
-    return key ? { "X-Presenter-Key": key, "Content-Type": "application/json" } : { "Content-Type": "application/json" };
-  }
-
-  function say(text, bad) {
-    const el = $("whatif-status");
-    el.textContent = text;
-    el.dataset.bad = bad ? "1" : "";
-  }
-
-  async function call(method, path, body) {
-    const r = await fetch(url(path), { method, headers: headers(), body: body ? JSON.stringify(body) : undefined,
-                                        cache: "no-store" });
-    const data = (r.headers.get("content-type") || "").includes("json") ? await r.json() : await r.text();
-    if (!r.ok) throw new Error((data && data.error && data.error.message) || r.statusText);
-    return data;
-  }
-
-  function showLog(log) {
-    $("whatif-log").textContent = w("whatif.log", { n: log.requests, steps: log.steps }) + (log.full ? BS.t("whatif.full") : "");
-  }
-
-  const since = () => Math.max(0, parseInt($("whatif-since").value, 10) || 0);
-
-  // before a replay starts: how long it would take for the range and settings chosen, against the limit
-  function showEstimate(s) {
-    const e = s.estimate, n = settings().length, el = $("whatif-estimate");
-    if (!e || s.running) return;
-    const total = e.seconds_per_setting * Math.max(1, n), over = total > s.time_limit_s;
-    el.textContent = e.requests ? w("whatif.estimate", { n: e.requests, step: e.since_step, s: Math.round(total),
-                                                          limit: Math.round(s.time_limit_s) }) + (over ? BS.t("whatif.too_long") : "")
-      : w("whatif.nothing", { step: e.since_step });
-    el.dataset.bad = over || !e.requests ? "1" : "";
-    $("whatif-run").disabled = over || !e.requests || !n;
-  }
-
-  async function poll() {
-    try {
-      const s = await call("GET", "/api/whatif?since_step=" + since());
-      showLog(s.log);
-      showEstimate(s);
-      const bar = $("whatif-progress");
-      if (s.running && s.progress) {
-        const p = s.progress;
-        bar.hidden = false;
-        bar.value = p.fraction;
-        say(w("whatif.progress", { k: p.setting, n: p.settings, phase: p.phase, tokens: p.tokens, total: p.tokens_total }));
-      }
-    } catch (e) {
-      say(e.message, true);
-    }
-  }
-
-  function settings() {
-    const budget = parseInt($("whatif-budget").value, 10);
-    return [...root.querySelectorAll("input[data-whatif-policy]:checked")].map((c) => {
-      const s = { policy: c.dataset.whatifPolicy };
-      if (budget > 0) s.max_num_batched_tokens = budget;
-      return s;
-    });
-  }
-
-  async function run() {
-    const chosen = settings();
-    if (!chosen.length) return say(BS.t("whatif.tick"), true);
-    $("whatif-run").disabled = true;
-    $("whatif-progress").hidden = false;
-    $("whatif-progress").value = 0;
-    say(BS.t("whatif.starting"));
-    polling = setInterval(poll, 500);
-    try {
-      const result = await call("POST", "/api/whatif", { settings: chosen, since_step: since() });
-      const runs = (await call("GET", "/api/whatif/result?format=json")).runs;
-      draw(runs, result);
-      say(w("whatif.done", { n: result.requests }) +
-          (result.left_out_running ? w("whatif.left", { n: result.left_out_running }) : ""));
-    } catch (e) {
-      say(e.message, true);
-    } finally {
-      clearInterval(polling);
-      $("whatif-run").disabled = false;
-      $("whatif-progress").hidden = true;
-      poll();
-    }
-  }
-
-  // ---- the Gantts: one per run, rows = users in arrival order, x = seconds since the first arrival ----
-  function startOf(records) {
-    const t = records.filter((r) => r.type === "request" && r.event === "arrived").map((r) => r.t);
-    const s = records.filter((r) => r.type === "step").map((r) => R.tStart(r));
-    return Math.min(...(t.length ? t : s));
-  }
-
-  function draw(runs, result) {
-    const box = $("whatif-gantts");
-    box.textContent = "";
-    const spans = runs.map((run) => {
-      const t0 = startOf(run.records);
-      const ends = run.records.filter((r) => r.type === "step").map((r) => R.tEnd(r) - t0);
-      return Math.max(0.001, ...ends);
-    });
-    const span = Math.max(...spans);
-    for (const run of runs) box.appendChild(gantt(run, span));
-    table(result);
-    $("whatif-downloads").hidden = false;
-  }
-
-  function gantt(run, span) {
-    const t0 = startOf(run.records), rows = [], names = {};
-    for (const r of run.records) {
-      if (r.type === "request" && r.event === "arrived" && !(r.req in names)) { names[r.req] = r.label; rows.push(r.req); }
-    }
-    const fig = document.createElement("figure");
-    fig.className = "bs-whatif-gantt";
-    fig.dataset.run = run.name;
-    const cap = document.createElement("figcaption");
-    cap.textContent = run.name;
-    const canvas = document.createElement("canvas");
-    const w = Math.max(300, root.clientWidth - 20), h = rows.length * ROW + 24;
-    const dpr = window.devicePixelRatio || 1;
-    canvas.width = w * dpr; canvas.height = h * dpr;
-    canvas.style.width = w + "px"; canvas.style.height = h + "px";
-    const g = canvas.getContext("2d");
-    g.scale(dpr, dpr);
-    const x = (t) => LEFT + ((t - t0) / span) * (w - LEFT - 10);
-    g.font = "11px system-ui, sans-serif";
-    g.fillStyle = BS.colors.soft;
-    rows.forEach((req, i) => g.fillText(names[req], 4, i * ROW + 12));
-    const rowOf = Object.fromEntries(rows.map((r, i) => [r, i]));
-    for (const s of run.records) {
-      if (R.type(s) !== "step") continue;
-      const x0 = x(R.tStart(s)), wid = Math.max(1, x(R.tEnd(s)) - x0);
-      for (const req of R.stalled(s)) {        // the same cells as the live chart: stall cross-hatch,
-        if (!(req in rowOf)) continue;         // decode solid, prefill striped, in the user's colour
-        g.fillStyle = BS.stallPattern(g);
-        g.fillRect(x0, rowOf[req] * ROW + 2, wid, ROW - 4);
-      }
-      for (const it of R.items(s)) {
-        if (!(R.req(it) in rowOf)) continue;
-        const color = BS.colorOf(R.label(it));
-        g.fillStyle = R.isDecode(it) ? color : BS.prefillPattern(g, color);
-        g.fillRect(x0, rowOf[R.req(it)] * ROW + 2, wid, ROW - 4);
-      }
-    }
-    g.fillStyle = BS.colors.muted;
-    const y = rows.length * ROW + 16;
-    for (let k = 0; k <= 4; k++) {
-      const t = (span * k) / 4;
-      g.fillText(t.toFixed(1) + " s", LEFT + (k / 4) * (w - LEFT - 10) - (k === 4 ? 30 : 0), y);
-    }
-    fig.append(cap, canvas);
-    return fig;
-  }
-
-  // ---- the per-user table: actual, each what-if, and the change ----
-  function fmt(v) { return v == null ? "–" : v < 1 ? (v * 1000).toFixed(0) + " ms" : v.toFixed(2) + " s"; }
-
-  function table(result) {
-    const t = $("whatif-table");
-    const cols = [["ttft_s", "TTFT"], ["tbt_p99_s", "TBT p99"], ["longest_stall_s", "longest stall"]];
-    const head = ["user", ...result.whatif.map((w, i) => `actual → what-if ${i + 1} (${w.settings.policy || "live"})`)];
-    const cell = (tag, lines) => {                 // text only: labels come from users
-      const c = document.createElement(tag);
-      lines.forEach((l, i) => { if (i) c.append(document.createElement("br")); c.append(l); });
-      return c;
-    };
-    const top = document.createElement("tr");
-    top.append(...head.map((h) => cell("th", [h])));
-    const rows = [top];
-    for (const u of result.actual.users) {
-      const tr = document.createElement("tr");
-      tr.dataset.user = u.label;
-      tr.append(cell("th", [u.label]), ...result.whatif.map((w) => {
-        const other = w.users.find((x) => x.label === u.label) || {};
-        return cell("td", cols.map(([k, name]) => `${name} ${fmt(u[k])} -> ${fmt(other[k])}`));
-      }));
-      rows.push(tr);
-    }
-    t.replaceChildren(...rows);
-    t.hidden = false;
-  }
-
-
-  // ---- downloads: fetched with the key, then saved from a blob ----
-  async function download(kind) {
-    const path = kind === "log" ? "/api/whatif/log" : `/api/whatif/result?format=${kind}`;
-    try {
-      const r = await fetch(url(path), { headers: headers(), cache: "no-store" });
-      if (!r.ok) throw new Error((await r.json()).error.message);
-      const a = document.createElement("a");
-      a.href = URL.createObjectURL(await r.blob());
-      a.download = { html: "batchscope-whatif.html", chrome: "batchscope-whatif.json", log: "batchscope-arrivals.json" }[kind];
-      a.click();
-      setTimeout(() => URL.revokeObjectURL(a.href), 1000);
-    } catch (e) {
-      say(e.message, true);
-    }
-  }
-
-  async function clearLog() {
-    try { showLog(await call("DELETE", "/api/whatif/log")); say(BS.t("whatif.cleared")); } catch (e) { say(e.message, true); }
-  }
-
-  function start() {
-    root = document.querySelector("[data-testid=whatif]");
-    if (!root || root.dataset.ready) return !!root;
-    root.dataset.ready = "1";
-    $("whatif-run").addEventListener("click", run);
-    $("whatif-clear").addEventListener("click", clearLog);
-    $("whatif-since").addEventListener("change", poll);
-    root.querySelectorAll("input[data-whatif-policy], [data-testid=whatif-budget]").forEach((c) => c.addEventListener("change", poll));
-    // the step the last lesson pressed in this tab began at; else where the newest setting began
-    $("whatif-last-lesson").addEventListener("click", () => {
-      const st = BS.store && BS.store.stretches, segs = BS.store && BS.store.steps.length ? BS.segments(BS.store.steps.length - 1) : [];
-      const step = BS.lessonStart != null ? BS.lessonStart : st && st.length ? st[st.length - 1].first_step
-        : segs.length ? R.step(segs[segs.length - 1].first) : 0;
-      $("whatif-since").value = step;
-      poll();
-    });
-    root.querySelectorAll("[data-download]").forEach((b) => b.addEventListener("click", () => download(b.dataset.download)));
+async function run() {
+  const chosen = settings();
+  if (!chosen.length) return say(t("whatif.tick"), true);
+  $("whatif-run").disabled = true;
+  $("whatif-progress").hidden = false;
+  $("whatif-progress").value = 0;
+  say(t("whatif.starting"));
+  polling = setInterval(poll, 500);
+  try {
+    const result = await call("POST", "/api/whatif", { settings: chosen, since_step: since() });
+    const runs = (await call("GET", "/api/whatif/result?format=json")).runs;
+    draw(runs, result);
+    say(fmt("whatif.done", { n: result.requests }) +
+        (result.left_out_running ? fmt("whatif.left", { n: result.left_out_running }) : ""));
+  } catch (e) {
+    say(e.message, true);
+  } finally {
+    clearInterval(polling);
+    $("whatif-run").disabled = false;
+    $("whatif-progress").hidden = true;
     poll();
-    return true;
   }
+}
 
-  BS.initWhatIf = start;
-  if (!start()) {
-    const mo = new MutationObserver(() => { if (start()) mo.disconnect(); });
-    mo.observe(document.documentElement, { childList: true, subtree: true });
+// ---- the Gantts: one per run, rows = users in arrival order, x = seconds since the first arrival ----
+function startOf(records) {
+  const arrivals = records.filter((r) => r.type === "request" && r.event === "arrived").map((r) => r.t);
+  const starts = records.filter((r) => r.type === "step").map((r) => R.tStart(r));
+  return Math.min(...(arrivals.length ? arrivals : starts));
+}
+
+function draw(runs, result) {
+  const box = $("whatif-gantts");
+  box.textContent = "";
+  const spans = runs.map((run) => {
+    const t0 = startOf(run.records);
+    const ends = run.records.filter((r) => r.type === "step").map((r) => R.tEnd(r) - t0);
+    return Math.max(0.001, ...ends);
+  });
+  const span = Math.max(...spans);
+  for (const run of runs) box.appendChild(gantt(run, span));
+  table(result);
+  $("whatif-downloads").hidden = false;
+}
+
+function gantt(run, span) {
+  const t0 = startOf(run.records), rows = [], names = {};
+  for (const r of run.records) {
+    if (r.type === "request" && r.event === "arrived" && !(r.req in names)) { names[r.req] = r.label; rows.push(r.req); }
   }
-})();
+  const fig = document.createElement("figure");
+  fig.className = "bs-whatif-gantt";
+  fig.dataset.run = run.name;
+  const cap = document.createElement("figcaption");
+  cap.textContent = run.name;
+  const canvas = document.createElement("canvas");
+  const w = Math.max(300, root.clientWidth - 20), h = rows.length * ROW + 24;
+  const dpr = window.devicePixelRatio || 1;
+  canvas.width = w * dpr; canvas.height = h * dpr;
+  canvas.style.width = w + "px"; canvas.style.height = h + "px";
+  const g = canvas.getContext("2d");
+  g.scale(dpr, dpr);
+  const x = (sec) => LEFT + ((sec - t0) / span) * (w - LEFT - 10);
+  g.font = "11px system-ui, sans-serif";
+  g.fillStyle = colors.soft;
+  rows.forEach((req, i) => g.fillText(names[req], 4, i * ROW + 12));
+  const rowOf = Object.fromEntries(rows.map((r, i) => [r, i]));
+  for (const s of run.records) {
+    if (R.type(s) !== "step") continue;
+    const x0 = x(R.tStart(s)), wid = Math.max(1, x(R.tEnd(s)) - x0);
+    for (const req of R.stalled(s)) {        // the same cells as the live chart: stall cross-hatch,
+      if (!(req in rowOf)) continue;         // decode solid, prefill striped, in the user's colour
+      g.fillStyle = stallPattern(g);
+      g.fillRect(x0, rowOf[req] * ROW + 2, wid, ROW - 4);
+    }
+    for (const it of R.items(s)) {
+      if (!(R.req(it) in rowOf)) continue;
+      const color = colorOf(R.label(it));
+      g.fillStyle = R.isDecode(it) ? color : prefillPattern(g, color);
+      g.fillRect(x0, rowOf[R.req(it)] * ROW + 2, wid, ROW - 4);
+    }
+  }
+  g.fillStyle = colors.muted;
+  const y = rows.length * ROW + 16;
+  for (let k = 0; k <= 4; k++) {
+    const sec = (span * k) / 4;
+    g.fillText(sec.toFixed(1) + " s", LEFT + (k / 4) * (w - LEFT - 10) - (k === 4 ? 30 : 0), y);
+  }
+  fig.append(cap, canvas);
+  return fig;
+}
+
+// ---- the per-user table: actual, each what-if, and the change ----
+function seconds(v) { return v == null ? "–" : v < 1 ? (v * 1000).toFixed(0) + " ms" : v.toFixed(2) + " s"; }
+
+function table(result) {
+  const box = $("whatif-table");
+  const cols = [["ttft_s", t("whatif.ttft")], ["tbt_p99_s", t("whatif.tbt")], ["longest_stall_s", t("whatif.stall")]];
+  const head = [t("whatif.user"), ...result.whatif.map((w, i) =>
+    fmt("whatif.versus", { k: i + 1, policy: w.settings.policy ? t("policy." + w.settings.policy) : t("whatif.live") }))];
+  const cell = (tag, lines) => {                 // text only: labels come from users
+    const c = document.createElement(tag);
+    lines.forEach((l, i) => { if (i) c.append(document.createElement("br")); c.append(l); });
+    return c;
+  };
+  const top = document.createElement("tr");
+  top.append(...head.map((h) => cell("th", [h])));
+  const rows = [top];
+  for (const u of result.actual.users) {
+    const tr = document.createElement("tr");
+    tr.dataset.user = u.label;
+    tr.append(cell("th", [u.label]), ...result.whatif.map((w) => {
+      const other = w.users.find((x) => x.label === u.label) || {};
+      return cell("td", cols.map(([k, name]) => `${name} ${seconds(u[k])} -> ${seconds(other[k])}`));
+    }));
+    rows.push(tr);
+  }
+  box.replaceChildren(...rows);
+  box.hidden = false;
+}
+
+
+// ---- downloads: fetched with the key, then saved from a blob ----
+async function download(kind) {
+  const path = kind === "log" ? "/api/whatif/log" : `/api/whatif/result?format=${kind}`;
+  try {
+    const r = await fetch(url(path), { headers: headers(), cache: "no-store" });
+    if (!r.ok) throw new Error((await r.json()).error.message);
+    const a = document.createElement("a");
+    a.href = URL.createObjectURL(await r.blob());
+    a.download = { html: "batchscope-whatif.html", chrome: "batchscope-whatif.json", log: "batchscope-arrivals.json" }[kind];
+    a.click();
+    setTimeout(() => URL.revokeObjectURL(a.href), 1000);
+  } catch (e) {
+    say(e.message, true);
+  }
+}
+
+async function clearLog() {
+  try { showLog(await call("DELETE", "/api/whatif/log")); say(t("whatif.cleared")); } catch (e) { say(e.message, true); }
+}
+
+// the panel's buttons, once it is on the page (main.js calls this until it is): false while it is not
+export function initWhatIf() {
+  root = document.querySelector("[data-testid=whatif]");
+  if (!root || root.dataset.ready) return !!root;
+  root.dataset.ready = "1";
+  $("whatif-run").addEventListener("click", run);
+  $("whatif-clear").addEventListener("click", clearLog);
+  $("whatif-since").addEventListener("change", poll);
+  root.querySelectorAll("input[data-whatif-policy], [data-testid=whatif-budget]").forEach((c) => c.addEventListener("change", poll));
+  // the step the last lesson pressed in this tab began at; else where the newest setting began
+  $("whatif-last-lesson").addEventListener("click", () => {
+    const st = store && store.stretches, segs = store && store.steps.length ? segments(store.steps.length - 1) : [];
+    const step = state.lessonStart != null ? state.lessonStart : st && st.length ? st[st.length - 1].first_step
+      : segs.length ? R.step(segs[segs.length - 1].first) : 0;
+    $("whatif-since").value = step;
+    poll();
+  });
+  root.querySelectorAll("[data-download]").forEach((b) => b.addEventListener("click", () => download(b.dataset.download)));
+  poll();
+  return true;
+}

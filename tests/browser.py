@@ -7,6 +7,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 
@@ -15,6 +16,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 MARKS = [pytest.mark.browser,
          pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's Chromium (/usr/bin/chromium) is not "
                                                           "installed; browser tests need it")]
+STAGE_ORIGIN = "http://stage.test"       # load_stage: no server, Playwright answers
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
 
@@ -78,13 +80,20 @@ def live_page(browser, url: str, viewport: dict):
 
 def load_stage(pg, stream: list[dict], ready: str = "window.BS && BS.store"):
     """The page's stage alone (no server, offline mode), fed `stream` through BS.ingestAll as a trace
-    file would be; `ready` is waited for before the stream goes in."""
-    from app.ui.page import SCRIPTS, stage_html
-    pg.set_content(f"<html><body>{stage_html()}</body></html>")
-    pg.evaluate("window.BS = {offline: true}")
-    pg.add_style_tag(content=(ROOT / "static" / "style.css").read_text())
-    for name in SCRIPTS:
-        pg.add_script_tag(content=(ROOT / "static" / name).read_text())
+    file would be; `ready` is waited for before the stream goes in. The page and static/ (its modules)
+    are served by Playwright's router at a made-up origin: modules load from URLs, not from strings."""
+    from app.ui.assets import STATIC_URL, head_html, stage_html
+    body = (f"<html><head><script>window.BS = {{offline: true}};</script>{head_html()}</head>"
+            f"<body>{stage_html()}</body></html>")
+
+    def serve(route):
+        path = urlparse(route.request.url).path
+        if path.startswith(STATIC_URL + "/"):
+            route.fulfill(path=ROOT / "static" / path[len(STATIC_URL) + 1:])
+        else:
+            route.fulfill(body=body, content_type="text/html; charset=utf-8")
+    pg.route(STAGE_ORIGIN + "/**", serve)
+    pg.goto(STAGE_ORIGIN + "/")
     pg.wait_for_function(ready)
     pg.evaluate("(s) => BS.ingestAll(s)", stream)
 

@@ -105,3 +105,11 @@ class Served:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def static_for_node(folder: Path) -> str:
+    """A copy of static/ that Node loads as ES modules (a browser needs no marking); its file:// URL."""
+    copy = folder / "static"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "static", copy, ignore=shutil.ignore_patterns("data"))
+    (copy / "package.json").write_text('{"type": "module"}')
+    return copy.as_uri()

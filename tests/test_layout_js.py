@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import static_for_node
+
 NODE = shutil.which("node")
 STATIC = Path(__file__).resolve().parent.parent / "static"
 pytestmark = pytest.mark.skipif(NODE is None, reason="node is not installed")
@@ -17,20 +19,29 @@ GROUPS = ["running", "queued", "finished"]
 COLLAPSE_S = 8
 
 RUNNER = """
-const fs = require("fs");
-global.window = {};
-for (const file of process.argv.slice(1)) eval(fs.readFileSync(file, "utf8"));   // record.js, then layout.js
-const BS = window.BS, out = [];
+import fs from "fs";
+const dir = process.argv[1];                     // static/, as ES modules (see modules())
+const { store } = await import(dir + "/socket.js");
+const { layout, view, mine } = await import(dir + "/layout.js");
+const out = [];
 for (const c of JSON.parse(fs.readFileSync(0, "utf8"))) {
-  BS.store = { steps: c.steps, reqs: new Map(c.reqs.map((r) => [r.rid, r])), gaps: [] };
-  BS.mine = new Set(c.mine);
-  Object.assign(BS.view, { mode: "live", cursor: null, axis: c.axis, span: 100, windowSec: 2 });
-  const win = BS.layout.windowOf(800);
-  const got = BS.layout.rowsOf(win, c.maxRows, c.grouped);
+  Object.assign(store, { steps: c.steps, reqs: new Map(c.reqs.map((r) => [r.rid, r])), gaps: [] });
+  mine.clear(); c.mine.forEach((rid) => mine.add(rid));
+  Object.assign(view, { mode: "live", cursor: null, axis: c.axis, span: 100, windowSec: 2 });
+  const win = layout.windowOf(800);
+  const got = layout.rowsOf(win, c.maxRows, c.grouped);
   out.push({ ...got, tEnd: win.last.t_end, lastStep: win.last.step, first: win.steps[0].step });
 }
 console.log(JSON.stringify(out));
 """
+
+
+def run_layout(tmp_path_factory, cases: list[dict]) -> list[dict]:
+    """RUNNER over `cases`, on a copy of static/ marked as ES modules for Node (a browser needs no marking)."""
+    done = subprocess.run([NODE, "--input-type=module", "-e", RUNNER, static_for_node(tmp_path_factory.mktemp("js"))],
+                          input=json.dumps(cases),
+                          capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(done.stdout)
 
 
 def room(rng: random.Random) -> dict:
@@ -60,11 +71,9 @@ def room(rng: random.Random) -> dict:
             "grouped": rng.random() < 0.7, "maxRows": rng.randint(len(mine), 40)}
 
 
-def test_rows_under_many_random_rooms():
+def test_rows_under_many_random_rooms(tmp_path_factory):
     cases = [room(random.Random(seed)) for seed in range(300)]
-    done = subprocess.run([NODE, "-e", RUNNER, str(STATIC / "record.js"), str(STATIC / "layout.js")], input=json.dumps(cases),
-                          capture_output=True, text=True, timeout=120, check=True)
-    for c, got in zip(cases, json.loads(done.stdout)):
+    for c, got in zip(cases, run_layout(tmp_path_factory, cases)):
         rows, by = got["rows"], {r["rid"]: r for r in c["reqs"]}
         rids = [r["rid"] for r in rows]
         assert len(rids) == len(set(rids)) and len(rows) <= c["maxRows"]
@@ -119,13 +128,11 @@ def workers(rng: random.Random) -> dict:
             "grouped": rng.random() < 0.5, "maxRows": rng.randint(2, 40)}
 
 
-def test_lanes_under_many_random_worker_streams():
+def test_lanes_under_many_random_worker_streams(tmp_path_factory):
     """Disaggregated streams: a header row per worker, prefill first; a request's row in a lane only if that worker
     ran it in view (or, in the prefill lane, it still queues); never more rows than fit."""
     cases = [workers(random.Random(seed)) for seed in range(300)]
-    done = subprocess.run([NODE, "-e", RUNNER, str(STATIC / "record.js"), str(STATIC / "layout.js")], input=json.dumps(cases),
-                          capture_output=True, text=True, timeout=120, check=True)
-    for c, got in zip(cases, json.loads(done.stdout)):
+    for c, got in zip(cases, run_layout(tmp_path_factory, cases)):
         rows = got["rows"]
         heads = [r["lane"] for r in rows if r.get("header")]
         assert heads == ["prefill", "decode"] and rows[0]["header"]

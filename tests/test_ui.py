@@ -12,7 +12,7 @@ import pytest
 
 from app.ui.lessons import assign_panels, shorten
 from app.ui.sessions import MAX_CHARS, Panel, Session, Sessions, Turn, check_message, fresh
-from app.ui.text import LANGS, SCENARIO_BUTTONS, SHORT, TEXT, USERS
+from app.ui.text import LANGS, SCENARIO_BUTTONS, SHORT, STRINGS, TEXT, USERS
 from app.replay.scenarios import SCENARIOS, get_scenario
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
@@ -27,17 +27,11 @@ def test_panel_users_match_the_chart_palette():
 
 
 def test_every_string_exists_in_both_languages():
-    js = (STATIC / "i18n.js").read_text()
-    en = js[js.index("en: {"):js.index("zh: {")]
-    zh = js[js.index("zh: {"):]
-    keys = lambda block: set(re.findall(r'^\s+"([\w.]+)":', block, re.M))
-    assert keys(en) == keys(zh) and len(keys(en)) > 50
+    # one table per language for the whole page (static/strings/*.js, read by app/ui/text.py too)
+    assert set(STRINGS["en"]) == set(STRINGS["zh"]) and len(STRINGS["en"]) > 50
     assert set(TEXT["en"]) == set(TEXT["zh"])
     assert set(SCENARIO_BUTTONS["en"]) == set(SCENARIO_BUTTONS["zh"]) == set(SCENARIOS)
     assert all(len(SHORT[code]) == len(USERS) for code in LANGS.values())
-    for name in ("why.js", "kvmap.js", "whatif.js"):   # view files with their own strings: both languages, same keys
-        src = (STATIC / name).read_text()
-        assert keys(src[src.index("en: {"):src.index("zh: {")]) == keys(src[src.index("zh: {"):]), name
 
 
 def test_every_lesson_has_its_words_a_scenario_and_known_policies():
@@ -73,18 +67,16 @@ def test_stage_has_the_test_ids_and_the_i18n_keys_it_uses():
     for tid in ("gantt", "batch-bar", "policy", "chunked-toggle", "metrics", "pause", "resume", "step", "replay",
                 "row-labels", "student-name", "student-box", "student-send"):
         assert f'data-testid="{tid}"' in html
-    # view files bring their own strings (BS.addStrings)
-    js = "".join((STATIC / name).read_text() for name in ("i18n.js", "room.js", "why.js", "kvmap.js", "whatif.js"))
     for key in re.findall(r'data-i18n(?:-placeholder)?="([\w.]+)"', html):
-        assert f'"{key}":' in js, key
+        assert key in STRINGS["en"], key
     # every key the scripts ask for by name exists (in both languages: the test above)
     for name in STATIC.glob("*.js"):
-        for key in re.findall(r'BS\.t\("([\w]+\.[\w.]+)"\)', name.read_text()):
-            assert f'"{key}":' in js, (name.name, key)
+        for key in re.findall(r'\b(?:t|fmt)\("([\w]+\.[\w.]+)"[,)]', name.read_text()):
+            assert key in STRINGS["en"], (name.name, key)
 
 
 def test_chart_scripts_do_not_hard_code_visible_words_or_colours():
-    # words go through i18n.js, colours come from palette.js
+    # words come from the strings tables (through i18n.js), colours from palette.js
     for name in ("layout.js", "draw.js", "interact.js"):
         src = (STATIC / name).read_text()
         assert not re.search(r'"#[0-9a-fA-F]{3,6}"|rgba?\(', src), name

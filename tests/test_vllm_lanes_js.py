@@ -11,25 +11,34 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import static_for_node
+
 NODE = shutil.which("node")
 STATIC = Path(__file__).resolve().parent.parent / "static"
 pytestmark = pytest.mark.skipif(NODE is None, reason="node is not installed")
 
 RUNNER = """
-const fs = require("fs");
-global.window = {};
-for (const file of process.argv.slice(1)) eval(fs.readFileSync(file, "utf8"));   // record.js, then layout.js
-const BS = window.BS, out = [];
+import fs from "fs";
+const dir = process.argv[1];                     // static/, as ES modules (tests/helpers.py static_for_node)
+const { store } = await import(dir + "/socket.js");
+const { layout, view, mine } = await import(dir + "/layout.js");
+const out = [];
 for (const c of JSON.parse(fs.readFileSync(0, "utf8"))) {
-  BS.store = { steps: c.steps, reqs: new Map(c.reqs.map((r) => [r.rid, r])), gaps: [] };
-  BS.mine = new Set();
-  Object.assign(BS.view, { mode: "live", cursor: null, axis: c.axis, span: 100, windowSec: 2 });
-  const win = BS.layout.windowOf(800);
-  const got = BS.layout.rowsOf(win, c.maxRows, c.grouped);
-  out.push({ ...got, first: win.steps[0].step, lastStep: win.last.step, lanes: BS.layout.lanesOf(win) });
+  Object.assign(store, { steps: c.steps, reqs: new Map(c.reqs.map((r) => [r.rid, r])), gaps: [] });
+  mine.clear();
+  Object.assign(view, { mode: "live", cursor: null, axis: c.axis, span: 100, windowSec: 2 });
+  const win = layout.windowOf(800);
+  const got = layout.rowsOf(win, c.maxRows, c.grouped);
+  out.push({ ...got, first: win.steps[0].step, lastStep: win.last.step, lanes: layout.lanesOf(win) });
 }
 console.log(JSON.stringify(out));
 """
+
+
+def run_layout(tmp_path, cases: list[dict]) -> list[dict]:
+    done = subprocess.run([NODE, "--input-type=module", "-e", RUNNER, static_for_node(tmp_path)],
+                          input=json.dumps(cases), capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(done.stdout)
 
 
 def engines(rng: random.Random) -> dict:
@@ -63,11 +72,9 @@ def engines(rng: random.Random) -> dict:
             "maxRows": rng.randint(n, 40)}
 
 
-def test_one_lane_per_data_parallel_engine():
+def test_one_lane_per_data_parallel_engine(tmp_path):
     cases = [engines(random.Random(seed)) for seed in range(300)]
-    done = subprocess.run([NODE, "-e", RUNNER, str(STATIC / "record.js"), str(STATIC / "layout.js")],
-                          input=json.dumps(cases), capture_output=True, text=True, timeout=120, check=True)
-    for c, got in zip(cases, json.loads(done.stdout)):
+    for c, got in zip(cases, run_layout(tmp_path, cases)):
         in_view = [s for s in c["steps"] if got["first"] <= s["step"] <= got["lastStep"]]
         ranks = sorted({s["lane"] for s in in_view})
         assert got["lanes"] == [f"dp{r}" for r in ranks], "one lane per engine in view, by rank"
@@ -85,12 +92,10 @@ def test_one_lane_per_data_parallel_engine():
             assert ran or (lane == got["lanes"][0] and r["group"] == "queued"), (r, lane)
 
 
-def test_one_engine_has_no_lanes():
+def test_one_engine_has_no_lanes(tmp_path):
     """A vLLM server with one engine: its records carry no lane, and the chart has no lane headers."""
     c = engines(random.Random(1))
     for s in c["steps"]:
         del s["lane"]
-    done = subprocess.run([NODE, "-e", RUNNER, str(STATIC / "record.js"), str(STATIC / "layout.js")],
-                          input=json.dumps([c]), capture_output=True, text=True, timeout=60, check=True)
-    got = json.loads(done.stdout)[0]
+    got = run_layout(tmp_path, [c])[0]
     assert got["lanes"] is None and not any(r.get("header") for r in got["rows"])

@@ -1,24 +1,39 @@
 """The page's static assets, shared by every way of serving it (the Gradio page in app/ui/page.py, the
-classroom pages in app/ui/room_pages.py, and the chart-only page of app/ui/plain_page.py): no Gradio here."""
+classroom pages in app/ui/room_pages.py, the leaderboard, and the chart-only page of app/ui/plain_page.py):
+no Gradio here.
+
+static/*.js are ES modules that import what they use; a page loads one entry module (main.js, or
+leaderboard.js) and the browser follows the imports, so there is no load order to keep. An import map
+gives every module a URL with its content hash, so a new deploy is never served stale from a cache.
+"""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 STATIC = Path(__file__).resolve().parent.parent.parent / "static"
-SCRIPTS = ["record.js", "i18n.js", "palette.js", "socket.js", "layout.js", "draw.js", "interact.js", "controls.js",
-           "metrics.js", "analysis.js", "kvmap.js", "why.js", "room.js", "lesson.js", "main.js", "whatif.js"]
 STATIC_URL = "/static/batchscope"     # Gradio serves its own assets under /static/js, /static/fonts, ...
 
 
+def versioned(name: str, base: str = STATIC_URL) -> str:
+    """The URL of static/<name> (served at `base`) with its content hash: a changed file gets a new URL."""
+    digest = hashlib.sha1((STATIC / name).read_bytes()).hexdigest()[:10]
+    return f"{base}/{name}?v={digest}"
+
+
+def module_tags(entry: str, base: str = STATIC_URL) -> str:
+    """An import map from each module's plain URL (what an `import "./x.js"` resolves to) to its versioned
+    one, then the entry module."""
+    modules = sorted(p.relative_to(STATIC).as_posix() for p in STATIC.rglob("*.js"))
+    imports = {f"{base}/{name}": versioned(name, base) for name in modules}
+    return (f'<script type="importmap">{json.dumps({"imports": imports}, indent=1)}</script>\n'
+            f'<script type="module" src="{versioned(entry, base)}"></script>')
+
+
 def head_html() -> str:
-    """<head> additions: the stylesheet and the chart scripts, versioned so a new deploy is never stale."""
-    def url(name):
-        digest = hashlib.sha1((STATIC / name).read_bytes()).hexdigest()[:10]
-        return f"{STATIC_URL}/{name}?v={digest}"
-    tags = [f'<link rel="stylesheet" href="{url("style.css")}">']
-    tags += [f'<script src="{url(name)}"></script>' for name in SCRIPTS]
-    return "\n".join(tags)
+    """<head> additions: the stylesheet and the chart's modules."""
+    return f'<link rel="stylesheet" href="{versioned("style.css")}">\n' + module_tags("main.js")
 
 
 def stage_html() -> str:

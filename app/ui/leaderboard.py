@@ -15,17 +15,19 @@ import html
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
+from app.ui.assets import module_tags, versioned
 from app.ui.room_pages import fragment, page
 
-OFFLINE = "<script>window.BS = Object.assign(window.BS || {}, {offline: true});</script>"
+# the chart page fed by the leaderboard, not by a socket: set before the entry module (static/main.js) reads it
+OFFLINE = "<script>window.BS = {offline: true};</script>"
 
 
 def leaderboard_html(static_url: str) -> str:
     return f"""<!doctype html><html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1"><meta name="robots" content="noindex">
 <title>batchscope · arena leaderboard</title>
-<link rel="stylesheet" href="{html.escape(static_url)}/style.css">
-<script src="{html.escape(static_url)}/leaderboard.js"></script></head>
+<link rel="stylesheet" href="{html.escape(versioned("style.css", static_url))}">
+{module_tags("leaderboard.js", static_url)}</head>
 <body class="bs-room bs-leaderboard">{fragment("leaderboard.html")}</body></html>"""
 
 

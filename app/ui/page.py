@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from app.ui import lessons
-from app.ui.assets import SCRIPTS, STATIC, STATIC_URL, head_html, stage_html  # noqa: F401 (SCRIPTS: tests/browser.py)
+from app.ui.assets import STATIC, STATIC_URL, head_html, stage_html
 from app.api.auth import key_matches
 from app.serving.rate_limit import client_of
 from app.serving.room import Room
