@@ -88,7 +88,8 @@ class Metrics:
         self.dtype = ""
         self.live: dict[str, _Request] = {}             # arrived, not yet ended (or ended, last token due)
         self.clock = TokenClock()
-        self.lanes_seen: set = set()                     # lanes, and ("cache", lane) once its cache is shown
+        self.lanes_seen: set[str] = set()                # lanes whose gauges are started
+        self.caches_shown: set[str] = set()              # lanes whose cache_config_info is set
         m = ["model_name", "engine"]
         self.running = Gauge("vllm:num_requests_running", "Requests in the running set", m, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", m, registry=r)
@@ -151,8 +152,8 @@ class Metrics:
                 gauge.labels(*m).set(0)
             for reason in ("capacity", "deferred"):
                 self.waiting_by_reason.labels(*m, reason).set(0)
-        if kv is not None and ("cache", lane) not in self.lanes_seen:
-            self.lanes_seen.add(("cache", lane))
+        if kv is not None and lane not in self.caches_shown:
+            self.caches_shown.add(lane)
             self.cache_info.labels(str(kv["block_size"]), str(kv["total"]), self.dtype, lane).set(1)
 
     def observe(self, obj: dict):
