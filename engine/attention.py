@@ -133,7 +133,7 @@ class TorchAttention:
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         # q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim)
-        write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.write(k, v, k_cache, v_cache, meta)
         if not meta.prefills:
             return self.decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
@@ -149,11 +149,18 @@ class TorchAttention:
             if c.mask is None:   # the chunks are their sequences' whole contexts so far: plain causal attention
                 o = sdpa(batched(q), batched(k), batched(v), is_causal=True)
             else:                # earlier chunks (or cached prefix) come from the paged cache (a run of one)
-                kc = gather(k_cache, c.block_table)[:c.ctx_len].transpose(0, 1).unsqueeze(0)
-                vc = gather(v_cache, c.block_table)[:c.ctx_len].transpose(0, 1).unsqueeze(0)
-                o = sdpa(batched(q), kc, vc, attn_mask=c.mask)
+                o = sdpa(batched(q), *self.context(k_cache, v_cache, c), attn_mask=c.mask)
             out[rows].view(m, c.q_len, *q.shape[1:]).copy_(o.transpose(1, 2))
         return out
+
+    def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata):
+        write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def context(self, k_cache, v_cache, c: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's whole context from the cache: K and V as (1, kv_heads, ctx_len, head_dim)."""
+        kc = gather(k_cache, c.block_table)[:c.ctx_len].transpose(0, 1).unsqueeze(0)
+        vc = gather(v_cache, c.block_table)[:c.ctx_len].transpose(0, 1).unsqueeze(0)
+        return kc, vc
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """One SDPA call per group of decodes with similar contexts (decode_groups), over their blocks
@@ -189,6 +196,44 @@ class TorchAttention:
             plan.append((None if g == list(range(meta.num_decodes)) else rows,
                          meta.block_tables[rows, :width].flatten(), mask))
         return plan
+
+
+class CpuAttention(TorchAttention):
+    """CPU: decodes by the paged kernel (engine/paged_decode.cpp), which reads each sequence's blocks in
+    place: no gather, no padding, no mask; prefill chunks as TorchAttention. The kernel sets how a block
+    holds its tokens, so this backend writes and reads the cache in that layout (the runner's cache
+    shape, block ids and block-level copies are the same; only the order inside a block differs):
+      key block   (kv_heads, head_dim, block_size)   keys transposed: a block's scores are vector FMAs
+      value block (kv_heads, block_size, head_dim)"""
+    name = "cpu-paged"
+
+    def __init__(self):
+        from engine import cpu_kernel
+        self.kernel = cpu_kernel.paged_decode
+
+    @staticmethod
+    def views(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        nb, bs, kvh, d = k_cache.shape
+        return k_cache.view(nb, kvh, d, bs), v_cache.view(nb, kvh, bs, d)
+
+    def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata):
+        if "block_offset" not in meta.derived:     # each token's (block, offset), once per step
+            bs = k_cache.shape[1]
+            meta.derived["block_offset"] = meta.slot_mapping // bs, meta.slot_mapping % bs
+        block, offset = meta.derived["block_offset"]
+        kt, vt = self.views(k_cache, v_cache)
+        kt[block, :, :, offset] = k                # (num_tokens, kv_heads, head_dim) into their blocks
+        vt[block, :, offset] = v
+
+    def context(self, k_cache, v_cache, c: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        kt, vt = self.views(k_cache, v_cache)
+        kvh, d = kt.shape[1], kt.shape[2]
+        kc = kt[c.block_table].permute(1, 0, 3, 2).reshape(kvh, -1, d)[:, :c.ctx_len].unsqueeze(0)
+        vc = vt[c.block_table].transpose(0, 1).reshape(kvh, -1, d)[:, :c.ctx_len].unsqueeze(0)
+        return kc, vc
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return self.kernel(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
 
 
 class TritonAttention:
@@ -252,10 +297,19 @@ class FlashAttention:
                            max_seqlen_k=meta.max_seqlen_k, causal=True, block_table=tables)
 
 
-def select_backend(name: str, device: torch.device, block_size: int, head_dim: int):
+def select_backend(name: str, device: torch.device, block_size: int, head_dim: int,
+                   dtype: torch.dtype = torch.float32):
     """auto: on CUDA the Triton kernel where the tile sizes suit it (every step a CUDA graph), else
-    flash-attn where installed and the block size suits it (eager), else torch; on CPU always torch."""
+    flash-attn where installed and the block size suits it (eager), else torch; on CPU the paged
+    decode kernel where it builds and has this dtype and shape (engine/cpu_kernel.py), else torch."""
     cuda = device.type == "cuda"
+    if device.type == "cpu" and name in ("auto", "cpu"):
+        from engine import cpu_kernel
+        if cpu_kernel.supports(dtype, block_size, head_dim):
+            return CpuAttention()
+        if name == "cpu":
+            raise ValueError(f"attention_backend='cpu' needs a C++ compiler, float32 or bfloat16 and (block_size, "
+                             f"head_dim) in {sorted(cpu_kernel.SHAPES)}; got {dtype}, ({block_size}, {head_dim})")
     flash_ok = cuda and block_size % 256 == 0 and _installed("flash_attn")
     ampere = cuda and torch.cuda.get_device_capability(device) >= (8, 0)   # A10G, A100, L4, L40S, H100...
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"   # Triton runs the kernel on CPU tensors: tests

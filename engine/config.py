@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 SCHEDULER_POLICIES = ("static", "continuous", "chunked")     # one engine, one scheduler
 POLICIES = (*SCHEDULER_POLICIES, "disaggregated")             # + two engines (engine/disagg.py)
-BACKENDS = ("auto", "torch", "triton", "flash_attn")
+BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",   # accepted name -> torch dtype name
           "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
           "int8": "float32"}      # CPU: int8 linears (engine/quant.py), fp32 activations and KV cache
@@ -30,7 +30,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None    # overrides the two above (tests use it to force preemption)
     max_model_len: int | None = None    # defaults to the model's context length
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"     # auto | torch | triton | flash_attn (auto: see attention.select_backend)
+    attention_backend: str = "auto"     # auto | torch | cpu | triton | flash_attn (auto: see attention.select_backend)
     enforce_eager: bool = False         # CUDA: no CUDA graphs for decode steps
     seed: int = 0
     cpu_threads: int | None = None      # torch intra-op threads on CPU; None = torch's choice (one per core)

@@ -234,6 +234,8 @@ def load_model(folder: Path, hf_config, dtype: str, device: torch.device, backen
     model.eval().requires_grad_(False)
     if dtype == "int8":
         load_or_make_int8(model, folder)
+    else:
+        model.pack_weights()
     return model
 
 

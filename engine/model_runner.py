@@ -86,7 +86,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         free_at_start = torch.cuda.mem_get_info(self.device)[0] if cuda else 0   # the memory budget's base
-        self.backend = select_backend(config.attention_backend, self.device, config.block_size, head_dim_of(hf_config))
+        self.backend = select_backend(config.attention_backend, self.device, config.block_size, head_dim_of(hf_config),
+                                      self.dtype)
         self.graphs: StepGraphs | None = None
         # enforce_eager: plain PyTorch, op by op
         self.model = load_model(folder, hf_config, config.dtype, self.device, self.backend, not config.enforce_eager)

@@ -106,8 +106,9 @@ def test_decode_splits():
 def test_backend_selection_on_cpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu = torch.device("cpu")
-    assert isinstance(select_backend("auto", cpu, 16, 64), TorchAttention)
-    assert select_backend("auto", cpu, 16, 64).name == "torch-sdpa"
+    assert isinstance(select_backend("auto", cpu, 16, 64), TorchAttention)    # the paged decode kernel's class too
+    assert select_backend("torch", cpu, 16, 64).name == "torch-sdpa"
+    assert select_backend("auto", cpu, 16, 80).name == "torch-sdpa"          # no kernel for head_dim 80
     with pytest.raises(ValueError, match="flash_attn"):
         select_backend("flash_attn", cpu, 256, 64)
     with pytest.raises(ValueError, match="triton"):

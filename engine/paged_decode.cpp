@@ -1,0 +1,157 @@
+// Decode attention on the CPU over the paged KV cache, read where it lies (engine/cpu_kernel.py builds it).
+//
+// One query token per sequence. Each (sequence, KV head) is one task: its group of query heads is
+// scored against the sequence's cached keys block by block, softmaxed, and the values summed, all in
+// fp32, with no gather copy, no padding and no mask. The kernel picks the cache's layout inside a block
+// (engine/attention.CpuAttention writes it):
+//
+//   key block:   (kv_heads, head_dim, block_size)   keys transposed: one head_dim step of a block's
+//                                                    scores is one multiply-add of block_size lanes,
+//                                                    no horizontal sums
+//   value block: (kv_heads, block_size, head_dim)   a token's values are one row to add
+//
+//   q:            (n, heads, head_dim), row i at q + i * q_stride (a view of the fused q/k projection)
+//   block_tables: (n, bt_stride) int64; context_lens: (n,) int64, tokens in the cache, this one included
+//   out:          (n, heads, head_dim), contiguous
+//
+// Threads: OpenMP, the runtime torch has loaded (libgomp.so.1), so its threads are torch's threads.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+static inline float to_float(float x) { return x; }
+static inline float to_float(uint16_t bf16) {          // bfloat16 is the top half of a float32
+    uint32_t bits = uint32_t(bf16) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+static inline void store(float* p, float x) { *p = x; }
+static inline void store(uint16_t* p, float x) {       // round to nearest even, as torch rounds
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    bits += 0x7fff + ((bits >> 16) & 1);
+    *p = uint16_t(bits >> 16);
+}
+
+// The next block is elsewhere in memory: ask for it while this one is computed (blocks are a few KB,
+// too short for the hardware prefetcher to find on its own; without this the kernel waits on memory)
+template <typename T>
+static inline void prefetch(const T* p, int count) {
+    for (int64_t x = 0; x < int64_t(count) * int64_t(sizeof(T)); x += 64) __builtin_prefetch((const char*)p + x);
+}
+
+// One (BS, D) pair per instantiation: a block's scores (BS lanes) and a head's accumulator (D lanes) live
+// in registers. engine/cpu_kernel.SHAPES lists the pairs; other shapes take the portable path.
+template <typename T, int BS, int D>
+static void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                   int64_t bt_stride, const int64_t* context_lens, T* out, int n, int heads, int kv_heads,
+                   float scale, int threads) {
+    const int group = heads / kv_heads;
+    const int64_t block_stride = int64_t(kv_heads) * D * BS;         // one block of one layer, K or V
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int task = 0; task < n * kv_heads; ++task) {
+        const int i = task / kv_heads, h = task % kv_heads;
+        const int64_t ctx = context_lens[i], num_blocks = (ctx + BS - 1) / BS;
+        const int64_t* table = block_tables + i * bt_stride;
+        std::vector<float> qf(size_t(group) * D), acc(size_t(group) * D, 0.f), s(size_t(group) * num_blocks * BS);
+        alignas(64) float f[D * BS];                                  // one block of K or V, in fp32
+        for (int j = 0; j < group; ++j)
+            for (int d = 0; d < D; ++d)
+                qf[j * D + d] = to_float(q[i * q_stride + int64_t(h * group + j) * D + d]) * scale;
+
+        // scores: s[j][t] = q_j . k_t, a block at a time; a block's keys are (D, BS)
+        for (int64_t b = 0; b < num_blocks; ++b) {
+            const T* kb = k_cache + table[b] * block_stride + int64_t(h) * D * BS;
+            if (b + 1 < num_blocks) prefetch(k_cache + table[b + 1] * block_stride + int64_t(h) * D * BS, D * BS);
+#pragma omp simd
+            for (int x = 0; x < D * BS; ++x) f[x] = to_float(kb[x]);
+            for (int j = 0; j < group; ++j) {
+                // four partial sums over head_dim: four independent chains of multiply-adds, not one
+                alignas(64) float sv[4][BS] = {};
+                for (int d = 0; d < D; d += 4)
+                    for (int u = 0; u < 4; ++u) {
+                        const float qd = qf[j * D + d + u];
+#pragma omp simd
+                        for (int o = 0; o < BS; ++o) sv[u][o] += qd * f[(d + u) * BS + o];
+                    }
+                float* sj = &s[(j * num_blocks + b) * BS];
+#pragma omp simd
+                for (int o = 0; o < BS; ++o) sj[o] = (sv[0][o] + sv[1][o]) + (sv[2][o] + sv[3][o]);
+            }
+        }
+        // softmax per query head over its ctx scores (the last block's tail beyond ctx is not read)
+        const int64_t row = num_blocks * BS;
+        for (int j = 0; j < group; ++j) {
+            float* sj = &s[j * row];
+            float m = sj[0], sum = 0.f;
+            for (int64_t t = 1; t < ctx; ++t) m = std::max(m, sj[t]);
+#pragma omp simd reduction(+ : sum)
+            for (int64_t t = 0; t < ctx; ++t) {
+                sj[t] = std::exp(sj[t] - m);
+                sum += sj[t];
+            }
+            const float inv = 1.f / sum;
+#pragma omp simd
+            for (int64_t t = 0; t < ctx; ++t) sj[t] *= inv;
+        }
+        // values: acc_j += p_j[t] * v_t; a block's values are (BS, D)
+        for (int64_t b = 0; b < num_blocks; ++b) {
+            const T* vb = v_cache + table[b] * block_stride + int64_t(h) * BS * D;
+            if (b + 1 < num_blocks) prefetch(v_cache + table[b + 1] * block_stride + int64_t(h) * BS * D, BS * D);
+            const int valid = int(std::min<int64_t>(BS, ctx - b * BS));
+#pragma omp simd
+            for (int x = 0; x < BS * D; ++x) f[x] = to_float(vb[x]);
+            for (int j = 0; j < group; ++j) {
+                // even and odd tokens in two partial sums: two independent chains per lane
+                alignas(64) float a[2][D] = {};
+                const float* p = &s[j * row + b * BS];
+                int o = 0;
+                for (; o + 1 < valid; o += 2)
+#pragma omp simd
+                    for (int d = 0; d < D; ++d) {
+                        a[0][d] += p[o] * f[o * D + d];
+                        a[1][d] += p[o + 1] * f[(o + 1) * D + d];
+                    }
+                if (o < valid)
+#pragma omp simd
+                    for (int d = 0; d < D; ++d) a[0][d] += p[o] * f[o * D + d];
+#pragma omp simd
+                for (int d = 0; d < D; ++d) acc[j * D + d] += a[0][d] + a[1][d];
+            }
+        }
+        for (int j = 0; j < group; ++j)
+            for (int d = 0; d < D; ++d)
+                store(&out[(int64_t(i) * heads + h * group + j) * D + d], acc[j * D + d]);
+    }
+}
+
+// (block_size, head_dim) -> its instantiation; 0 when there is none (engine/cpu_kernel.SHAPES)
+template <typename T>
+static int dispatch(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t* tables, int64_t bt_stride,
+                    const int64_t* lens, T* out, int n, int heads, int kv_heads, int head_dim, int block_size,
+                    float scale, int threads) {
+#define SHAPE(BS, D)                                                                                        \
+    if (block_size == BS && head_dim == D) {                                                                \
+        decode<T, BS, D>(q, q_stride, k, v, tables, bt_stride, lens, out, n, heads, kv_heads, scale, threads); \
+        return 1;                                                                                            \
+    }
+    SHAPE(16, 64) SHAPE(16, 128) SHAPE(32, 64) SHAPE(32, 128)
+#undef SHAPE
+    return 0;
+}
+
+extern "C" {
+int paged_decode_f32(const float* q, int64_t q_stride, const float* k, const float* v, const int64_t* tables,
+                      int64_t bt_stride, const int64_t* lens, float* out, int n, int heads, int kv_heads,
+                      int head_dim, int block_size, float scale, int threads) {
+    return dispatch(q, q_stride, k, v, tables, bt_stride, lens, out, n, heads, kv_heads, head_dim, block_size, scale, threads);
+}
+int paged_decode_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, const uint16_t* v,
+                       const int64_t* tables, int64_t bt_stride, const int64_t* lens, uint16_t* out, int n,
+                       int heads, int kv_heads, int head_dim, int block_size, float scale, int threads) {
+    return dispatch(q, q_stride, k, v, tables, bt_stride, lens, out, n, heads, kv_heads, head_dim, block_size, scale, threads);
+}
+}

@@ -1,0 +1,146 @@
+"""The CPU backend (engine.attention.CpuAttention: the paged decode kernel of engine/paged_decode.cpp and
+its own layout inside a block) against the portable backend on random ragged batches, in float32 and
+bfloat16; what it writes into the cache; and that attention falls back to the portable path where the
+kernel cannot be built."""
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from engine import cpu_kernel
+from engine.attention import AttentionMetadata, CpuAttention, PrefillChunk, TorchAttention, select_backend
+
+pytestmark = pytest.mark.skipif(cpu_kernel.library() is None, reason="no C++ compiler: the kernel cannot be built")
+
+NUM_BLOCKS = 40
+
+
+def to_kernel_layout(cache: torch.Tensor, keys: bool) -> torch.Tensor:
+    """(blocks, block_size, kv_heads, head_dim) in token order -> the same shape holding CpuAttention's layout."""
+    inner = cache.permute(0, 2, 3, 1) if keys else cache.permute(0, 2, 1, 3)
+    return inner.contiguous().view(cache.shape)
+
+
+def batch(data, bs: int, hd: int, dtype):
+    kv = data.draw(st.integers(1, 3))
+    heads = kv * data.draw(st.integers(1, 4))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    k_cache = torch.randn(NUM_BLOCKS, bs, kv, hd, generator=g).to(dtype)
+    v_cache = torch.randn(NUM_BLOCKS, bs, kv, hd, generator=g).to(dtype)
+    decodes = data.draw(st.lists(st.integers(1, 3 * bs), max_size=6))          # context lengths
+    chunks = data.draw(st.lists(st.tuples(st.integers(1, bs + 3), st.integers(0, bs + 5)), max_size=3))
+    free = data.draw(st.permutations(range(NUM_BLOCKS)))
+    slots, start, tables, ctxs, rows = [], 0, [], [], []
+    for n, ctx in [(1, c) for c in decodes] + [(n, cached + n) for n, cached in chunks]:
+        table = [free.pop() for _ in range(-(-ctx // bs))]
+        slots += [table[p // bs] * bs + p % bs for p in range(ctx - n, ctx)]
+        tables.append(table)
+        ctxs.append(ctx)
+        rows.append((start, n))
+        start += n
+    if not start:
+        return None
+    # q is a view with strided rows, as the model passes it (q's heads beside k's in one projection)
+    q = torch.randn(start, heads + kv, hd, generator=g).to(dtype)[:, :heads]
+    k, v = torch.randn(start, kv, hd, generator=g).to(dtype), torch.randn(start, kv, hd, generator=g).to(dtype)
+    width = max(map(len, tables))
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), context_lens=torch.tensor(ctxs),
+                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                             num_decodes=len(decodes), decode_ctx=list(decodes))
+    for (first, n), ctx, table in list(zip(rows, ctxs, tables))[len(decodes):]:
+        mask = None if ctx == n else torch.arange(ctx)[None] <= torch.arange(ctx - n, ctx)[:, None]
+        meta.prefills.append(PrefillChunk(first, n, ctx, torch.tensor(table), mask))
+    return q, k, v, k_cache, v_cache, meta
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.sampled_from(sorted(cpu_kernel.SHAPES)), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_cpu_backend_matches_the_portable_one(data, shape, dtype):
+    made = batch(data, *shape, dtype)
+    if made is None:
+        return
+    q, k, v, k_cache, v_cache, meta = made
+    kt, vt = to_kernel_layout(k_cache, True), to_kernel_layout(v_cache, False)
+    expected = TorchAttention()(q, k, v, k_cache, v_cache, meta)       # writes k, v into its cache first
+    out = CpuAttention()(q, k, v, kt, vt, meta)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), expected.float(), **tol)
+    # the same tokens were written, each where the kernel's layout puts it
+    assert torch.equal(kt, to_kernel_layout(k_cache, True)) and torch.equal(vt, to_kernel_layout(v_cache, False))
+
+
+@given(st.integers(1, 40), st.integers(0, 2**16))
+@settings(max_examples=40, deadline=None)
+@example(ctx=1, seed=0)                     # one token: the softmax over a single score
+@example(ctx=16, seed=0)                    # exactly one full block
+def test_decode_kernel_matches_fp64_attention(ctx, seed):
+    g = torch.Generator().manual_seed(seed)
+    bs, kv, heads, hd = 16, 2, 6, 64
+    k_cache, v_cache = torch.randn(8, bs, kv, hd, generator=g), torch.randn(8, bs, kv, hd, generator=g)
+    table = torch.randperm(8, generator=g)[:-(-ctx // bs)]
+    q = torch.randn(1, heads, hd, generator=g)
+    keys = k_cache[table].flatten(0, 1)[:ctx].double().repeat_interleave(heads // kv, 1)     # (ctx, heads, hd)
+    vals = v_cache[table].flatten(0, 1)[:ctx].double().repeat_interleave(heads // kv, 1)
+    ref = torch.einsum("ht,thd->hd", torch.einsum("hd,thd->ht", q[0].double(), keys).div(hd ** 0.5).softmax(-1), vals)
+    out = cpu_kernel.paged_decode(q, to_kernel_layout(k_cache, True), to_kernel_layout(v_cache, False),
+                                  table[None], torch.tensor([ctx]))
+    torch.testing.assert_close(out[0].double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_shapes_without_a_kernel_are_refused():
+    q = torch.randn(1, 2, 32)
+    cache = torch.zeros(4, 16, 1, 32)
+    with pytest.raises(ValueError, match="head_dim 32"):
+        cpu_kernel.paged_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
+    assert not cpu_kernel.supports(torch.float16, 16, 64) and not cpu_kernel.supports(torch.float32, 8, 64)
+
+
+def test_selection_and_fallback_without_a_compiler(tmp_path, monkeypatch):
+    cpu = torch.device("cpu")
+    assert select_backend("auto", cpu, 16, 64, torch.bfloat16).name == "cpu-paged"
+    assert select_backend("cpu", cpu, 16, 64, torch.float32).name == "cpu-paged"
+    assert select_backend("torch", cpu, 16, 64, torch.bfloat16).name == "torch-sdpa"
+    assert select_backend("auto", cpu, 16, 80, torch.float32).name == "torch-sdpa"   # no kernel for head_dim 80
+    monkeypatch.setenv("BATCHSCOPE_CACHE", str(tmp_path))      # nothing built there yet
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    cpu_kernel.library.cache_clear()
+    try:
+        assert cpu_kernel.library() is None                    # a warning, not an error: the engine still starts
+        assert select_backend("auto", cpu, 16, 64, torch.float32).name == "torch-sdpa"
+        with pytest.raises(ValueError, match="attention_backend='cpu' needs a C\\+\\+ compiler"):
+            select_backend("cpu", cpu, 16, 64, torch.float32)
+        assert not list(tmp_path.glob("kernels/*.so"))
+    finally:
+        cpu_kernel.library.cache_clear()
+
+
+def test_a_build_is_reused_and_named_by_what_it_was_built_from(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHSCOPE_CACHE", str(tmp_path))
+    cpu_kernel.library.cache_clear()
+    try:
+        assert cpu_kernel.library() is not None
+        built = list((tmp_path / "kernels").iterdir())
+        assert len(built) == 1 and built[0].name.startswith("paged_decode-") and built[0].suffix == ".so"
+        stamp = built[0].stat().st_mtime_ns
+        cpu_kernel.library.cache_clear()
+        assert cpu_kernel.library() is not None and built[0].stat().st_mtime_ns == stamp   # loaded, not rebuilt
+        monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: "flags : another cpu")
+        cpu_kernel.library.cache_clear()
+        assert cpu_kernel.library() is not None and len(list((tmp_path / "kernels").iterdir())) == 2
+    finally:
+        cpu_kernel.library.cache_clear()
+
+
+def test_packed_bf16_linears_compute_what_f_linear_does():
+    from engine.models.llama import Linear, pack, packed_weights_work
+    if not packed_weights_work(torch.bfloat16):
+        pytest.skip("this torch has no oneDNN bf16 linear")
+    g = torch.Generator().manual_seed(0)
+    for rows, bias in [(1, False), (32, True), (300, False)]:
+        lin = Linear(576, 960, bias=bias).to(torch.bfloat16).requires_grad_(False)
+        lin.weight.copy_(torch.randn(960, 576, generator=g))
+        x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+        plain = lin(x)
+        lin.packed = pack(lin.weight)
+        assert torch.equal(lin(x), plain)
+    assert not packed_weights_work(torch.float32)     # fp32: oneDNN's packed kernel rounds differently
