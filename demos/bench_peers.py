@@ -1,10 +1,12 @@
-"""batchscope beside vLLM on the same CPU, the same model folder and the same workload, one server at a time.
+"""batchscope beside vLLM on the same CPU, the same model folder and the same workload, one measured at a time.
 
     python demos/bench_peers.py [--concurrency 8,32] [--prompt-tokens 256] [--output-tokens 64]
                                 [--vllm-python PATH/TO/VENV/bin/python]
 
-Each server is started in turn on a free loopback port with the same prepared model folder (a standard
-Hugging Face folder): batchscope with its serving preset (`python -m app --serving`), then vLLM
+Both servers are started on free loopback ports with the same prepared model folder (a standard
+Hugging Face folder) and stay up; then, for --rounds rounds, they take turns at each concurrency level
+(one measured at a time, the other idle), so a change in the machine's load hits both, and the medians
+and the per-round ratios are printed: batchscope with its serving preset (`python -m app --serving`), vLLM
 (`python -m vllm.entrypoints.openai.api_server`, both cores) where --vllm-python (or $VLLM_PYTHON)
 is a Python that imports vllm; otherwise its row says "not installed". Both compute in the same
 precision: --dtype (auto: bfloat16 on a CPU with AMX, else float32, as batchscope picks) goes to both;
@@ -29,6 +31,7 @@ import json
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -166,6 +169,7 @@ def main():
     p.add_argument("--model", default=None, help="a prepared model folder (default: the embedded model's)")
     p.add_argument("--vllm-python", default=None, help="a Python that imports vllm (default $VLLM_PYTHON)")
     p.add_argument("--start-timeout", type=float, default=1800, help="seconds a server may take to start")
+    p.add_argument("--rounds", type=int, default=3, help="rounds in which the servers take turns at each level")
     args = p.parse_args()
     from engine.loader import resolve_model
     folder = resolve_model(args.model)
@@ -175,38 +179,63 @@ def main():
                 lambda port: batchscope_cmd(folder, port, args))]
     python = vllm_python(args.vllm_python)
     servers.append((f"vLLM-CPU ({theirs})", (lambda port: vllm_cmd(python, folder, port, args)) if python else None))
-    print(f"load average before: {load()}; {args.prompt_tokens}-token prompts, {args.output_tokens}-token replies, "
-          f"{args.requests} requests per stream")
-    lines = []
-    for name, make in servers:
-        if make is None:
-            lines += [row(name, c, None, "not installed (give --vllm-python)") for c in levels]
-            continue
-        port = free_port()
-        cmd, env = make(port)
-        try:
-            proc = start(cmd, env, port, args.start_timeout)
-        except RuntimeError as e:
-            print(f"{name}: {e}", file=sys.stderr)
-            lines += [row(name, c, None, "did not start (see above)") for c in levels]
-            continue
-        try:
-            url = f"http://127.0.0.1:{port}"
-            asyncio.run(level(url, 1, 1, 16, 4, salt=999))                # warm-up
+    print(f"load average before: {load()}; cpu: {cpu_name()}; {args.prompt_tokens}-token prompts, "
+          f"{args.output_tokens}-token replies, {args.requests} requests per stream, {args.rounds} rounds")
+    running, results = [], {}          # results[(server, level)]: one measurement per round
+    try:
+        for name, make in servers:     # every server up first; an idle one waits on its socket, using no CPU
+            if make is None:
+                print(f"{name}: not installed (give --vllm-python)", file=sys.stderr)
+                continue
+            port = free_port()
+            cmd, env = make(port)
+            try:
+                proc = start(cmd, env, port, args.start_timeout)
+            except RuntimeError as e:
+                print(f"{name}: {e}", file=sys.stderr)
+                continue
+            running.append((name, f"http://127.0.0.1:{port}", proc))
+            asyncio.run(level(running[-1][1], 1, 1, 16, 4, salt=999))                # warm-up
+        for r in range(args.rounds):   # the servers take turns at each level, so a load change hits both
             for i, c in enumerate(levels):
-                lines.append(row(name, c, asyncio.run(level(url, c, c * args.requests, args.prompt_tokens,
-                                                             args.output_tokens, salt=i))))
-                print(lines[-1], flush=True)
-        finally:
+                for name, url, _ in running:
+                    m = asyncio.run(level(url, c, c * args.requests, args.prompt_tokens, args.output_tokens,
+                                          salt=100 * r + i))
+                    results.setdefault((name, c), []).append(m)
+                    print(f"round {r + 1}: " + row(name, c, m), flush=True)
+    finally:
+        for _, _, proc in running:
             proc.terminate()
             proc.wait(60)
     print(f"\nload average after: {load()}")
+    print(f"medians of {args.rounds} rounds (each cell's median over its rounds)")
     print("| concurrency | server | output tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms |")
     print("|---|---|---|---|---|---|---|")
     for c in levels:
-        for line in lines:
-            if re.match(rf"\| {c} \|", line):
-                print(line)
+        for name, _ in servers:
+            ms = results.get((name, c))
+            print(row(name, c, median_of(ms)) if ms else row(name, c, None, "did not run (see above)"))
+    if len(running) == 2:
+        (a, _, _), (b, _, _) = running
+        for c in levels:
+            ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(results[(a, c)], results[(b, c)])]
+            print(f"{c} streams: {a} / {b} output tokens/s, per round: "
+                  f"{', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}")
+
+
+def median_of(ms: list[dict]) -> dict:
+    med = lambda xs: statistics.median(xs) if all(x is not None for x in xs) else None
+    return {"tok_s": statistics.median(m["tok_s"] for m in ms),
+            "ttft": tuple(med([m["ttft"][k] for m in ms]) for k in (0, 1)),
+            "itl": tuple(med([m["itl"][k] for m in ms]) for k in (0, 1))}
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    import platform
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
 if __name__ == "__main__":

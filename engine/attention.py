@@ -199,7 +199,7 @@ class TorchAttention:
 
 
 class CpuAttention(TorchAttention):
-    """CPU: decodes by the paged kernel (engine/paged_decode.cpp), which reads each sequence's blocks in
+    """CPU: decodes by the paged kernel (engine/cpu_kernels.cpp), which reads each sequence's blocks in
     place: no gather, no padding, no mask; prefill chunks as TorchAttention. The kernel sets how a block
     holds its tokens, so this backend writes and reads the cache in that layout (the runner's cache
     shape, block ids and block-level copies are the same; only the order inside a block differs):
@@ -208,8 +208,8 @@ class CpuAttention(TorchAttention):
     name = "cpu-paged"
 
     def __init__(self):
-        from engine import cpu_kernel
-        self.kernel = cpu_kernel.paged_decode
+        from engine import cpu_kernels
+        self.kernel, self.write_kv = cpu_kernels.paged_decode, cpu_kernels.write_kv
 
     @staticmethod
     def views(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,13 +217,7 @@ class CpuAttention(TorchAttention):
         return k_cache.view(nb, kvh, d, bs), v_cache.view(nb, kvh, bs, d)
 
     def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata):
-        if "block_offset" not in meta.derived:     # each token's (block, offset), once per step
-            bs = k_cache.shape[1]
-            meta.derived["block_offset"] = meta.slot_mapping // bs, meta.slot_mapping % bs
-        block, offset = meta.derived["block_offset"]
-        kt, vt = self.views(k_cache, v_cache)
-        kt[block, :, :, offset] = k                # (num_tokens, kv_heads, head_dim) into their blocks
-        vt[block, :, offset] = v
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)     # each token into its block's layout
 
     def context(self, k_cache, v_cache, c: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:
         kt, vt = self.views(k_cache, v_cache)
@@ -301,15 +295,15 @@ def select_backend(name: str, device: torch.device, block_size: int, head_dim: i
                    dtype: torch.dtype = torch.float32):
     """auto: on CUDA the Triton kernel where the tile sizes suit it (every step a CUDA graph), else
     flash-attn where installed and the block size suits it (eager), else torch; on CPU the paged
-    decode kernel where it builds and has this dtype and shape (engine/cpu_kernel.py), else torch."""
+    decode kernel where it builds and has this dtype and shape (engine/cpu_kernels.py), else torch."""
     cuda = device.type == "cuda"
     if device.type == "cpu" and name in ("auto", "cpu"):
-        from engine import cpu_kernel
-        if cpu_kernel.supports(dtype, block_size, head_dim):
+        from engine import cpu_kernels
+        if cpu_kernels.supports(dtype, block_size, head_dim):
             return CpuAttention()
         if name == "cpu":
             raise ValueError(f"attention_backend='cpu' needs a C++ compiler, float32 or bfloat16 and (block_size, "
-                             f"head_dim) in {sorted(cpu_kernel.SHAPES)}; got {dtype}, ({block_size}, {head_dim})")
+                             f"head_dim) in {sorted(cpu_kernels.SHAPES)}; got {dtype}, ({block_size}, {head_dim})")
     flash_ok = cuda and block_size % 256 == 0 and _installed("flash_attn")
     ampere = cuda and torch.cuda.get_device_capability(device) >= (8, 0)   # A10G, A100, L4, L40S, H100...
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"   # Triton runs the kernel on CPU tensors: tests

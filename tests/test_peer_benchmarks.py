@@ -91,6 +91,7 @@ def test_the_side_by_side_script_measures_a_server(server):
     assert m["tok_s"] > 0 and m["ttft"][0] is not None and 0 < m["ttft"][0] <= m["ttft"][1]
     assert m["itl"][0] is not None and m["itl"][0] <= m["itl"][1]
     assert "not installed" in bench_peers.row("vLLM-CPU", 8, None, "not installed")
+    assert bench_peers.median_of([m, m, m]) == {"tok_s": m["tok_s"], "ttft": m["ttft"], "itl": m["itl"]}
 
 
 def vllm_python_or_skip() -> str:

@@ -26,19 +26,31 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
-class FuseOnCuda:
-    """A chain of elementwise ops that torch.compile fuses into one kernel on CUDA, while a decode
-    step's CUDA graph is warmed up and captured (FusedOps.fusing): a captured decode step is ~45 tiny
-    kernels per layer op by op, so launches, not bytes moved, would set its time. Eager steps (prefill,
-    mixed) run the plain function: there a compiled region's guards and dispatch cost more host time
-    than the fusion saves (measured on an H200: a 512-token step took 100 ms compiled, 25 ms plain).
-    On CPU, or when `enabled` is off (enforce_eager): always the plain function."""
+class Fused:
+    """A chain of elementwise ops, with a faster form where one exists:
+    - CUDA: torch.compile fuses it into one kernel while a decode step's CUDA graph is warmed up and
+      captured (FusedOps.fusing): a captured decode step is ~45 tiny kernels per layer op by op, so
+      launches, not bytes moved, would set its time. Eager steps (prefill, mixed) run the plain
+      function: there a compiled region's guards and dispatch cost more host time than the fusion
+      saves (measured on an H200: a 512-token step took 100 ms compiled, 25 ms plain).
+    - CPU, bf16: one pass of engine/cpu_kernels.cpp where that library built (the same values up to
+      the last bit of an fp32 exp or rsqrt): torch's 3 to 9 passes took a quarter of a 2,048-token
+      prefill step.
+    - Otherwise, or when `enabled` is off (enforce_eager): the plain function."""
 
-    def __init__(self, fn, enabled: bool = True):
+    def __init__(self, fn, cpu_name: str, enabled: bool = True):
         self.fn, self.enabled, self.active, self.compiled = fn, enabled, False, None
+        self.cpu_name, self.cpu = cpu_name, None
 
     def __call__(self, x, *args):
-        if not (x.is_cuda and self.enabled and self.active):
+        if not x.is_cuda:
+            if x.dtype != torch.bfloat16 or not self.enabled:
+                return self.fn(x, *args)
+            if self.cpu is None:             # first bf16 call: the C++ form, or the plain one without it
+                from engine import cpu_kernels
+                self.cpu = getattr(cpu_kernels, self.cpu_name) if cpu_kernels.fused_bf16() else self.fn
+            return self.cpu(x, *args)
+        if not (self.enabled and self.active):
             return self.fn(x, *args)
         if self.compiled is None:           # first call: compile, or stay unfused where that fails
             try:
@@ -149,11 +161,12 @@ class Linear(nn.Linear):
 
 
 class FusedOps:
-    """One model's elementwise chains, each compiled on first use on CUDA unless `enabled` is off."""
+    """One model's elementwise chains (Fused), unless `enabled` is off."""
 
     def __init__(self, enabled: bool = True):
-        self.rms_norm, self.add_rms_norm = FuseOnCuda(rms_norm, enabled), FuseOnCuda(add_rms_norm, enabled)
-        self.apply_rope, self.silu_and_mul = FuseOnCuda(apply_rope, enabled), FuseOnCuda(silu_and_mul, enabled)
+        self.rms_norm = Fused(rms_norm, "rms_norm", enabled)
+        self.add_rms_norm = Fused(add_rms_norm, "add_rms_norm", enabled)
+        self.apply_rope, self.silu_and_mul = Fused(apply_rope, "rope", enabled), Fused(silu_and_mul, "silu_and_mul", enabled)
 
     @contextmanager
     def fusing(self):

@@ -1,4 +1,10 @@
-// Decode attention on the CPU over the paged KV cache, read where it lies (engine/cpu_kernel.py builds it).
+// The CPU's own kernels (engine/cpu_kernels.py builds this file once per machine and loads it with ctypes):
+//   1. decode attention over the paged KV cache, read where it lies;
+//   2. the model's bf16 elementwise chains, each one pass over its rows (torch runs them as 3 to 9 ops,
+//      each a pass over memory), rounding to bf16 where torch's ops round, so the values are torch's
+//      up to the last bit of an fp32 exp or rsqrt.
+//
+// ---- 1. decode attention ----
 //
 // One query token per sequence. Each (sequence, KV head) is one task: its group of query heads is
 // scored against the sequence's cached keys block by block, softmaxed, and the values summed, all in
@@ -44,7 +50,7 @@ static inline void prefetch(const T* p, int count) {
 }
 
 // One (BS, D) pair per instantiation: a block's scores (BS lanes) and a head's accumulator (D lanes) live
-// in registers. engine/cpu_kernel.SHAPES lists the pairs; other shapes take the portable path.
+// in registers. engine/cpu_kernels.SHAPES lists the pairs; other shapes take the portable path.
 template <typename T, int BS, int D>
 static void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    int64_t bt_stride, const int64_t* context_lens, T* out, int n, int heads, int kv_heads,
@@ -128,7 +134,7 @@ static void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
     }
 }
 
-// (block_size, head_dim) -> its instantiation; 0 when there is none (engine/cpu_kernel.SHAPES)
+// (block_size, head_dim) -> its instantiation; 0 when there is none (engine/cpu_kernels.SHAPES)
 template <typename T>
 static int dispatch(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t* tables, int64_t bt_stride,
                     const int64_t* lens, T* out, int n, int heads, int kv_heads, int head_dim, int block_size,
@@ -143,6 +149,98 @@ static int dispatch(const T* q, int64_t q_stride, const T* k, const T* v, const 
     return 0;
 }
 
+// A step's new keys and values into their slots, in the layout above. k, v: (tokens, kv_heads, D), rows at
+// k + t * k_stride (views of the fused projection); slots: (tokens,) int64. T is copied, never converted.
+template <typename T>
+static void write_kv(const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* k_cache, T* v_cache,
+                     const int64_t* slots, int64_t tokens, int kv_heads, int D, int bs, int threads) {
+    const int64_t block_stride = int64_t(kv_heads) * D * bs;
+#pragma omp parallel for num_threads(threads) if (tokens >= 256)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t block = slots[t] / bs, off = slots[t] % bs;
+        for (int h = 0; h < kv_heads; ++h) {
+            const T* kr = k + t * k_stride + int64_t(h) * D;
+            const T* vr = v + t * v_stride + int64_t(h) * D;
+            T* kb = k_cache + block * block_stride + int64_t(h) * D * bs + off;      // (D, bs): stride bs
+            T* vb = v_cache + block * block_stride + (int64_t(h) * bs + off) * D;    // (bs, D): one row
+            for (int d = 0; d < D; ++d) kb[int64_t(d) * bs] = kr[d];
+            std::memcpy(vb, vr, sizeof(T) * D);
+        }
+    }
+}
+
+// ---- 2. bf16 elementwise chains, one row per iteration (rows in parallel once there are enough) ----
+static inline float round_bf16(float x) {                // x rounded to bf16, as torch rounds a bf16 op's result
+    uint16_t b;
+    store(&b, x);
+    return to_float(b);
+}
+static inline bool parallel(int64_t rows, int64_t width) { return rows * width >= (1 << 16); }
+
+// norm(x + residual) and x + residual (models.llama.add_rms_norm), or norm(x) when residual is null:
+// the sum rounded to bf16; the norm in fp32, rounded, then times the weight, rounded
+static void rms_norm_rows(const uint16_t* x, const uint16_t* residual, const uint16_t* w, uint16_t* out,
+                          uint16_t* sum_out, int64_t rows, int hidden, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (parallel(rows, hidden))
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* xr = x + r * hidden;
+        std::vector<float> v(hidden);
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int c = 0; c < hidden; ++c) {
+            float a = to_float(xr[c]);
+            if (residual) a = round_bf16(a + to_float(residual[r * hidden + c]));
+            v[c] = a;
+            ss += a * a;
+        }
+        const float inv = 1.f / std::sqrt(ss / hidden + eps);
+#pragma omp simd
+        for (int c = 0; c < hidden; ++c) {
+            if (sum_out) store(&sum_out[r * hidden + c], v[c]);
+            store(&out[r * hidden + c], to_float(w[c]) * round_bf16(v[c] * inv));
+        }
+    }
+}
+
+// silu(gate) * up over (rows, 2 * inter) = [gate | up] (models.llama.silu_and_mul)
+static void silu_and_mul_rows(const uint16_t* gate_up, uint16_t* out, int64_t rows, int inter, int threads) {
+#pragma omp parallel for num_threads(threads) if (parallel(rows, inter))
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* g = gate_up + r * 2 * inter;
+        const uint16_t* u = g + inter;
+#pragma omp simd
+        for (int c = 0; c < inter; ++c) {
+            // exp's argument capped below fp32's overflow: the fast-math division is a reciprocal and a
+            // Newton step, which turns 1 / inf into NaN; past the cap silu(a) is below 1e-36 either way
+            const float a = to_float(g[c]);
+            store(&out[r * inter + c], round_bf16(a / (1.f + std::exp(std::min(-a, 88.f)))) * to_float(u[c]));
+        }
+    }
+}
+
+// x * cos + roll(x, D / 2) * sin per head (models.llama.apply_rope; sin's first half negated);
+// x: (rows, heads, D) with row stride x_stride; cos, sin: (rows, D); out: (rows, heads, D), contiguous
+static void rope_rows(const uint16_t* x, int64_t x_stride, const uint16_t* cos, const uint16_t* sin, uint16_t* out,
+                      int64_t rows, int heads, int D, int threads) {
+    const int half = D / 2;
+#pragma omp parallel for num_threads(threads) if (parallel(rows, int64_t(heads) * D))
+    for (int64_t r = 0; r < rows; ++r)
+        for (int h = 0; h < heads; ++h) {
+            const uint16_t* xh = x + r * x_stride + int64_t(h) * D;
+            const uint16_t *c = cos + r * D, *sn = sin + r * D;
+            uint16_t* oh = out + (r * heads + h) * D;
+            // the two halves apart, so that each loop reads its partner half at a fixed offset
+#pragma omp simd
+            for (int d = 0; d < half; ++d)
+                store(&oh[d], round_bf16(to_float(xh[d]) * to_float(c[d])) +
+                                  round_bf16(to_float(xh[d + half]) * to_float(sn[d])));
+#pragma omp simd
+            for (int d = half; d < D; ++d)
+                store(&oh[d], round_bf16(to_float(xh[d]) * to_float(c[d])) +
+                                  round_bf16(to_float(xh[d - half]) * to_float(sn[d])));
+        }
+}
+
 extern "C" {
 int paged_decode_f32(const float* q, int64_t q_stride, const float* k, const float* v, const int64_t* tables,
                       int64_t bt_stride, const int64_t* lens, float* out, int n, int heads, int kv_heads,
@@ -153,5 +251,26 @@ int paged_decode_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, co
                        const int64_t* tables, int64_t bt_stride, const int64_t* lens, uint16_t* out, int n,
                        int heads, int kv_heads, int head_dim, int block_size, float scale, int threads) {
     return dispatch(q, q_stride, k, v, tables, bt_stride, lens, out, n, heads, kv_heads, head_dim, block_size, scale, threads);
+}
+void rms_norm_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* w, uint16_t* out, uint16_t* sum_out,
+                   int64_t rows, int hidden, float eps, int threads) {
+    rms_norm_rows(x, residual, w, out, sum_out, rows, hidden, eps, threads);
+}
+void silu_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int inter, int threads) {
+    silu_and_mul_rows(gate_up, out, rows, inter, threads);
+}
+void rope_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* cos, const uint16_t* sin, uint16_t* out,
+               int64_t rows, int heads, int head_dim, int threads) {
+    rope_rows(x, x_stride, cos, sin, out, rows, heads, head_dim, threads);
+}
+void write_kv_16(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride, uint16_t* k_cache,
+                 uint16_t* v_cache, const int64_t* slots, int64_t tokens, int kv_heads, int head_dim, int block_size,
+                 int threads) {
+    write_kv(k, k_stride, v, v_stride, k_cache, v_cache, slots, tokens, kv_heads, head_dim, block_size, threads);
+}
+void write_kv_32(const uint32_t* k, int64_t k_stride, const uint32_t* v, int64_t v_stride, uint32_t* k_cache,
+                 uint32_t* v_cache, const int64_t* slots, int64_t tokens, int kv_heads, int head_dim, int block_size,
+                 int threads) {
+    write_kv(k, k_stride, v, v_stride, k_cache, v_cache, slots, tokens, kv_heads, head_dim, block_size, threads);
 }
 }

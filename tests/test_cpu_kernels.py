@@ -1,4 +1,4 @@
-"""The CPU backend (engine.attention.CpuAttention: the paged decode kernel of engine/paged_decode.cpp and
+"""The CPU backend (engine.attention.CpuAttention: the paged decode kernel of engine/cpu_kernels.cpp and
 its own layout inside a block) against the portable backend on random ragged batches, in float32 and
 bfloat16; what it writes into the cache; and that attention falls back to the portable path where the
 kernel cannot be built."""
@@ -7,10 +7,10 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from engine import cpu_kernel
+from engine import cpu_kernels
 from engine.attention import AttentionMetadata, CpuAttention, PrefillChunk, TorchAttention, select_backend
 
-pytestmark = pytest.mark.skipif(cpu_kernel.library() is None, reason="no C++ compiler: the kernel cannot be built")
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler: the kernel cannot be built")
 
 NUM_BLOCKS = 40
 
@@ -54,7 +54,7 @@ def batch(data, bs: int, hd: int, dtype):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.data(), st.sampled_from(sorted(cpu_kernel.SHAPES)), st.sampled_from([torch.float32, torch.bfloat16]))
+@given(st.data(), st.sampled_from(sorted(cpu_kernels.SHAPES)), st.sampled_from([torch.float32, torch.bfloat16]))
 def test_cpu_backend_matches_the_portable_one(data, shape, dtype):
     made = batch(data, *shape, dtype)
     if made is None:
@@ -82,7 +82,7 @@ def test_decode_kernel_matches_fp64_attention(ctx, seed):
     keys = k_cache[table].flatten(0, 1)[:ctx].double().repeat_interleave(heads // kv, 1)     # (ctx, heads, hd)
     vals = v_cache[table].flatten(0, 1)[:ctx].double().repeat_interleave(heads // kv, 1)
     ref = torch.einsum("ht,thd->hd", torch.einsum("hd,thd->ht", q[0].double(), keys).div(hd ** 0.5).softmax(-1), vals)
-    out = cpu_kernel.paged_decode(q, to_kernel_layout(k_cache, True), to_kernel_layout(v_cache, False),
+    out = cpu_kernels.paged_decode(q, to_kernel_layout(k_cache, True), to_kernel_layout(v_cache, False),
                                   table[None], torch.tensor([ctx]))
     torch.testing.assert_close(out[0].double(), ref, rtol=1e-5, atol=1e-6)
 
@@ -91,8 +91,8 @@ def test_shapes_without_a_kernel_are_refused():
     q = torch.randn(1, 2, 32)
     cache = torch.zeros(4, 16, 1, 32)
     with pytest.raises(ValueError, match="head_dim 32"):
-        cpu_kernel.paged_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
-    assert not cpu_kernel.supports(torch.float16, 16, 64) and not cpu_kernel.supports(torch.float32, 8, 64)
+        cpu_kernels.paged_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
+    assert not cpu_kernels.supports(torch.float16, 16, 64) and not cpu_kernels.supports(torch.float32, 8, 64)
 
 
 def test_selection_and_fallback_without_a_compiler(tmp_path, monkeypatch):
@@ -103,32 +103,32 @@ def test_selection_and_fallback_without_a_compiler(tmp_path, monkeypatch):
     assert select_backend("auto", cpu, 16, 80, torch.float32).name == "torch-sdpa"   # no kernel for head_dim 80
     monkeypatch.setenv("BATCHSCOPE_CACHE", str(tmp_path))      # nothing built there yet
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    cpu_kernel.library.cache_clear()
+    cpu_kernels.library.cache_clear()
     try:
-        assert cpu_kernel.library() is None                    # a warning, not an error: the engine still starts
+        assert cpu_kernels.library() is None                    # a warning, not an error: the engine still starts
         assert select_backend("auto", cpu, 16, 64, torch.float32).name == "torch-sdpa"
         with pytest.raises(ValueError, match="attention_backend='cpu' needs a C\\+\\+ compiler"):
             select_backend("cpu", cpu, 16, 64, torch.float32)
         assert not list(tmp_path.glob("kernels/*.so"))
     finally:
-        cpu_kernel.library.cache_clear()
+        cpu_kernels.library.cache_clear()
 
 
 def test_a_build_is_reused_and_named_by_what_it_was_built_from(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHSCOPE_CACHE", str(tmp_path))
-    cpu_kernel.library.cache_clear()
+    cpu_kernels.library.cache_clear()
     try:
-        assert cpu_kernel.library() is not None
+        assert cpu_kernels.library() is not None
         built = list((tmp_path / "kernels").iterdir())
-        assert len(built) == 1 and built[0].name.startswith("paged_decode-") and built[0].suffix == ".so"
+        assert len(built) == 1 and built[0].name.startswith("cpu_kernels-") and built[0].suffix == ".so"
         stamp = built[0].stat().st_mtime_ns
-        cpu_kernel.library.cache_clear()
-        assert cpu_kernel.library() is not None and built[0].stat().st_mtime_ns == stamp   # loaded, not rebuilt
-        monkeypatch.setattr(cpu_kernel, "cpu_flags", lambda: "flags : another cpu")
-        cpu_kernel.library.cache_clear()
-        assert cpu_kernel.library() is not None and len(list((tmp_path / "kernels").iterdir())) == 2
+        cpu_kernels.library.cache_clear()
+        assert cpu_kernels.library() is not None and built[0].stat().st_mtime_ns == stamp   # loaded, not rebuilt
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags : another cpu")
+        cpu_kernels.library.cache_clear()
+        assert cpu_kernels.library() is not None and len(list((tmp_path / "kernels").iterdir())) == 2
     finally:
-        cpu_kernel.library.cache_clear()
+        cpu_kernels.library.cache_clear()
 
 
 def test_packed_bf16_linears_compute_what_f_linear_does():
@@ -144,3 +144,52 @@ def test_packed_bf16_linears_compute_what_f_linear_does():
         lin.packed = pack(lin.weight)
         assert torch.equal(lin(x), plain)
     assert not packed_weights_work(torch.float32)     # fp32: oneDNN's packed kernel rounds differently
+
+
+# ---- the bf16 elementwise chains against models.llama's torch versions ----
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps apart two bf16 tensors are, element by element (same sign assumed near 0)."""
+    def ordered(t):
+        i = t.view(torch.int16).int()
+        return torch.where(i < 0, -(i & 0x7FFF), i)
+    return (ordered(a) - ordered(b)).abs()
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 300), hidden=st.sampled_from([64, 576, 960]), seed=st.integers(0, 2**16),
+       scale=st.sampled_from([0.01, 1.0, 30.0]))
+@example(rows=1, hidden=64, seed=7, scale=30.0)     # a gate of about -120: exp overflowed, silu was NaN
+def test_fused_bf16_chains_are_torchs_up_to_one_rounding(rows, hidden, seed, scale):
+    from engine.models import llama
+    g = torch.Generator().manual_seed(seed)
+    bf = lambda *shape: (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+    x, res, w = bf(rows, hidden), bf(rows, hidden), bf(hidden)
+    checks = [(llama.rms_norm(x, w, 1e-5), cpu_kernels.rms_norm(x, w, 1e-5))]
+    (n1, s1), (n2, s2) = llama.add_rms_norm(x, res, w, 1e-5), cpu_kernels.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(s1, s2)                                   # the residual sum is one bf16 add: exact
+    checks.append((n1, n2))
+    gate_up = bf(rows, 2 * hidden)
+    checks.append((llama.silu_and_mul(gate_up, hidden), cpu_kernels.silu_and_mul(gate_up, hidden)))
+    qkv = bf(rows, 5, 64)                                        # q and k heads: a strided view, as in the model
+    cos, sin = bf(rows, 1, 64), bf(rows, 1, 64)
+    checks.append((llama.apply_rope(qkv[:, :4], cos, sin), cpu_kernels.rope(qkv[:, :4], cos, sin)))
+    for expected, got in checks:
+        assert got.shape == expected.shape and got.dtype == torch.bfloat16 and not got.isnan().any()
+        tiny = (expected.abs() < 1e-30) & (got.abs() < 1e-30)   # silu far below 0: ~1e-37 against torch's 0
+        apart = ulps_apart(expected, got).masked_fill(tiny, 0)
+        # an intermediate one bf16 step off (an fp32 exp or rsqrt a bit apart) can move a product by two
+        assert apart.max() <= 2, f"{int(apart.max())} bf16 steps apart"
+        assert (apart > 0).float().mean() < 0.01                 # nearly all bit for bit
+
+
+def test_a_bf16_model_takes_the_fused_chains_and_fp32_does_not(monkeypatch):
+    from engine.models.llama import FusedOps
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "silu_and_mul", lambda x, inter: calls.append(x.dtype) or x[:, :inter])
+    ops = FusedOps()
+    ops.silu_and_mul(torch.zeros(2, 8, dtype=torch.bfloat16), 4)
+    ops.silu_and_mul(torch.zeros(2, 8), 4)
+    assert calls == [torch.bfloat16]
+    eager = FusedOps(enabled=False)                              # enforce_eager: torch's ops, op by op
+    eager.silu_and_mul(torch.zeros(2, 8, dtype=torch.bfloat16), 4)
+    assert calls == [torch.bfloat16]
