@@ -50,20 +50,21 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def references(max_tokens: int) -> dict[str, str]:
+def references(max_tokens: int, model: str | None = None) -> dict[str, str]:
     """Greedy replies computed in-process: what every batch must reproduce. fp32 on both sides: a bf16
     matmul's rounding depends on the batch's shape (the default dtype on CPUs with AMX), fp32's only
     below what changes a greedy choice."""
     from engine import EngineConfig, LLMEngine, SamplingParams
-    eng = LLMEngine(EngineConfig(kv_cache_gb=0.25, dtype="float32"))
+    eng = LLMEngine(EngineConfig(model=model, kv_cache_gb=0.25, dtype="float32"))
     outs = eng.generate(messages=[[{"role": "user", "content": p}] for p in PROMPTS],
                         params=SamplingParams(max_tokens=max_tokens))
     return {p: o["text"] for p, o in zip(PROMPTS, outs)}
 
 
-def start_server(port: int, kv_cache_gb: float, block_size: int) -> subprocess.Popen:
+def start_server(port: int, kv_cache_gb: float, block_size: int, model: str | None = None) -> subprocess.Popen:
     env = {**os.environ, "PRESENTER_KEY": KEY}
     cmd = [sys.executable, "-m", "app", "--port", str(port), "--kv-cache-gb", str(kv_cache_gb),
+           *(["--model", model] if model else []),
            "--block-size", str(block_size), "--dtype", "float32",
            "--max-waiting", "1000", "--max-num-seqs", "16", "--log-level", "warning"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -161,9 +162,9 @@ async def preemption_burst(http, client, model: str, refs: dict, max_tokens: int
 async def soak(args) -> dict:
     import httpx
     import openai
-    refs = references(args.max_tokens)
+    refs = references(args.max_tokens, args.model)
     port = free_port()
-    proc = start_server(port, args.kv_cache_gb, args.block_size)
+    proc = start_server(port, args.kv_cache_gb, args.block_size, args.model)
     url = f"http://127.0.0.1:{port}"
     stats = dict(requests=args.requests, clients=args.clients, completed=0, disconnected=0, greedy_checked=0,
                  policy_switches=0, mismatches=[], errors=[], status={})
@@ -250,6 +251,8 @@ def verdict(stats: dict) -> list[str]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=500)
+    p.add_argument("--model", default=None, help="a model folder (default: the default model); the KV cache's "
+                                                  "size in GB is the model's: scale --kv-cache-gb with it")
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--disconnect", type=float, default=0.3, help="share of clients that hang up mid-stream")
     p.add_argument("--max-tokens", type=int, default=16)
