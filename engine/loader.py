@@ -27,6 +27,7 @@ import shutil
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -68,15 +69,40 @@ def resolve_model(model: str | None) -> Path:
 
 
 def prepare_default_model() -> Path:
-    """The default model's folder, prepared first if the cache does not have it."""
+    """The default model's folder, prepared first if the cache does not have it. Processes that start
+    at once on a fresh machine (a server and its workers, a test run's workers) take turns: the first
+    prepares, the others wait for it and use its folder instead of replacing it under its readers."""
     target = cache_dir() / DEFAULT_MODEL_NAME
-    if (target / "model.safetensors").exists() and (target / "config.json").exists():
+    if not ready(target):
+        with preparing_lock():
+            if not ready(target):                   # nobody prepared it while this process waited
+                return prepare(target)
+    try:
+        standardise(target)
+    except OSError as e:                            # a read-only cache: the engine loads either layout
+        print(f"batchscope: could not rewrite {target} in the standard layout ({e})", file=sys.stderr)
+    return target
+
+
+def ready(folder: Path) -> bool:
+    return (folder / "model.safetensors").exists() and (folder / "config.json").exists()
+
+
+@contextmanager
+def preparing_lock():
+    """An exclusive lock on the cache's `.prepare.lock` (POSIX flock; where there is none, no lock)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / ".prepare.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            standardise(target)
-        except OSError as e:                        # a read-only cache: the engine loads either layout
-            print(f"batchscope: could not rewrite {target} in the standard layout ({e})", file=sys.stderr)
-        return target
-    return prepare(target)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -247,7 +273,11 @@ def main(argv: list[str] | None = None):
     args = ap.parse_args(argv)
     target = cache_dir() / DEFAULT_MODEL_NAME
     try:
-        print(prepare(target) if args.force else prepare_default_model())
+        if args.force:
+            with preparing_lock():
+                print(prepare(target))
+        else:
+            print(prepare_default_model())
     except FetchError as e:
         print(f"batchscope: {e}", file=sys.stderr)
         return 1

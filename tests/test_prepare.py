@@ -187,3 +187,38 @@ def test_prepare_into_an_empty_cache_makes_a_folder_that_loads_and_answers(tmp_p
     out = engine.generate(messages=[[{"role": "user", "content": "What is the capital of France?"}]],
                           params=SamplingParams(max_tokens=12, temperature=0))[0]
     assert out["error"] is None and "Paris" in out["text"], out
+
+
+def test_processes_starting_at_once_prepare_the_model_once(tmp_path, monkeypatch):
+    """A fresh machine where several processes start together (a test run's workers did): one prepares,
+    the others wait and use its folder. Before the lock each prepared its own copy and replaced the
+    folder, deleting it under processes that were already loading it."""
+    import time
+    monkeypatch.setenv("BATCHSCOPE_CACHE", str(tmp_path))
+    calls, inside = [], []
+
+    def slow_prepare(target):
+        inside.append(1)
+        assert len(inside) == 1, "two preparations at once"
+        calls.append(target)
+        time.sleep(0.3)                     # long enough for the others to arrive and wait
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+        (target / "model.safetensors").write_bytes(b"")
+        inside.pop()
+        return target
+    monkeypatch.setattr(loader, "prepare", slow_prepare)
+    monkeypatch.setattr(loader, "standardise", lambda folder: False)
+    got, errors = [], []
+
+    def start():
+        try:
+            got.append(loader.prepare_default_model())
+        except Exception as e:              # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and len(calls) == 1 and got == [tmp_path / loader.DEFAULT_MODEL_NAME] * 4
