@@ -335,7 +335,8 @@ function labelLongSteps(g, win, avail) {
     g.strokeStyle = C().ink; g.lineWidth = 2; g.strokeRect(x0 - 1, TOP - 1, cw + 2, avail + 2);
     g.fillStyle = C().ink; g.fillRect(bx, TOP + 2, tw, 18);
     g.fillStyle = C().paper; g.fillText(txt, bx + tw / 2, TOP + 11.5);
-    out.push({ step: R.step(s), text: txt, shown: true, x: bx * state.chartScale, y: (TOP + 2) * state.chartScale });
+    out.push({ step: R.step(s), text: txt, shown: true, x: bx * state.chartScale, y: (TOP + 2) * state.chartScale,
+               box: { x: bx, y: TOP + 2, w: tw, h: 18 } });   // in drawing units, as the cells' x, y, w, h
   }
   return out;
 }
@@ -368,11 +369,14 @@ function drawMarkers(g, win, yTop, yBottom, flags) {
     if (x < LABEL_W) continue;
     g.fillStyle = C().ink; g.fillRect(x - 1, yTop, 3, yBottom - yTop);
     const txt = markerText(prev, s);
-    out.push({ step: R.step(s), x: x * S, text: txt, policy: R.policy(s) });
+    // boxes: the ink it draws over the cells, in drawing units (as the cells' x, y, w, h)
+    const m = { step: R.step(s), x: x * S, text: txt, policy: R.policy(s), boxes: [{ x: x - 1, y: yTop, w: 3, h: yBottom - yTop }] };
+    out.push(m);
     if (flags) {
       g.font = "bold 12px sans-serif";
       const tw = g.measureText(txt).width + 10;
       const bx = Math.min(x + 2, g.canvas.width / (window.devicePixelRatio || 1) / S - tw);
+      m.boxes.push({ x: bx, y: yTop, w: tw, h: 18 });
       g.fillStyle = C().ink; g.fillRect(bx, yTop, tw, 18);
       g.fillStyle = C().paper; g.textAlign = "left"; g.textBaseline = "middle";
       g.fillText(txt, bx + 5, yTop + 9.5);

@@ -146,7 +146,9 @@ def test_a_slow_step_after_a_setting_change_keeps_its_duration_and_a_running_ste
         wait_js(pg, "BS.view.drawn && BS.view.drawn.slow && BS.view.drawn.slow.length")
         drawn = pg.evaluate("({slow: BS.view.drawn.slow, markers: BS.view.drawn.markers.map(m => m.step)})")
         assert 10 in drawn["markers"]
+        box = drawn["slow"][0].pop("box")           # where its ink lies, in drawing units
         assert drawn["slow"] == [{"step": 10, "text": "10.00 s", "shown": True, "x": drawn["slow"][0]["x"], "y": 26}]
+        assert box["h"] == 18 and box["w"] > 30 and box["y"] * pg.evaluate("BS.chartScale") == 26
         # live again, the newest step 3 s old, a reply still under way: "step running… 3.0 s"
         pg.evaluate("""() => { BS.offline = false; BS.store.connected = true;
                                BS.store.lastStepAt = performance.now() - 3000; BS.redrawChart(); }""")

@@ -94,15 +94,16 @@ def test_two_panels_stream_and_share_a_step_in_the_chart(page, server, slow_moti
     # both requests are cells of the same step in the chart, in their users' colours
     cell = page.evaluate("""() => {
         const cells = BS.view.drawn.cells, by = new Map();
-        // ink drawn over a column hides its cells' colours there: a settings change's marker line at the
-        // step's left edge (the slow-motion switch above is one), and the duration box of a step far slower
-        // than the rest (a loaded machine makes some) over the top row's cell
-        const labelled = new Set([...BS.view.drawn.slow.filter(s => s.shown).map(s => s.step),
-                                  ...BS.view.drawn.markers.map(m => m.step)]);
+        // ink drawn over the cells hides their colours there: a settings change's marker line and its flag
+        // (the slow-motion switch above is one), and the duration box of a step far slower than the rest
+        // (a loaded machine makes some); the chart says where each lies
+        const ink = [...BS.view.drawn.slow.filter(s => s.shown).map(s => s.box),
+                     ...BS.view.drawn.markers.flatMap(m => m.boxes)];
+        const clear = (c) => !ink.some(k => k.x < c.x + c.w && c.x < k.x + k.w && k.y < c.y + c.h && c.y < k.y + k.h);
         for (const c of cells) { if (!by.has(c.step)) by.set(c.step, []); by.get(c.step).push(c); }
         for (const [step, cs] of by) {
           const a = cs.find(c => c.label === 'Alice' && c.kind === 'decode'), b = cs.find(c => c.label === 'Bob' && c.kind === 'decode');
-          if (a && b && !labelled.has(step)) {
+          if (a && b && clear(a) && clear(b)) {
             const g = document.querySelector('[data-testid=gantt]').getContext('2d'), d = devicePixelRatio;
             // the colour most of the cell shows (a label drawn over its middle must not decide it)
             const px = (c) => {

@@ -19,13 +19,13 @@ from collections import Counter
 
 from app.replay.scenarios import LESSONS, SETTING_KEYS
 
-# the lessons' own speed knobs (shorter replies, the document early); step_delay gives the scripted
-# users time to join on the step their scenario names, on a loaded machine too
+# the lessons' own speed knobs (shorter replies, the document early); no pause between steps: the
+# lesson runner holds the engine at the step each scripted user is due (tests/test_lesson_clock.py)
 FAST = {"static-vs-continuous": dict(reply_tokens=(2, 7, 3, 5, 2, 8, 1, 4)),
         "long-prompt-interrupts": dict(reply_tokens=8, doc_tokens=2, doc_at=6),
         "budget-shapes": dict(reply_tokens=4),
         "split-prefill-decode": dict(reply_tokens=8, doc_tokens=2, doc_at=6)}
-STEP_DELAY = 0.1
+STEP_DELAY = 0.0
 
 
 class Tab:

@@ -31,6 +31,7 @@ from engine import EngineConfig
 from engine.protocol import Engine, RequestInfo, RequestOutput
 
 log = logging.getLogger("batchscope.server")
+HOLD_LIMIT_S = 5.0      # a step hold nobody moves for this long is dropped: a vanished runner cannot freeze the room
 
 
 class EngineLoop:
@@ -53,6 +54,8 @@ class EngineLoop:
         self._loaded = threading.Event()
         self.load_error: BaseException | None = None
         self.stopping = False
+        self.holds: dict[object, int] = {}      # engine thread only: holder -> the first step number it holds back
+        self.held_since: float | None = None    # time.monotonic() when the loop began waiting at a hold
         # ---- health ----
         self.crashes = 0
         self.last_error: str | None = None
@@ -146,6 +149,31 @@ class EngineLoop:
         self.streams[rid] = stream
         return info
 
+    def hold(self, key: object, at: int | None) -> int:
+        """Start no step numbered `at` or later until `key` moves its hold (None: let go). Commands still run
+        meanwhile. A scripted lesson holds the engine at the step its next user is due (app/ui/lessons.py),
+        so that user joins that step however late the records reach the lesson. Returns the number the
+        next step will get."""
+        if at is None:
+            self.holds.pop(key, None)
+        else:
+            self.holds[key] = at
+        self.held_since = None
+        return self.engine.step_index
+
+    def _held(self) -> bool:
+        """At a hold: wait for a command (one moves it) and say so; a hold nobody moves is dropped."""
+        if not self.holds or self.engine.step_index < min(self.holds.values()):
+            return False
+        now = time.monotonic()
+        self.held_since = self.held_since or now
+        if now - self.held_since > HOLD_LIMIT_S:
+            log.warning("a step hold was not moved for %.0f s: letting the engine run", HOLD_LIMIT_S)
+            self.holds.clear()
+            return False
+        self._wake.wait(HOLD_LIMIT_S - (now - self.held_since) + 0.01)
+        return True
+
     def _publish(self, obj: dict):
         for fn in self._subscribers:
             fn(obj)
@@ -200,6 +228,8 @@ class EngineLoop:
                 self._wake.wait()               # idle: sleep until a command arrives
             elif pause > 0:
                 self._wake.wait(pause)
+            return
+        if self._held():
             return
         out = self.engine.step()
         self._deliver(out.outputs if out else [])

@@ -197,6 +197,15 @@ class EngineService:
             return {"disaggregated": None, **self.engine.stats(), "step_delay": self.loop.step_delay}
         return await self.loop.call(read, timeout=10.0)
 
+    async def hold(self, key: object, at: int | None) -> int:
+        """Hold the engine before step number `at` until `key` moves the hold (None: let go); returns the
+        number the next step will get (EngineLoop.hold). Used by the scripted lessons' step clock."""
+        return await self.loop.call(lambda: self.loop.hold(key, at), timeout=10.0)
+
+    def let_go(self, key: object):
+        """Drop `key`'s hold, fire and forget, from any thread (a lesson ending, cancelled or not)."""
+        self.loop.post(lambda: self.loop.hold(key, None))
+
     async def call(self, fn: Callable, timeout: float | None = None):
         """Run fn on the engine thread between steps and return its result here."""
         return await self.loop.call(fn, timeout)

@@ -3,13 +3,18 @@
 Each distinct label of the scenario takes a panel (a panel of the same name
 if there is one, else the next free one), so the lecturer sees the scripted
 users type and the chart shows them in their panel's colour. Arrivals on the
-"step" clock are timed by counting the step records the engine publishes;
-when a record says the engine has run out of work, the next arrival comes at once.
+"step" clock are timed by the step records the engine publishes; when a
+record says the engine has run out of work, the next arrival comes at once.
+Those records reach this event loop late on a busy machine, so the runner
+also holds the engine at the step its next user is due (EngineLoop.hold):
+the user joins the step the scenario names, and a lesson's steps are the
+same on a loaded machine as on an idle one.
 The arrivals fall due through app/replay/scenarios.py's Replay, as in demos/runner.py.
 """
 from __future__ import annotations
 
 import asyncio
+import math
 
 from app.replay.scenarios import Arrival, Replay, Scenario
 from app.ui.sessions import Panel, Session, Turn, drive, fresh
@@ -42,8 +47,11 @@ async def play(service, session: Session, scenario: Scenario, changed: asyncio.E
     loop = asyncio.get_running_loop()
     children: list[asyncio.Future] = []
     clock = StepClock(service.broadcaster.subscribe(0), children) if scenario.clock == "step" else None
+    # the pair's workers step on their own: holding the loop would only stop their records (not held)
+    hold = clock is not None and (await service.engine_state()).get("policy") != "disaggregated"
+    key = object()                          # this lesson's hold
 
-    def send(a: Arrival):
+    def send(a: Arrival) -> Turn:
         # a plain prompt goes in as it is (no chat template), so it has the scenario's exact token count
         messages = [dict(m) for m in a.messages] if a.messages else [{"role": "user", "content": a.prompt}]
         text = messages[-1]["content"] = fresh(messages[-1]["content"])
@@ -53,22 +61,32 @@ async def play(service, session: Session, scenario: Scenario, changed: asyncio.E
         job = drive(service, panel, turn, None if a.prompt is not None else messages, a.params(), changed, lang,
                     prompt=text if a.prompt is not None else None)
         children.append(asyncio.ensure_future(job))
+        return turn
 
     try:
         replay, start = Replay(scenario), loop.time()
+        if hold:
+            clock.first = await service.hold(key, 0)       # held now; steps are counted from the next one
         while not replay.done:
             if clock is None:
                 await asyncio.sleep(max(0.0, start + replay.next_at - loop.time()))
             else:       # back from waiting: the step has come, or the engine went idle (skip ahead, as demos does)
+                if hold:
+                    await service.hold(key, clock.first + math.ceil(replay.next_at))
                 await clock.wait_until(replay.next_at)
-                clock.steps = replay.skip_idle(clock.steps)
-            for _, a in replay.due(clock.steps if clock else 0, loop.time() - start):
-                send(a)
-                if clock is not None:
-                    clock.idle = False      # the engine has work now, whatever the last record said
-                changed.set()
+                clock.skip_to(replay.skip_idle(clock.steps))
+            sent = [send(a) for _, a in replay.due(clock.steps if clock else 0, loop.time() - start)]
+            if clock is not None:
+                clock.idle = False              # the engine has work now, whatever the last record said
+            changed.set()
+            while hold and not all(t.rid is not None or t.done for t in sent):
+                await asyncio.sleep(0.002)      # in the engine (or refused) before the hold moves on
+        if hold:
+            service.let_go(key)
         await asyncio.gather(*children)
     finally:
+        if hold:
+            service.let_go(key)
         if clock is not None:
             clock.sub.close()
         for c in children:
@@ -77,12 +95,21 @@ async def play(service, session: Session, scenario: Scenario, changed: asyncio.E
 
 
 class StepClock:
-    """Counts the engine's steps from the records it publishes, and knows when it has gone idle."""
+    """Counts the engine's steps from the records it publishes, and knows when it has gone idle.
+    first: the number of the scenario's first step when the lesson holds the engine (steps are then
+    read off the records' numbers), else None (the records are counted as they come)."""
 
     def __init__(self, sub, children: list):
         self.sub, self.children = sub, children
         self.steps = 0
+        self.first: int | None = None
         self.idle = True                    # nothing of ours has been sent yet
+
+    def skip_to(self, steps: int):
+        """The engine went idle: the scenario jumps ahead to `steps`, and the next step is that one."""
+        if self.first is not None:
+            self.first -= steps - self.steps
+        self.steps = steps
 
     async def wait_until(self, target: float):
         while self.steps < target and not self.idle:
@@ -97,6 +124,7 @@ class StepClock:
                 return
             for x in items:
                 rec = getattr(x, "obj", x)
-                if rec.get("type") == "step":
-                    self.steps += 1
-                    self.idle = rec.get("running", 0) + rec.get("waiting", 0) == 0
+                if rec.get("type") != "step" or (self.first is not None and rec["step"] < self.first):
+                    continue                # not a step, or one from before the lesson began
+                self.steps = self.steps + 1 if self.first is None else max(self.steps, rec["step"] - self.first + 1)
+                self.idle = rec.get("running", 0) + rec.get("waiting", 0) == 0
