@@ -7,11 +7,11 @@ cd "$(dirname "$0")/.."
 # the multi-GB CUDA build, so install it first, and only when it is missing
 python3 -c "import torch" 2>/dev/null || python3 -m pip install --quiet "torch==2.13.0"
 python3 -m pip install --quiet -e ".[dev]"
-# BATCHSCOPE_TEST_WORKERS=N runs the suite in N pytest-xdist workers, each with one torch thread (the
-# servers the tests start inherit it): on its own the suite keeps about one core busy, so on 2 cores 3
-# workers take about 7.5 minutes instead of 13.5. Not the default: under that load the lecture test's
-# scripted users can join a step late and its step-for-step comparison then fails (1 run in 4).
-workers="${BATCHSCOPE_TEST_WORKERS:-0}"
+# The suite runs in pytest-xdist workers, each with one torch thread (the servers the tests start
+# inherit it): on its own it keeps about one core busy, as much of its time is spent waiting on
+# servers, browsers and subprocesses. Default: one worker more than the cores this process may use;
+# BATCHSCOPE_TEST_WORKERS=N sets N, and 0 runs everything in this one process.
+workers="${BATCHSCOPE_TEST_WORKERS:-$(( $(python3 -c 'import os; print(len(os.sched_getaffinity(0)))') + 1 ))}"
 set +e
 if [ "$workers" -gt 0 ]; then
     OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" python3 -m pytest -q -n "$workers" --dist worksteal --durations=15 "$@"
