@@ -181,6 +181,8 @@ def test_prepare_into_an_empty_cache_makes_a_folder_that_loads_and_answers(tmp_p
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:   # the Hub's name for a tied matrix
         assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
     assert not list(cache.glob(".prepare-*")), "no half-written folder is left behind"
+    config = json.loads((folder / "config.json").read_text())
+    assert not {"_name_or_path", "_model_name_or_path"} & set(config), "the folder names no path of this machine"
 
     from engine import EngineConfig, LLMEngine, SamplingParams
     engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", kv_cache_gb=0.05))
