@@ -44,7 +44,7 @@ from multiprocessing.connection import wait
 from multiprocessing.shared_memory import SharedMemory
 
 from engine.config import DTYPES, EngineConfig, check_budgets
-from engine.disagg_messages import (Abort, Add, Adopt, Ask, Budgets, Dropped, Exported, Imported, Out, Pause,
+from engine.disagg_messages import (Abort, AbortDone, Add, Adopt, Ask, Budgets, Dropped, Exported, Imported, Out, Pause,
                                     Progress, Ready, Release, Reply, Stop)
 from engine.disagg_worker import Staging, worker_main
 from engine.llm_engine import LLMEngine
@@ -84,6 +84,7 @@ class _Router:
     holder: dict[str, str] = field(default_factory=dict)          # live request -> the worker holding it
     transfers: dict[str, Transfer] = field(default_factory=dict)  # exported, not yet adopted
     ended: set[str] = field(default_factory=set)                  # requests the router itself ended
+    aborting: dict[str, str] = field(default_factory=dict)        # aborted request -> the worker yet to answer
 
 
 class DisaggregatedEngine:
@@ -125,7 +126,8 @@ class DisaggregatedEngine:
         self._replies: dict[int, dict] = {}
         self._keys = itertools.count()
         self.handlers = {Ready: self._on_ready, Out: self._on_out, Exported: self._on_exported,
-                         Imported: self._on_imported, Dropped: self._on_dropped, Reply: self._on_reply}
+                         Imported: self._on_imported, Dropped: self._on_dropped, AbortDone: self._on_abort_done,
+                         Reply: self._on_reply}
         self.closed = False
         # ---- start both workers; they load the model side by side ----
         self._ctx = mp.get_context("spawn")
@@ -175,6 +177,8 @@ class DisaggregatedEngine:
             log.error(reason)
             for rid in [r for r, h in self.router.holder.items() if h == name]:
                 self._end(self.book.live[rid], "error", reason)
+            for rid in [r for r, h in self.router.aborting.items() if h == name]:
+                del self.router.aborting[rid]        # a dead worker answers nothing
             if name == "decode":                     # hand-overs it never adopted: their slots are free again
                 for rid in list(self.router.transfers):
                     self._send("prefill", Release(self.router.transfers.pop(rid).slots))
@@ -260,6 +264,9 @@ class DisaggregatedEngine:
         self.router.transfers.pop(m.request_id, None)
         self._send("prefill", Release(m.slots))
 
+    def _on_abort_done(self, w: Handle, m: AbortDone):
+        self.router.aborting.pop(m.request_id, None)
+
     def _on_reply(self, w: Handle, m: Reply):
         self._replies[m.key] = m.value
 
@@ -295,7 +302,9 @@ class DisaggregatedEngine:
         seq = self.book.get(request_id)
         if seq.is_finished:
             return False
-        self._send(self.router.holder[request_id], Abort(request_id, reason))
+        holder = self.router.holder[request_id]
+        self._send(holder, Abort(request_id, reason))
+        self.router.aborting[request_id] = holder       # busy until it answers: an export may be on its way
         self._end(seq, "abort", reason)
         return True
 
@@ -313,7 +322,9 @@ class DisaggregatedEngine:
             self.router.ended.discard(old)
 
     def has_unfinished(self) -> bool:
-        return bool(self.book.live)
+        """Requests in flight, or an abort not yet answered (whatever it crossed must be read first: a
+        hand-over's staging slots are given back only then)."""
+        return bool(self.book.live or self.router.aborting)
 
     # ---- the pump ----
     def step(self, timeout: float = 10.0) -> StepOutputs | None:
@@ -323,7 +334,7 @@ class DisaggregatedEngine:
         self._watch()
         self._pump(0)
         deadline = time.monotonic() + timeout
-        while not self._steps and self.book.live and (left := deadline - time.monotonic()) > 0:
+        while not self._steps and self.has_unfinished() and (left := deadline - time.monotonic()) > 0:
             self._pump(min(left, 0.25))
             self._watch()
         record = self._steps.popleft() if self._steps else None

@@ -123,6 +123,13 @@ class Dropped:
 
 
 @dataclass(frozen=True)
+class AbortDone:
+    """either worker: it has handled the router's Abort; whatever it sent before (an export, an import,
+    a drop) has come first, as each worker's messages arrive in order."""
+    request_id: str
+
+
+@dataclass(frozen=True)
 class Reply:
     key: int
     value: dict

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 
 from engine.config import EngineConfig
-from engine.disagg_messages import (Abort, Add, Adopt, Ask, Budgets, Dropped, Exported, Imported, Out, Pause,
+from engine.disagg_messages import (Abort, AbortDone, Add, Adopt, Ask, Budgets, Dropped, Exported, Imported, Out, Pause,
                                     Progress, Ready, Release, Reply, Stop)
 from engine.llm_engine import LLMEngine
 from engine.records import kv_ops
@@ -170,6 +170,10 @@ class Worker:
 
     # ---- both ----
     def abort(self, m: Abort):
+        self._abort(m)
+        self.results.put(AbortDone(m.request_id))
+
+    def _abort(self, m: Abort):
         for item in self.inbox:
             if item.seq.id == m.request_id:          # not adopted yet: only its staging slots to give back
                 self.inbox.remove(item)

@@ -112,6 +112,21 @@ def test_aborts_in_prefill_transfer_and_decode_free_every_block(engine):
     assert_nothing_held(eng)
 
 
+def test_an_abort_that_crosses_a_hand_over_is_settled_before_the_pair_says_it_is_idle(engine):
+    """The prefill worker exports a request while the router, not yet having read that, aborts it: the
+    router must not call itself idle (and so stop reading the workers) until the worker has answered the
+    abort, by which time the export's staging slots are given back. Before, they stayed held until the
+    next request came."""
+    eng = engine
+    rid = eng.add_request(prompt_token_ids=document_ids(eng, 20, 7), params=SamplingParams(max_tokens=50))
+    time.sleep(3.0)                      # the prefill worker prefills and exports it; nobody reads the news
+    eng.abort(rid, "gone")
+    assert eng.has_unfinished()          # the worker has not answered the abort yet
+    drive(eng, lambda: not eng.has_unfinished(), timeout=60)
+    assert eng.get_request(rid).finish_reason == "abort"
+    assert_nothing_held(eng)
+
+
 def test_aborts_at_random_moments_free_every_block(engine):
     """Many requests, each aborted (or not) after a random number of pump calls: nothing leaks."""
     eng, rng = engine, random.Random(16)
