@@ -2,10 +2,13 @@
 API, page) served on a free loopback port. Playwright's own browser download is not used."""
 from __future__ import annotations
 
+import os
 import socket
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -19,6 +22,18 @@ MARKS = [pytest.mark.browser,
 STAGE_ORIGIN = "http://stage.test"       # load_stage: no server, Playwright answers
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+@lru_cache(maxsize=None)
+def screenshot_dir() -> Path:
+    """Where the browser tests save their screenshots: BATCHSCOPE_SCREENSHOT_DIR when set
+    (`BATCHSCOPE_SCREENSHOT_DIR=docs` refreshes the pictures the docs show), else a temporary folder
+    of this process, so that a test run rewrites no tracked file and parallel workers share none."""
+    chosen = os.environ.get("BATCHSCOPE_SCREENSHOT_DIR")
+    folder = Path(chosen) if chosen else Path(tempfile.mkdtemp(prefix="batchscope-shots-"))
+    folder = folder if folder.is_absolute() else ROOT / folder
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 @contextmanager

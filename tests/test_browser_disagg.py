@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import MARKS, api, live_page, load_stage, served_ui, wait_js
+from tests.browser import MARKS, api, live_page, load_stage, screenshot_dir, served_ui, wait_js
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs"
 SCENARIO = dict(reply_tokens=40, doc_tokens=4, doc_at=6)
 pytestmark = MARKS
 
@@ -100,7 +99,7 @@ def test_a_recorded_disaggregated_run_draws_two_lanes_and_the_hand_overs(recorde
                       ".map(td => JSON.parse(td.dataset.values))")
     assert row == [[4, metrics.stretches(recorded)[0]["transfer_p50_s"], metrics.stretches(recorded)[0]["transfer_p99_s"],
                     sum(e["bytes"] for e in moved)]]
-    pg.locator("[data-testid=stage] .bs-chart").screenshot(path=str(DOCS / "ui_disaggregated.png"))
+    pg.locator("[data-testid=stage] .bs-chart").screenshot(path=str(screenshot_dir() / "ui_disaggregated.png"))
     assert not errors, errors
     pg.close()
 
@@ -177,7 +176,7 @@ def test_lesson_five_draws_two_workers_side_by_side_and_the_kv_hand_over(page, s
     assert cols["heads"][-2:] == ["chunked", "disaggregated"] and cols["transfer"] is not None
     assert cols["transfer"][-1][0] >= 1 and cols["transfer"][-2][0] == 0
 
-    page.locator("[data-testid=stage]").screenshot(path=str(DOCS / "ui_disaggregated_lesson.png"))
+    page.locator("[data-testid=stage]").screenshot(path=str(screenshot_dir() / "ui_disaggregated_lesson.png"))
     page.click("[data-testid=resume]")
     # back to one engine: the next steps carry no worker
     page.click("[data-testid=policy] button[data-policy=chunked]")

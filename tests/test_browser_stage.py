@@ -5,13 +5,11 @@ projector view and a phone's /join fit their screens the same way.
 Writes docs/ui_stage_1366.png, docs/ui_stage_1920.png, docs/ui_projector_1366.png,
 docs/ui_projector_1920.png and docs/ui_join_phone.png.
 """
-from pathlib import Path
 
 import pytest
 
-from tests.browser import MARKS, api, live_page, served_ui, wait_js
+from tests.browser import MARKS, api, live_page, screenshot_dir, served_ui, wait_js
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
 SIZES = [(1366, 768), (1920, 1080)]
 pytestmark = MARKS
 
@@ -56,7 +54,7 @@ def test_a_pressed_lesson_shows_caption_chart_and_batch_bar_on_one_screen(server
         # a chat panel beside the chart, its box on screen at the same time
         chat = box(pg, "#bs-box-0")
         assert chat["x"] >= gantt["right"] - 1 and on_screen(chat, w, h), (chat, gantt)
-        pg.screenshot(path=str(DOCS / f"ui_stage_{w}.png"))
+        pg.screenshot(path=str(screenshot_dir() / f"ui_stage_{w}.png"))
         # every setting in force is on the page, the chunk cap with its clear button
         assert pg.input_value("[data-testid=chunk-cap]") == ""
         assert pg.is_disabled("[data-testid=chunk-cap-clear]")
@@ -96,7 +94,7 @@ def test_the_projector_fits_its_screen_and_shows_every_setting(server, browser, 
         # the server listens on loopback only: phones cannot reach it, and the page says so
         warn = pg.inner_text("[data-testid=join-warning]")
         assert "--host 0.0.0.0" in warn
-        pg.screenshot(path=str(DOCS / f"ui_projector_{w}.png"))
+        pg.screenshot(path=str(screenshot_dir() / f"ui_projector_{w}.png"))
     finally:
         ctx.close()
 
@@ -120,7 +118,7 @@ def test_join_on_a_phone_fits_the_screen(server, browser):  # noqa: F811
                            " return e.scrollWidth <= e.clientWidth + 1; })()")
         labels = pg.evaluate("[...document.querySelectorAll('[data-testid=row-labels] li')].map(l => l.textContent)")
         assert any(x.startswith("you: Ann") for x in labels), labels
-        pg.screenshot(path=str(DOCS / "ui_join_phone.png"), full_page=True)
+        pg.screenshot(path=str(screenshot_dir() / "ui_join_phone.png"), full_page=True)
     finally:
         ctx.close()
 

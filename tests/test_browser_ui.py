@@ -2,16 +2,14 @@
 server (engine, API, UI) on loopback for the whole module.
 
 Skipped when /usr/bin/chromium is absent (Playwright's own browser download is not used).
-Set BATCHSCOPE_SCREENSHOT_DIR to keep the long-prompt screenshots somewhere (default: a temp dir).
+Screenshots go to tests/browser.py screenshot_dir() (BATCHSCOPE_SCREENSHOT_DIR, default a temp dir).
 """
 import json
-import os
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.browser import MARKS, api, live_page, served_ui, wait_js
+from tests.browser import MARKS, api, live_page, screenshot_dir, served_ui, wait_js
 
 pytestmark = MARKS
 SCENARIO = dict(reply_tokens=16, doc_tokens=2, doc_at=8)
@@ -241,7 +239,7 @@ def test_a_dropped_socket_reconnects_and_backfills(page, server):
 
 
 def test_long_prompt_stalls_everyone_until_chunked_prefill_is_on(page, tmp_path, slow_motion):
-    shots = Path(os.environ.get("BATCHSCOPE_SCREENSHOT_DIR") or tmp_path)
+    shots = screenshot_dir()
     shots.mkdir(parents=True, exist_ok=True)
     runs = {}
     for lesson, policy in ((2, "continuous"), (3, "chunked")):

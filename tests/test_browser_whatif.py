@@ -1,14 +1,13 @@
 """The what-if panel in Chromium: refused without the presenter key, then run with it: the range and its
-estimate before the replay, one Gantt per run, the per-user table with the change, downloads. Keeps a
-screenshot when BATCHSCOPE_SCREENSHOT_DIR is set."""
-import os
+estimate before the replay, one Gantt per run, the per-user table with the change, downloads. Its
+screenshot goes to tests/browser.py screenshot_dir()."""
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.browser import ARGS, CHROMIUM, MARKS, served_ui
+from tests.browser import ARGS, CHROMIUM, MARKS, screenshot_dir, served_ui
 
 pytestmark = MARKS
 KEY = "whatif-browser-key"
@@ -78,8 +77,6 @@ def test_whatif_panel_replays_and_shows_each_user(server):
         report = Path(dl.value.path()).read_text()
         assert report.startswith("<!doctype html>") and "what-if 1: chunked, budget 8" in report
 
-        shots = os.environ.get("BATCHSCOPE_SCREENSHOT_DIR")
-        if shots:
-            panel.screenshot(path=str(Path(shots) / "ui_whatif.png"))
+        panel.screenshot(path=str(screenshot_dir() / "ui_whatif.png"))
         browser.close()
     assert not errors, errors

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import MARKS, chromium, load_stage
+from tests.browser import MARKS, chromium, load_stage, screenshot_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +23,6 @@ from tests.factories import linear_stream
 ROOT = Path(__file__).resolve().parent.parent
 TRACE = Path(__file__).parent / "data" / "why_trace.json"
 GPU_TRACE = ROOT / "static" / "data" / "gpu_cost_trace.json"
-DOCS = ROOT / "docs"
 pytestmark = MARKS
 
 
@@ -114,7 +113,7 @@ def test_gpu_trace_beside_the_live_fit_with_its_own_fit_and_caption(page):
     cpu = pg.evaluate("() => ({...document.querySelector('[data-testid=cost-model]').dataset})")
     assert cpu["device"] == "cpu/float32" and cpu["regime"] == "proportional"
     pg.wait_for_timeout(500)
-    pg.locator("[data-testid=cost-model]").screenshot(path=str(DOCS / "ui_cost_model_gpu.png"))
+    pg.locator("[data-testid=cost-model]").screenshot(path=str(screenshot_dir() / "ui_cost_model_gpu.png"))
     pg.uncheck("[data-testid=gpu-compare]")
     pg.wait_for_function("(sel) => document.querySelector(sel).hidden", arg=part)
 
@@ -184,7 +183,7 @@ def test_views_speak_chinese_and_screenshots(page):
     pg.wait_for_function("(n) => document.querySelector('[data-testid=step-xray]').dataset.step == n", arg=rec["step"])
     pg.wait_for_timeout(600)
     for name in ("cost-model", "step-xray", "stall-causes"):
-        pg.locator(f"[data-testid={name}]").screenshot(path=str(DOCS / f"ui_{name.replace('-', '_')}.png"))
+        pg.locator(f"[data-testid={name}]").screenshot(path=str(screenshot_dir() / f"ui_{name.replace('-', '_')}.png"))
     pg.evaluate("() => BS.setLang('zh')")
     pg.wait_for_function("() => document.querySelector('[data-testid=cost-model] [data-role=caption]')"
                          ".textContent.includes('在')")
@@ -233,4 +232,4 @@ def test_kv_map_matches_the_engine_at_paused_steps_through_a_preemption(page):
     assert all(victim not in h for h, _ in truth[preempted[0]].values())
     pg.evaluate("(n) => BS.play.seek(n)", preempted[0])
     pg.wait_for_timeout(500)
-    pg.locator("[data-testid=kv-map]").screenshot(path=str(DOCS / "ui_kv_map.png"))
+    pg.locator("[data-testid=kv-map]").screenshot(path=str(screenshot_dir() / "ui_kv_map.png"))
