@@ -14,6 +14,38 @@ settings.register_profile("batchscope", deadline=None)
 settings.load_profile("batchscope")
 
 
+# ---- a run in several workers (scripts/test.sh) ----
+# The longest tests first: the work is split among the workers in order, and a long test that starts
+# last is the whole run's tail. Measured in parallel runs; an order only, nothing depends on it.
+LONG_FIRST = ("test_vllm_e2e.py", "test_lecture.py", "test_prepare.py", "test_packaging.py", "test_soak.py",
+              "test_browser_disagg.py", "test_gpu_path.py", "test_disagg.py", "test_vllm_venv.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    if getattr(config.option, "numprocesses", None):
+        rank = {name: i for i, name in enumerate(LONG_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))   # stable: the rest in order
+
+
+def pytest_configure(config):
+    """In the controller of a parallel run on a fresh machine: prepare the default model at once, while
+    the workers start and collect, instead of in the first worker that needs it while the others wait."""
+    if not getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
+        return
+    from engine.loader import DEFAULT_MODEL_NAME, cache_dir, ready
+    if not ready(cache_dir() / DEFAULT_MODEL_NAME):
+        import subprocess
+        config._batchscope_prepare = subprocess.Popen(     # the workers wait on its lock (engine/loader.py)
+            [sys.executable, "-m", "engine.loader", "prepare"], cwd=Path(__file__).resolve().parent.parent,
+            stdout=subprocess.DEVNULL)
+
+
+def pytest_unconfigure(config):
+    proc = getattr(config, "_batchscope_prepare", None)
+    if proc is not None:
+        proc.wait()
+
+
 @pytest.fixture(scope="session")
 def default_engine_fp32():
     from engine import EngineConfig, LLMEngine
