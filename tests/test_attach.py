@@ -141,3 +141,18 @@ def test_data_parallel_engines_become_one_stream_with_lanes():
         service.stop()
         for pub in pubs:
             pub.close()
+
+
+def test_a_scripted_scenario_plays_over_vllm_unheld(attached):
+    """The lesson runner holds only its own engine: over an attached vLLM it counts the records instead."""
+    import asyncio
+
+    from app.replay.scenarios import Arrival, Scenario
+    from app.ui import lessons
+    from app.ui.sessions import Session
+    *_, service = attached
+    session = Session()
+    scenario = Scenario("over-vllm", "one user", (Arrival(0, "Ann", 3, messages=({"role": "user", "content": "Hi"},)),))
+    asyncio.run(lessons.play(service, session, scenario, asyncio.Event(), "en"))
+    (turn,) = [t for p in session.panels for t in p.turns]
+    assert turn.done and not turn.error and turn.reply == "Hello there!"

@@ -47,8 +47,10 @@ async def play(service, session: Session, scenario: Scenario, changed: asyncio.E
     loop = asyncio.get_running_loop()
     children: list[asyncio.Future] = []
     clock = StepClock(service.broadcaster.subscribe(0), children) if scenario.clock == "step" else None
-    # the pair's workers step on their own: holding the loop would only stop their records (not held)
-    hold = clock is not None and (await service.engine_state()).get("policy") != "disaggregated"
+    # held: our own engine (an attached vLLM cannot be), unless the pair is in force, whose workers step
+    # on their own (holding the loop would only stop their records); else the records are counted
+    hold = (clock is not None and hasattr(service, "hold")
+            and (await service.engine_state()).get("policy") != "disaggregated")
     key = object()                          # this lesson's hold
 
     def send(a: Arrival) -> Turn:
