@@ -165,8 +165,10 @@ def test_a_killed_worker_is_restarted_and_only_its_requests_fail(victim, tiny_mo
                                    params=SamplingParams(max_tokens=400, ignore_eos=True))
         drive(eng, lambda: eng.get_request(decoding).num_output_tokens >= 2)
         prompt = document_ids(eng, 400, 5)                   # 25 chunks of 16
+        # the prefill worker sleeps before it reads this prompt, so at the kill the prompt is certainly still
+        # there (on a busy machine it was once prefilled and handed over before the kill landed)
+        eng.pause_worker("prefill", 5.0)
         prefilling = eng.add_request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=8))
-        drive(eng, lambda: eng.workers["prefill"].last and eng.workers["prefill"].last["worker_step"] >= 1)
         assert eng.router.holder == {decoding: "decode", prefilling: "prefill"}
         os.kill(eng.workers[victim].process.pid, signal.SIGKILL)
         drive(eng, lambda: not eng.has_unfinished(), timeout=300)
