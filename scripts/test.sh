@@ -9,9 +9,10 @@ python3 -c "import torch" 2>/dev/null || python3 -m pip install --quiet "torch==
 python3 -m pip install --quiet -e ".[dev]"
 # The suite runs in pytest-xdist workers, each with one torch thread (the servers the tests start
 # inherit it): on its own it keeps about one core busy, as much of its time is spent waiting on
-# servers, browsers and subprocesses. Default: one worker more than the cores this process may use;
-# BATCHSCOPE_TEST_WORKERS=N sets N, and 0 runs everything in this one process.
-workers="${BATCHSCOPE_TEST_WORKERS:-$(( $(python3 -c 'import os; print(len(os.sched_getaffinity(0)))') + 1 ))}"
+# servers, browsers and subprocesses. Default: one worker more than the cores this process may use,
+# at most 6 (each worker loads models); BATCHSCOPE_TEST_WORKERS=N sets N, and 0 runs everything in
+# this one process.
+cores=$(nproc); workers="${BATCHSCOPE_TEST_WORKERS:-$(( cores < 5 ? cores + 1 : 6 ))}"
 set +e
 if [ "$workers" -gt 0 ]; then
     OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" python3 -m pytest -q -n "$workers" --dist worksteal --durations=15 "$@"

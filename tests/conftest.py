@@ -15,18 +15,6 @@ settings.load_profile("batchscope")
 
 
 # ---- a run in several workers (scripts/test.sh) ----
-# The longest tests first: the work is split among the workers in order, and a long test that starts
-# last is the whole run's tail. Measured in parallel runs; an order only, nothing depends on it.
-LONG_FIRST = ("test_vllm_e2e.py", "test_lecture.py", "test_prepare.py", "test_packaging.py", "test_soak.py",
-              "test_browser_disagg.py", "test_gpu_path.py", "test_disagg.py", "test_vllm_venv.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    if getattr(config.option, "numprocesses", None):
-        rank = {name: i for i, name in enumerate(LONG_FIRST)}
-        items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))   # stable: the rest in order
-
-
 def pytest_configure(config):
     """In the controller of a parallel run on a fresh machine: prepare the default model at once, while
     the workers start and collect, instead of in the first worker that needs it while the others wait."""
