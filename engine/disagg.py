@@ -59,6 +59,21 @@ WORKERS = ("prefill", "decode")
 _UNSET = object()
 
 
+def worker_context(*objects):
+    """How worker processes start. A freshly spawned interpreter imports torch, transformers and the
+    engine again for every worker: about 4 s of CPU each, twice per pair, again for each restart. Where the
+    platform has one, a fork server imports them once, when the first pair starts (the engine, and the
+    modules that define `objects`: the router's own config and tokenizer of the model served), and forks
+    each worker from there. It never runs a model or touches a GPU, so its children start clean. Elsewhere
+    (Windows) workers are spawned."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["engine.disagg_worker", "transformers.models.auto.tokenization_auto",
+                                *(type(o).__module__ for o in objects)])   # no effect once it runs
+    return ctx
+
+
 # ================= the router, in the caller's process =================
 @dataclass
 class Handle:
@@ -130,7 +145,7 @@ class DisaggregatedEngine:
                          Reply: self._on_reply}
         self.closed = False
         # ---- start both workers; they load the model side by side ----
-        self._ctx = mp.get_context("spawn")
+        self._ctx = worker_context(hf, self.tokenizer)
         self.workers = {name: self._spawn(name, []) for name in WORKERS}
         self._wait_ready(load_timeout)
         self.max_model_len = min(w.info["max_model_len"] for w in self.workers.values())
@@ -148,8 +163,8 @@ class DisaggregatedEngine:
         commands, results = self._ctx.Queue(), self._ctx.Queue()
         wall0 = time.time() - self.clock()          # wall time of this clock's zero
         process = self._ctx.Process(target=worker_main, name=f"batchscope-{name}", daemon=True,
-                                    args=(name, self.worker_config, self.staging, busy_slots, wall0,
-                                          commands, results))
+                                    args=(dict(os.environ), name, self.worker_config, self.staging, busy_slots,
+                                          wall0, commands, results))
         process.start()
         return Handle(name, process, commands, results, restarts)
 

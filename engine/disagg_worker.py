@@ -199,6 +199,10 @@ class Worker:
         time.sleep(m.seconds)                        # tests: hold a request in the middle of a hand-over
 
 
-def worker_main(*args):
+def worker_main(environ: dict, *args):
+    """A worker process's body. It may be forked from a fork server started long before (engine/disagg.py):
+    it takes the router's environment as it is now, as a freshly spawned process would."""
+    os.environ.clear()
+    os.environ.update(environ)
     Worker(*args).run()
     os._exit(0)      # nothing left to flush; skips seconds of interpreter teardown of torch and the model

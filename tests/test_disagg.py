@@ -208,3 +208,17 @@ def test_settings_and_refusals(engine):
     from engine import LLMEngine
     with pytest.raises(ValueError, match="DisaggregatedEngine"):
         LLMEngine(EngineConfig(policy="disaggregated"))
+
+
+
+def test_workers_start_with_the_environment_of_the_moment(engine, monkeypatch):
+    """Workers fork from a fork server that started with an earlier pair (engine/disagg.py worker_context):
+    they must still see the environment as it is when they start, as spawned ones would. Workers started
+    after BATCHSCOPE_CPU_KERNEL=0 is set run torch's attention where the earlier pair ran the CPU kernel."""
+    from engine import cpu_kernels
+    if cpu_kernels.library() is None:
+        pytest.skip("no CPU kernel here (no C++ compiler?): switching it off changes nothing to see")
+    assert {w.info["attention_backend"] for w in engine.workers.values()} == {"cpu-paged"}
+    monkeypatch.setenv("BATCHSCOPE_CPU_KERNEL", "0")
+    with DisaggregatedEngine(EngineConfig(**CONFIG)) as eng:
+        assert {w.info["attention_backend"] for w in eng.workers.values()} == {"torch-sdpa"}
