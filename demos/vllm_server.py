@@ -55,13 +55,14 @@ def free_port() -> int:
 
 
 def start(model: Path, port: int, records_port: int, log: Path, *extra: str, kv_cache_gb: int = 2,
-          recorder: bool = True) -> subprocess.Popen:
+          recorder: bool = True, env: dict | None = None) -> subprocess.Popen:
     """vLLM's OpenAI server, with the recording scheduler unless recorder=False; returns at once (it
     starts in about a minute with -O0, several when it compiles). extra: more vLLM flags (a later flag
-    wins, so --max-model-len may be given again). kv_cache_gb: whole GiB (the CPU build's unit)."""
+    wins, so --max-model-len may be given again). kv_cache_gb: whole GiB (the CPU build's unit). env:
+    more environment variables for vLLM."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
            "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-           "BATCHSCOPE_RECORDS_PORT": str(records_port), "NO_PROXY": "*"}
+           "BATCHSCOPE_RECORDS_PORT": str(records_port), "NO_PROXY": "*", **(env or {})}
     cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", "4096",
            "--host", "127.0.0.1", "--port", str(port)]
