@@ -23,15 +23,23 @@ def pytest_configure(config):
     from engine.loader import DEFAULT_MODEL_NAME, cache_dir, ready
     if not ready(cache_dir() / DEFAULT_MODEL_NAME):
         import subprocess
+        import tempfile
+        from tests.helpers import FRESH_PREPARE, fresh_prepare_command
+        # the fresh-machine path itself: test_prepare checks this run's record instead of preparing again
+        record = Path(tempfile.mkdtemp(prefix="batchscope-prepare-"))
+        os.environ[FRESH_PREPARE] = str(record)          # the workers start after this hook
         config._batchscope_prepare = subprocess.Popen(     # the workers wait on its lock (engine/loader.py)
-            [sys.executable, "-m", "engine.loader", "prepare"], cwd=Path(__file__).resolve().parent.parent,
-            stdout=subprocess.DEVNULL)
+            fresh_prepare_command(record), cwd=Path(__file__).resolve().parent.parent,
+            stdout=(record / "stdout").open("w"), stderr=(record / "stderr").open("w"))
 
 
 def pytest_unconfigure(config):
     proc = getattr(config, "_batchscope_prepare", None)
     if proc is not None:
         proc.wait()
+        import shutil
+        from tests.helpers import FRESH_PREPARE
+        shutil.rmtree(os.environ.pop(FRESH_PREPARE), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

