@@ -2,7 +2,8 @@
 //   1. decode attention over the paged KV cache, read where it lies;
 //   2. the model's bf16 elementwise chains, each one pass over its rows (torch runs them as 3 to 9 ops,
 //      each a pass over memory), rounding to bf16 where torch's ops round, so the values are torch's
-//      up to the last bit of an fp32 exp or rsqrt.
+//      up to the last bit of an fp32 exp or rsqrt;
+//   3. bf16 linears of a decode step's few rows on AMX tiles, where the CPU and the OS have them.
 //
 // ---- 1. decode attention ----
 //
@@ -26,6 +27,12 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#endif
 
 static inline float to_float(float x) { return x; }
 static inline float to_float(uint16_t bf16) {          // bfloat16 is the top half of a float32
@@ -241,6 +248,93 @@ static void rope_rows(const uint16_t* x, int64_t x_stride, const uint16_t* cos, 
         }
 }
 
+// ---- 3. bf16 linears on AMX tiles: y = x w^T for a decode step's few rows ----
+//
+// At 1 to 32 rows a linear only streams its weights: each weight is used by as many multiply-adds as
+// there are rows. oneDNN's kernels read the default model's weights at 13-16 GB/s there; this one
+// reads them in the order it uses them, so the hardware prefetcher keeps up, at 18-25 GB/s.
+//
+// The weights are laid out once (pack_amx_bf16) as the tile instruction wants its second operand: a
+// 16 x 32 block of w (16 output columns, 32 inputs) is one 1 KB tile of 16 rows, row r holding the
+// pairs (w[n][2r], w[n][2r + 1]) for its 16 columns n. Columns go in groups of four blocks (64 outputs);
+// a group's tiles lie in the order the loop reads them: for every 32 inputs, its four blocks.
+//
+//   tiles 0-3: the fp32 sums of 16 rows x 4 column blocks
+//   tile 4:    16 rows of x, 32 inputs (rows past the last are zeros)
+//   tiles 5-6: a block of weights, in turn
+//
+// The sums run over the inputs in order, 32 at a time, with the instruction oneDNN's own AMX kernels
+// use, and are rounded to bf16 once at the end: bit for bit F.linear's values at these row counts
+// (checked on a probe when a model is packed, engine/models/llama.amx_linears_work). Threads take
+// column groups; each sets up its own tiles.
+static int64_t amx_offset(int64_t group, int64_t k_blocks) { return 4 * group * k_blocks * 512; }
+
+static void pack_amx(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) {
+    const int64_t NB = N / 16, KB = K / 32;
+    for (int64_t g = 0; 4 * g < NB; ++g) {
+        const int64_t blocks = std::min<int64_t>(4, NB - 4 * g);
+        uint16_t* o = out + amx_offset(g, KB);
+        for (int64_t kb = 0; kb < KB; ++kb)
+            for (int64_t j = 0; j < blocks; ++j, o += 512)
+                for (int r = 0; r < 16; ++r)
+                    for (int n = 0; n < 16; ++n)
+                        for (int e = 0; e < 2; ++e)
+                            o[r * 32 + n * 2 + e] = w[((4 * g + j) * 16 + n) * K + kb * 32 + 2 * r + e];
+    }
+}
+
+#ifdef HAVE_AMX
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static void linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wp, int64_t N, uint16_t* y,
+                       int threads) {
+    const int64_t NB = N / 16, KB = K / 32, groups = (NB + 3) / 4, MB = (M + 15) / 16;
+    std::vector<uint16_t> padded;              // a tile loads 16 rows: the last ones read zeros, not past x
+    if (M % 16) {
+        padded.assign(MB * 16 * K, 0);
+        std::memcpy(padded.data(), x, sizeof(uint16_t) * M * K);
+        x = padded.data();
+    }
+#pragma omp parallel num_threads(std::min<int64_t>(threads, groups))
+    {
+        TileConfig cfg = {};
+        cfg.palette = 1;
+        for (int t = 0; t < 7; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+        _tile_loadconfig(&cfg);
+        alignas(64) float c[4][256];
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t blocks = std::min<int64_t>(4, NB - 4 * g);
+            for (int64_t rb = 0; rb < MB; ++rb) {     // the second pass over a group reads its weights from L2
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                const uint16_t* xr = x + rb * 16 * K;
+                const uint16_t* b = wp + amx_offset(g, KB);
+                for (int64_t kb = 0; kb < KB; ++kb, b += blocks * 512) {
+                    _tile_loadd(4, xr + kb * 32, K * 2);
+                    _tile_loadd(5, b, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    if (blocks > 1) { _tile_loadd(6, b + 512, 64); _tile_dpbf16ps(1, 4, 6); }
+                    if (blocks > 2) { _tile_loadd(5, b + 1024, 64); _tile_dpbf16ps(2, 4, 5); }
+                    if (blocks > 3) { _tile_loadd(6, b + 1536, 64); _tile_dpbf16ps(3, 4, 6); }
+                }
+                _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
+                _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
+                const int64_t rows = std::min<int64_t>(16, M - rb * 16);
+                for (int64_t r = 0; r < rows; ++r)
+                    for (int64_t j = 0; j < blocks; ++j)
+                        for (int n = 0; n < 16; ++n)
+                            store(y + (rb * 16 + r) * N + (4 * g + j) * 16 + n, c[j][r * 16 + n]);
+            }
+        }
+        _tile_release();          // oneDNN's kernels set up their own tiles when they next run
+    }
+}
+#endif
+
 extern "C" {
 int paged_decode_f32(const float* q, int64_t q_stride, const float* k, const float* v, const int64_t* tables,
                       int64_t bt_stride, const int64_t* lens, float* out, int n, int heads, int kv_heads,
@@ -272,5 +366,25 @@ void write_kv_32(const uint32_t* k, int64_t k_stride, const uint32_t* v, int64_t
                  uint32_t* v_cache, const int64_t* slots, int64_t tokens, int kv_heads, int head_dim, int block_size,
                  int threads) {
     write_kv(k, k_stride, v, v_stride, k_cache, v_cache, slots, tokens, kv_heads, head_dim, block_size, threads);
+}
+// AMX: whether this build has it and the OS lets this process use the tiles (asked once per process:
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it the functions below are never called
+int amx_bf16_ready() {
+#ifdef HAVE_AMX
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    return 0;
+#endif
+}
+// w: (N, K) bf16, N a multiple of 16 and K of 32 -> out: N * K bf16 in the tile layout above
+void pack_amx_bf16(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) { pack_amx(w, N, K, out); }
+// x: (M, K) contiguous, wp: pack_amx_bf16's, y: (M, N) -> 1, or 0 where this build has no AMX
+int linear_amx_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wp, int64_t N, uint16_t* y, int threads) {
+#ifdef HAVE_AMX
+    linear_amx(x, M, K, wp, N, y, threads);
+    return 1;
+#else
+    return 0;
+#endif
 }
 }

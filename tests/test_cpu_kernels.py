@@ -193,3 +193,69 @@ def test_a_bf16_model_takes_the_fused_chains_and_fp32_does_not(monkeypatch):
     eager = FusedOps(enabled=False)                              # enforce_eager: torch's ops, op by op
     eager.silu_and_mul(torch.zeros(2, 8, dtype=torch.bfloat16), 4)
     assert calls == [torch.bfloat16]
+
+
+# ---- bf16 linears on AMX tiles ----
+needs_amx = pytest.mark.skipif(not cpu_kernels.amx_bf16(), reason="this CPU (or OS) has no AMX bf16 tiles")
+
+
+@needs_amx
+@settings(max_examples=300, deadline=None)
+@given(rows=st.integers(1, cpu_kernels.AMX_ROWS), out_blocks=st.integers(1, 40), in_blocks=st.integers(1, 24),
+       seed=st.integers(0, 2**16), scale=st.sampled_from([1e-3, 1.0, 50.0]))
+@example(rows=32, out_blocks=60, in_blocks=18, seed=0, scale=1.0)    # the default model's q/k/v projection
+@example(rows=8, out_blocks=36, in_blocks=48, seed=1, scale=1.0)     # its down projection
+def test_amx_linears_compute_what_f_linear_does(rows, out_blocks, in_blocks, seed, scale):
+    """Every row count the tile kernel is used for, every column group (full or partial) and input
+    length: bit for bit F.linear's values, which the model's other paths and transformers compute."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = 16 * out_blocks, 32 * in_blocks
+    w = (torch.randn(n, k, generator=g) * scale).to(torch.bfloat16)
+    x = (torch.randn(rows, k, generator=g) * scale).to(torch.bfloat16)
+    assert torch.equal(cpu_kernels.linear_amx(x, cpu_kernels.pack_amx(w), n), torch.nn.functional.linear(x, w))
+
+
+@needs_amx
+def test_a_bf16_model_takes_the_amx_linears_for_few_rows_only(monkeypatch):
+    from engine.models.llama import Linear, LlamaForCausalLM, amx_linears_work
+    from transformers import LlamaConfig
+    assert amx_linears_work()
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg, backend=None).to(torch.bfloat16).requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    for p in model.parameters():                                 # built with uninitialised weights
+        p.copy_(torch.randn(p.shape, generator=g))
+    model.pack_weights()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.amx is not None and m.packed is not None for m in linears)
+    assert model.amx_head is not None
+    calls = []
+    real = cpu_kernels.linear_amx
+    monkeypatch.setattr(cpu_kernels, "linear_amx", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    lin = linears[0]
+    for rows in (1, cpu_kernels.AMX_ROWS, cpu_kernels.AMX_ROWS + 1, 200):
+        x = torch.randn(rows, lin.in_features, generator=g).to(torch.bfloat16)
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight))
+    assert calls == [1, cpu_kernels.AMX_ROWS]                    # more rows: oneDNN's packed kernel
+    model.compute_logits(torch.randn(3, 64).to(torch.bfloat16))
+    assert calls[-1] == 3
+
+
+def test_amx_can_be_switched_off_and_fp32_never_takes_it(monkeypatch):
+    from engine.models.llama import Linear, LlamaForCausalLM
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    fp32 = LlamaForCausalLM(cfg, backend=None)
+    fp32.pack_weights()
+    assert all(m.amx is None for m in fp32.modules() if isinstance(m, Linear)) and fp32.amx_head is None
+    monkeypatch.setenv("BATCHSCOPE_AMX", "0")
+    cpu_kernels.amx_bf16.cache_clear()
+    try:
+        assert not cpu_kernels.amx_bf16()
+        bf16 = LlamaForCausalLM(cfg, backend=None).to(torch.bfloat16)
+        bf16.pack_weights()
+        assert all(m.amx is None for m in bf16.modules() if isinstance(m, Linear)) and bf16.amx_head is None
+    finally:
+        cpu_kernels.amx_bf16.cache_clear()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from engine import cpu_kernels
 from engine.attention import get_metadata
 
 log = logging.getLogger("batchscope.engine")
@@ -47,7 +48,6 @@ class Fused:
             if x.dtype != torch.bfloat16 or not self.enabled:
                 return self.fn(x, *args)
             if self.cpu is None:             # first bf16 call: the C++ form, or the plain one without it
-                from engine import cpu_kernels
                 self.cpu = getattr(cpu_kernels, self.cpu_name) if cpu_kernels.fused_bf16() else self.fn
             return self.cpu(x, *args)
         if not (self.enabled and self.active):
@@ -148,13 +148,35 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None 
     return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
 
 
+def amx_linears_work() -> bool:
+    """Whether this CPU's AMX tile kernel (engine/cpu_kernels.linear_amx) runs here and computes bit for bit
+    what F.linear does at every row count it is used for: checked on a probe (a partial column group too)."""
+    if not cpu_kernels.amx_bf16():
+        return False
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(80, 96, generator=g).to(torch.bfloat16)
+    packed = cpu_kernels.pack_amx(w)
+    for rows in (1, 7, 16, cpu_kernels.AMX_ROWS):
+        x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+        if not torch.equal(cpu_kernels.linear_amx(x, packed, 80), F.linear(x, w)):
+            log.warning("the AMX linears differ from F.linear at %d rows on this CPU: they stay off", rows)
+            return False
+    return True
+
+
 class Linear(nn.Linear):
-    """nn.Linear over a flat batch; on a CPU in bf16, over a copy of the weight that oneDNN packed once
-    at load (LlamaForCausalLM.pack_weights) instead of re-laying it out on every call: 1.2-1.4x less time
-    for a decode step's 8 to 32 rows, the same values (docs/results.md)."""
+    """nn.Linear over a flat batch; on a CPU in bf16, over copies of the weight laid out once at load
+    (LlamaForCausalLM.pack_weights) instead of re-laid out on every call, the same values either way:
+    - `amx`: the AMX tile kernel's layout, for a decode step's 1 to 32 rows, where the CPU has AMX
+      (engine/cpu_kernels.linear_amx: 1.3-1.5x less time than oneDNN's packed kernel);
+    - `packed`: oneDNN's, for more rows, or every row count without AMX (1.2-1.4x less time than
+      F.linear at 8 to 256 rows, the same at 2,048; docs/results.md)."""
     packed: torch.Tensor | None = None
+    amx: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx is not None and x.shape[0] <= cpu_kernels.AMX_ROWS:
+            return cpu_kernels.linear_amx(x, self.amx, self.out_features)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)
@@ -298,23 +320,32 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.int8_head is not None:
             return self.int8_head(hidden)
+        if self.amx_head is not None and hidden.shape[0] <= cpu_kernels.AMX_ROWS:
+            return cpu_kernels.linear_amx(hidden, self.amx_head, self.cfg.vocab_size)
         if self.packed_head is not None:
             return packed_linear(hidden, self.packed_head)
         return linear(hidden, self.head_weight())
 
     packed_head: torch.Tensor | None = None
+    amx_head: torch.Tensor | None = None
 
     def pack_weights(self):
-        """Every Linear and the logits matrix in oneDNN's layout, where that computes the same values
-        (packed_weights_work). The plain weights stay: the embedding shares the head's, and readers of
-        the weights (weight_bytes, the int8 path, tests) see the usual tensors; the packed copies cost
-        the linears' memory once more (about 270 MB for the default model in bf16)."""
+        """Every Linear and the logits matrix in oneDNN's layout, and where the CPU has AMX also in the tile
+        kernel's (bias-free linears whose sizes it takes), where these compute the same values
+        (packed_weights_work, amx_linears_work). The plain weights stay: the embedding shares the head's,
+        and readers of the weights (weight_bytes, the int8 path, tests) see the usual tensors; each packed
+        copy costs the linears' memory once more (about 270 MB for the default model in bf16)."""
         if not packed_weights_work(self.embed_tokens.weight.dtype) or self.embed_tokens.weight.is_cuda:
             return
+        amx = amx_linears_work()
         for m in self.modules():
             if isinstance(m, Linear):
                 m.packed = pack(m.weight)
+                if amx and m.bias is None and cpu_kernels.amx_shape_ok(*m.weight.shape):
+                    m.amx = cpu_kernels.pack_amx(m.weight)
         self.packed_head = pack(self.head_weight())
+        if amx and cpu_kernels.amx_shape_ok(*self.head_weight().shape):
+            self.amx_head = cpu_kernels.pack_amx(self.head_weight())
 
     def load_checkpoint(self, tensors):
         """tensors: iterable of (checkpoint name, tensor) in Hugging Face naming."""
