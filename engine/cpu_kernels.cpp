@@ -26,9 +26,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AVX512F__) || (defined(__AMX_TILE__) && defined(__AMX_BF16__))
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX 1
@@ -49,11 +52,153 @@ static inline void store(uint16_t* p, float x) {       // round to nearest even,
     *p = uint16_t(bits >> 16);
 }
 
-// The next block is elsewhere in memory: ask for it while this one is computed (blocks are a few KB,
-// too short for the hardware prefetcher to find on its own; without this the kernel waits on memory)
-template <typename T>
+// The next blocks are elsewhere in memory: ask for them while this one is computed (blocks are a few KB,
+// too short for the hardware prefetcher to find on its own; without this the kernel waits on memory).
+// The next one into L1; the one AHEAD blocks on into L2, so that memory's latency is hidden too.
+constexpr int AHEAD = 4;
+template <int LEVEL, typename T>
 static inline void prefetch(const T* p, int count) {
-    for (int64_t x = 0; x < int64_t(count) * int64_t(sizeof(T)); x += 64) __builtin_prefetch((const char*)p + x);
+    for (int64_t x = 0; x < int64_t(count) * int64_t(sizeof(T)); x += 64)
+        __builtin_prefetch((const char*)p + x, 0, LEVEL);
+}
+
+// One block's step for the query heads of one KV head, in two forms:
+//   scores: s[j][t] = q_j . k_t for the block's BS tokens (keys (D, BS)); s[j] at s + j * s_stride
+//   values: acc_j += p_j[t] * v_t over its `valid` tokens (values (BS, D)); p_j at p + j * p_stride
+// Both sum in the same order: four partial sums over head_dim for a score, even and odd tokens apart for
+// the values.
+//
+// Portable: the block converted to fp32 once, then each head in turn.
+template <typename T, int BS, int D>
+static void scores_portable(const T* kb, const float* qf, int group, float* s, int64_t s_stride) {
+    alignas(64) float f[D * BS];
+#pragma omp simd
+    for (int x = 0; x < D * BS; ++x) f[x] = to_float(kb[x]);
+    for (int j = 0; j < group; ++j) {
+        alignas(64) float sv[4][BS] = {};
+        for (int d = 0; d < D; d += 4)
+            for (int u = 0; u < 4; ++u) {
+                const float qd = qf[j * D + d + u];
+#pragma omp simd
+                for (int o = 0; o < BS; ++o) sv[u][o] += qd * f[(d + u) * BS + o];
+            }
+#pragma omp simd
+        for (int o = 0; o < BS; ++o) s[j * s_stride + o] = (sv[0][o] + sv[1][o]) + (sv[2][o] + sv[3][o]);
+    }
+}
+
+template <typename T, int BS, int D>
+static void values_portable(const T* vb, const float* p, int64_t p_stride, int valid, int group, float* acc) {
+    alignas(64) float f[BS * D];
+#pragma omp simd
+    for (int x = 0; x < BS * D; ++x) f[x] = to_float(vb[x]);
+    for (int j = 0; j < group; ++j) {
+        alignas(64) float a[2][D] = {};
+        const float* pj = p + j * p_stride;
+        int o = 0;
+        for (; o + 1 < valid; o += 2)
+#pragma omp simd
+            for (int d = 0; d < D; ++d) {
+                a[0][d] += pj[o] * f[o * D + d];
+                a[1][d] += pj[o + 1] * f[(o + 1) * D + d];
+            }
+        if (o < valid)
+#pragma omp simd
+            for (int d = 0; d < D; ++d) a[0][d] += pj[o] * f[o * D + d];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc[j * D + d] += a[0][d] + a[1][d];
+    }
+}
+
+#ifdef __AVX512F__
+// AVX-512: G heads at a time with every sum in a register; each 16 keys or values are loaded (and
+// converted) once for all G heads instead of once into a buffer and again per head. 1.3-1.8x less time
+// than the portable form on the default model's shapes (docs/results.md).
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p) {        // 16 bf16 -> fp32: each the top half of a float
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+template <typename T, int BS, int D, int G>
+static inline void scores_simd(const T* kb, const float* qf, float* s, int64_t s_stride) {
+    constexpr int C = BS / 16;
+    __m512 sv[G][4][C];
+    for (int j = 0; j < G; ++j)
+        for (int u = 0; u < 4; ++u)
+            for (int c = 0; c < C; ++c) sv[j][u][c] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 4)
+        for (int u = 0; u < 4; ++u)
+            for (int c = 0; c < C; ++c) {
+                const __m512 k = load16(kb + (d + u) * BS + 16 * c);
+                for (int j = 0; j < G; ++j)
+                    sv[j][u][c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[j * D + d + u]), k, sv[j][u][c]);
+            }
+    for (int j = 0; j < G; ++j)
+        for (int c = 0; c < C; ++c)
+            _mm512_storeu_ps(s + j * s_stride + 16 * c, _mm512_add_ps(_mm512_add_ps(sv[j][0][c], sv[j][1][c]),
+                                                                      _mm512_add_ps(sv[j][2][c], sv[j][3][c])));
+}
+
+template <typename T, int BS, int D, int G>
+static inline void values_simd(const T* vb, const float* p, int64_t p_stride, int valid, float* acc) {
+    constexpr int C = D / 16;
+    __m512 a[2][G][C];
+    for (int e = 0; e < 2; ++e)
+        for (int j = 0; j < G; ++j)
+            for (int c = 0; c < C; ++c) a[e][j][c] = _mm512_setzero_ps();
+    for (int o = 0; o < valid; ++o)
+        for (int c = 0; c < C; ++c) {
+            const __m512 v = load16(vb + o * D + 16 * c);
+            for (int j = 0; j < G; ++j)
+                a[o & 1][j][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[j * p_stride + o]), v, a[o & 1][j][c]);
+        }
+    for (int j = 0; j < G; ++j)
+        for (int c = 0; c < C; ++c) {
+            float* r = acc + j * D + 16 * c;
+            _mm512_storeu_ps(r, _mm512_add_ps(_mm512_loadu_ps(r), _mm512_add_ps(a[0][j][c], a[1][j][c])));
+        }
+}
+
+// G heads at a time, G up to what fits the 32 vector registers: G * 4 * BS / 16 score sums or
+// G * 2 * D / 16 value sums (3 for the default model's head_dim 64 in blocks of 16: its whole group)
+template <int BS, int D>
+constexpr int CHUNK = std::max(1, std::min(4, 28 / std::max(4 * BS / 16, 2 * D / 16)));
+
+template <int BS, int D, typename F>
+static inline void for_chunks(int group, F&& f) {       // f(std::integral_constant<int, G>, first head)
+    constexpr int full = CHUNK<BS, D>;
+    for (int j0 = 0; j0 < group; j0 += full) {
+        const int g = std::min(full, group - j0);
+        if (g == full) f(std::integral_constant<int, full>{}, j0);
+        else if (g == 1) f(std::integral_constant<int, 1>{}, j0);
+        else if constexpr (full > 2) {
+            if (g == 2) f(std::integral_constant<int, 2>{}, j0);
+            else if constexpr (full > 3) f(std::integral_constant<int, 3>{}, j0);
+        }
+    }
+}
+#endif
+
+template <typename T, int BS, int D>
+static inline void scores(const T* kb, const float* qf, int group, float* s, int64_t s_stride) {
+#ifdef __AVX512F__
+    for_chunks<BS, D>(group, [&](auto G, int j0) {
+        scores_simd<T, BS, D, decltype(G)::value>(kb, qf + j0 * D, s + j0 * s_stride, s_stride);
+    });
+#else
+    scores_portable<T, BS, D>(kb, qf, group, s, s_stride);
+#endif
+}
+
+template <typename T, int BS, int D>
+static inline void values(const T* vb, const float* p, int64_t p_stride, int valid, int group, float* acc) {
+#ifdef __AVX512F__
+    for_chunks<BS, D>(group, [&](auto G, int j0) {
+        values_simd<T, BS, D, decltype(G)::value>(vb, p + j0 * p_stride, p_stride, valid, acc + j0 * D);
+    });
+#else
+    values_portable<T, BS, D>(vb, p, p_stride, valid, group, acc);
+#endif
 }
 
 // One (BS, D) pair per instantiation: a block's scores (BS lanes) and a head's accumulator (D lanes) live
@@ -67,36 +212,24 @@ static void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int task = 0; task < n * kv_heads; ++task) {
         const int i = task / kv_heads, h = task % kv_heads;
-        const int64_t ctx = context_lens[i], num_blocks = (ctx + BS - 1) / BS;
+        const int64_t ctx = context_lens[i], num_blocks = (ctx + BS - 1) / BS, row = num_blocks * BS;
         const int64_t* table = block_tables + i * bt_stride;
-        std::vector<float> qf(size_t(group) * D), acc(size_t(group) * D, 0.f), s(size_t(group) * num_blocks * BS);
-        alignas(64) float f[D * BS];                                  // one block of K or V, in fp32
+        thread_local std::vector<float> qf, acc, s;                   // a thread's, reused task after task
+        qf.resize(size_t(group) * D);
+        acc.assign(size_t(group) * D, 0.f);
+        s.resize(size_t(group) * row);
         for (int j = 0; j < group; ++j)
             for (int d = 0; d < D; ++d)
                 qf[j * D + d] = to_float(q[i * q_stride + int64_t(h * group + j) * D + d]) * scale;
+        const auto key = [&](int64_t b) { return k_cache + table[b] * block_stride + int64_t(h) * D * BS; };
+        const auto value = [&](int64_t b) { return v_cache + table[b] * block_stride + int64_t(h) * BS * D; };
 
-        // scores: s[j][t] = q_j . k_t, a block at a time; a block's keys are (D, BS)
-        for (int64_t b = 0; b < num_blocks; ++b) {
-            const T* kb = k_cache + table[b] * block_stride + int64_t(h) * D * BS;
-            if (b + 1 < num_blocks) prefetch(k_cache + table[b + 1] * block_stride + int64_t(h) * D * BS, D * BS);
-#pragma omp simd
-            for (int x = 0; x < D * BS; ++x) f[x] = to_float(kb[x]);
-            for (int j = 0; j < group; ++j) {
-                // four partial sums over head_dim: four independent chains of multiply-adds, not one
-                alignas(64) float sv[4][BS] = {};
-                for (int d = 0; d < D; d += 4)
-                    for (int u = 0; u < 4; ++u) {
-                        const float qd = qf[j * D + d + u];
-#pragma omp simd
-                        for (int o = 0; o < BS; ++o) sv[u][o] += qd * f[(d + u) * BS + o];
-                    }
-                float* sj = &s[(j * num_blocks + b) * BS];
-#pragma omp simd
-                for (int o = 0; o < BS; ++o) sj[o] = (sv[0][o] + sv[1][o]) + (sv[2][o] + sv[3][o]);
-            }
+        for (int64_t b = 0; b < num_blocks; ++b) {                    // scores, a block at a time
+            if (b + 1 < num_blocks) prefetch<3>(key(b + 1), D * BS);
+            if (b + AHEAD < num_blocks) prefetch<2>(key(b + AHEAD), D * BS);
+            scores<T, BS, D>(key(b), qf.data(), group, &s[b * BS], row);
         }
         // softmax per query head over its ctx scores (the last block's tail beyond ctx is not read)
-        const int64_t row = num_blocks * BS;
         for (int j = 0; j < group; ++j) {
             float* sj = &s[j * row];
             float m = sj[0], sum = 0.f;
@@ -110,30 +243,10 @@ static void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
 #pragma omp simd
             for (int64_t t = 0; t < ctx; ++t) sj[t] *= inv;
         }
-        // values: acc_j += p_j[t] * v_t; a block's values are (BS, D)
-        for (int64_t b = 0; b < num_blocks; ++b) {
-            const T* vb = v_cache + table[b] * block_stride + int64_t(h) * BS * D;
-            if (b + 1 < num_blocks) prefetch(v_cache + table[b + 1] * block_stride + int64_t(h) * BS * D, BS * D);
-            const int valid = int(std::min<int64_t>(BS, ctx - b * BS));
-#pragma omp simd
-            for (int x = 0; x < BS * D; ++x) f[x] = to_float(vb[x]);
-            for (int j = 0; j < group; ++j) {
-                // even and odd tokens in two partial sums: two independent chains per lane
-                alignas(64) float a[2][D] = {};
-                const float* p = &s[j * row + b * BS];
-                int o = 0;
-                for (; o + 1 < valid; o += 2)
-#pragma omp simd
-                    for (int d = 0; d < D; ++d) {
-                        a[0][d] += p[o] * f[o * D + d];
-                        a[1][d] += p[o + 1] * f[(o + 1) * D + d];
-                    }
-                if (o < valid)
-#pragma omp simd
-                    for (int d = 0; d < D; ++d) a[0][d] += p[o] * f[o * D + d];
-#pragma omp simd
-                for (int d = 0; d < D; ++d) acc[j * D + d] += a[0][d] + a[1][d];
-            }
+        for (int64_t b = 0; b < num_blocks; ++b) {                    // values, a block at a time
+            if (b + 1 < num_blocks) prefetch<3>(value(b + 1), BS * D);
+            if (b + AHEAD < num_blocks) prefetch<2>(value(b + AHEAD), BS * D);
+            values<T, BS, D>(value(b), &s[b * BS], row, int(std::min<int64_t>(BS, ctx - b * BS)), group, acc.data());
         }
         for (int j = 0; j < group; ++j)
             for (int d = 0; d < D; ++d)
