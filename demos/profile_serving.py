@@ -67,6 +67,7 @@ def instrument(engine, timers: Timers):
     import engine.model_runner as runner_module
     engine = getattr(engine, "single", engine)          # the service's EngineSwitch: its one engine
     model = engine.runner.model
+    model.fused_decode = False      # a decode step's layers one call each, so that each piece can be timed
     for layer in model.layers:                          # the linears, whatever their weight format
         for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             timers.wrap(module, "forward", "linears")

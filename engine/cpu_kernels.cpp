@@ -625,6 +625,49 @@ static void prefill_amx(const uint16_t* q, int64_t q_stride, const uint16_t* k, 
 }
 #endif
 
+// ---- 5. a decode step's layers in one call (Llama-shaped, bf16, AMX) ----
+//
+// The same kernels in the same order as the model's layer-by-layer forward (models.llama.DecoderLayer with
+// CpuAttention, for a decode-only step of at most 32 sequences), so the same values bit for bit; what it
+// saves is the Python between them, about ten calls and their tensors per layer, which took a fifth of a
+// 32-sequence step while the other thread waited. x: the embeddings in, the last layer's output out;
+// residual: the residual stream out (the final norm adds it, in Python).
+struct LayerWeights {                 // models.llama.LlamaForCausalLM.layer_table: 8 pointers per layer
+    const uint16_t *in_norm, *qkv, *o, *post_norm, *gate_up, *down;
+    uint16_t *k_cache, *v_cache;
+};
+
+#ifdef HAVE_AMX
+static void decode_layers(const LayerWeights* layers, int num_layers, uint16_t* x, uint16_t* residual, int64_t M,
+                          int hidden, int heads, int kv_heads, int D, int inter, int block_size, const uint16_t* cos,
+                          const uint16_t* sin, const int64_t* slots, const int64_t* tables, int64_t bt_stride,
+                          const int64_t* ctx_lens, float eps, float scale, int threads) {
+    const int qkv_width = (heads + 2 * kv_heads) * D, qk_width = (heads + kv_heads) * D;
+    std::vector<uint16_t> h(M * hidden), qkv(M * qkv_width), qk(M * qk_width), attn(M * heads * D), o(M * hidden),
+        gate_up(M * 2 * inter), act(M * inter);
+    for (int l = 0; l < num_layers; ++l) {
+        const LayerWeights& w = layers[l];
+        if (l == 0) {
+            std::memcpy(residual, x, sizeof(uint16_t) * M * hidden);
+            rms_norm_rows(x, nullptr, w.in_norm, h.data(), nullptr, M, hidden, eps, threads);
+        } else {
+            rms_norm_rows(x, residual, w.in_norm, h.data(), residual, M, hidden, eps, threads);
+        }
+        linear_amx(h.data(), M, hidden, w.qkv, qkv_width, qkv.data(), threads);
+        rope_rows(qkv.data(), qkv_width, cos, sin, qk.data(), M, heads + kv_heads, D, threads);
+        write_kv(qk.data() + heads * D, qk_width, qkv.data() + qk_width, qkv_width, w.k_cache, w.v_cache, slots, M,
+                 kv_heads, D, block_size, threads);
+        dispatch(qk.data(), qk_width, (const uint16_t*)w.k_cache, (const uint16_t*)w.v_cache, tables, bt_stride,
+                 ctx_lens, attn.data(), int(M), heads, kv_heads, D, block_size, scale, threads);
+        linear_amx(attn.data(), M, heads * D, w.o, hidden, o.data(), threads);
+        rms_norm_rows(o.data(), residual, w.post_norm, h.data(), residual, M, hidden, eps, threads);
+        linear_amx(h.data(), M, hidden, w.gate_up, 2 * inter, gate_up.data(), threads);
+        silu_and_mul_rows(gate_up.data(), act.data(), M, inter, threads);
+        linear_amx(act.data(), M, inter, w.down, hidden, x, threads);
+    }
+}
+#endif
+
 extern "C" {
 int paged_decode_f32(const float* q, int64_t q_stride, const float* k, const float* v, const int64_t* tables,
                       int64_t bt_stride, const int64_t* lens, float* out, int n, int heads, int kv_heads,
@@ -686,6 +729,22 @@ int prefill_amx_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int
     if (head_dim != 64 && head_dim != 128) return 0;
     prefill_amx(q, q_stride, k, k_stride, v, v_stride, out, out_stride, chunks, q_len, heads, kv_heads, head_dim,
                 scale, threads);
+    return 1;
+#else
+    return 0;
+#endif
+}
+// a decode step's layers (section 5) -> 1, or 0 where this build has no AMX or the shapes have no kernel
+int decode_layers_bf16(const LayerWeights* layers, int num_layers, uint16_t* x, uint16_t* residual, int64_t M,
+                       int hidden, int heads, int kv_heads, int head_dim, int inter, int block_size,
+                       const uint16_t* cos, const uint16_t* sin, const int64_t* slots, const int64_t* tables,
+                       int64_t bt_stride, const int64_t* ctx_lens, float eps, float scale, int threads) {
+#ifdef HAVE_AMX
+    const bool shapes = hidden % 32 == 0 && (heads * head_dim) % 32 == 0 && inter % 32 == 0 && head_dim % 16 == 0 &&
+                        (block_size == 16 || block_size == 32) && (head_dim == 64 || head_dim == 128);
+    if (!shapes) return 0;
+    decode_layers(layers, num_layers, x, residual, M, hidden, heads, kv_heads, head_dim, inter, block_size, cos, sin,
+                  slots, tables, bt_stride, ctx_lens, eps, scale, threads);
     return 1;
 #else
     return 0;

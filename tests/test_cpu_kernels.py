@@ -313,3 +313,34 @@ def test_a_bf16_step_takes_the_prefill_kernel_for_fresh_chunks_only(monkeypatch)
     out = CpuAttention()(q, k, v, to_kernel_layout(k_cache, True), to_kernel_layout(v_cache, False), meta)
     assert calls == [(2, 20)]                  # the fresh run in one call; the cached-prefix chunk by SDPA
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_amx
+def test_a_decode_steps_layers_in_one_call_compute_what_the_layers_do(monkeypatch):
+    """bf16 on AMX: a decode step of up to 32 sequences runs its layers in one call of the kernels; its hidden
+    states are the layer-by-layer forward's bit for bit, step after step, and the replies are the same."""
+    from engine import EngineConfig, LLMEngine
+    from engine.attention import get_metadata
+    from engine.sampling_params import SamplingParams
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_gb=0.25, enable_prefix_caching=False))
+    model = engine.runner.model
+    assert model.fused_decode
+    forward, compared = model.forward, []
+
+    def both(input_ids, cos, sin):
+        one_call = not get_metadata().prefills and input_ids.shape[0] <= cpu_kernels.AMX_ROWS
+        model.fused_decode = False
+        layered = forward(input_ids, cos, sin)        # each step writes the same keys and values to the same slots
+        model.fused_decode = True
+        fused = forward(input_ids, cos, sin)
+        assert torch.equal(fused, layered)
+        compared.append(one_call)
+        return fused
+    prompts = ["The capital of France is", "Write a haiku about rain.", "1, 2, 3,", "Explain a KV cache."]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    monkeypatch.setattr(model, "forward", both)
+    fused_replies = [r["token_ids"] for r in engine.generate(prompts, params)]
+    assert sum(compared) >= 10                         # the decode steps took the one call
+    monkeypatch.setattr(model, "forward", forward)
+    model.fused_decode = False
+    assert [r["token_ids"] for r in engine.generate(prompts, params)] == fused_replies

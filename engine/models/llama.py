@@ -15,7 +15,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from engine import cpu_kernels
-from engine.attention import get_metadata
+from engine.attention import CpuAttention, get_metadata
 
 log = logging.getLogger("batchscope.engine")
 
@@ -310,6 +310,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # input_ids: (num_tokens,); cos, sin: (num_tokens, 1, head_dim) -> hidden (num_tokens, hidden)
         x, residual = self.embed_tokens(input_ids), None
+        if self.fused_decode and x.shape[0] <= cpu_kernels.AMX_ROWS and not get_metadata().prefills:
+            cfg, a = self.cfg, self.layers[0].self_attn
+            residual = cpu_kernels.decode_layers(
+                self.layer_table(), x, cos, sin, get_metadata(), heads=a.num_heads, kv_heads=a.num_kv_heads,
+                head_dim=a.head_dim, inter=cfg.intermediate_size, block_size=a.k_cache.shape[1], eps=cfg.rms_norm_eps)
+            return self.norm.add_forward(x, residual)[0]
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin)
         return self.norm.add_forward(x, residual)[0]
@@ -328,6 +334,23 @@ class LlamaForCausalLM(nn.Module):
 
     packed_head: torch.Tensor | None = None
     amx_head: torch.Tensor | None = None
+    # a decode step's layers in one call of the CPU kernels (engine/cpu_kernels.decode_layers): set by
+    # pack_weights where every piece of a layer has its kernel; demos/profile_serving turns it off to time
+    # the pieces one by one
+    fused_decode = False
+    _table: tuple[int, torch.Tensor] | None = None
+
+    def layer_table(self) -> torch.Tensor:
+        """Each layer's weights and KV cache as 8 pointers (cpu_kernels.cpp's LayerWeights), made again
+        when the runner has given the layers other caches."""
+        key = self.layers[0].self_attn.k_cache.data_ptr()
+        if self._table is None or self._table[0] != key:
+            rows = [[l.input_layernorm.weight.data_ptr(), l.self_attn.qkv_proj.amx.data_ptr(),
+                     l.self_attn.o_proj.amx.data_ptr(), l.post_attention_layernorm.weight.data_ptr(),
+                     l.mlp.gate_up_proj.amx.data_ptr(), l.mlp.down_proj.amx.data_ptr(),
+                     l.self_attn.k_cache.data_ptr(), l.self_attn.v_cache.data_ptr()] for l in self.layers]
+            self._table = key, torch.tensor(rows, dtype=torch.int64)
+        return self._table[1]
 
     def pack_weights(self):
         """Every Linear and the logits matrix in oneDNN's layout, and where the CPU has AMX also in the tile
@@ -346,6 +369,10 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head = pack(self.head_weight())
         if amx and cpu_kernels.amx_shape_ok(*self.head_weight().shape):
             self.amx_head = cpu_kernels.pack_amx(self.head_weight())
+        layers_have_kernels = all(isinstance(l.self_attn.backend, CpuAttention) and not l.self_attn.qk_norm and
+                                  all(m.amx is not None for m in l.modules() if isinstance(m, Linear))
+                                  for l in self.layers)
+        self.fused_decode = amx and layers_have_kernels and self.ops.rms_norm.enabled and cpu_kernels.fused_bf16()
 
     def load_checkpoint(self, tensors):
         """tensors: iterable of (checkpoint name, tensor) in Hugging Face naming."""
