@@ -147,20 +147,11 @@ class TorchAttention:
             def batched(t):      # (m * q_len, heads, head_dim) rows -> (m, heads, q_len, head_dim), a view
                 return t[rows].view(m, c.q_len, *t.shape[1:]).transpose(1, 2)
             if c.mask is None:   # the chunks are their sequences' whole contexts so far: plain causal attention
-                o = self.fresh(q[rows], k[rows], v[rows], m, c.q_len)
-                if o is not None:
-                    out[rows] = o
-                    continue
                 o = sdpa(batched(q), batched(k), batched(v), is_causal=True)
             else:                # earlier chunks (or cached prefix) come from the paged cache (a run of one)
                 o = sdpa(batched(q), *self.context(k_cache, v_cache, c), attn_mask=c.mask)
             out[rows].view(m, c.q_len, *q.shape[1:]).copy_(o.transpose(1, 2))
         return out
-
-    def fresh(self, q, k, v, chunks: int, q_len: int) -> torch.Tensor | None:
-        """Causal attention inside `chunks` fresh chunks of q_len rows each, in the flat layout, where this
-        backend has a kernel of its own for it; None: one causal SDPA call over their (chunks, q_len) view."""
-        return None
 
     def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata):
         write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -209,8 +200,7 @@ class TorchAttention:
 
 class CpuAttention(TorchAttention):
     """CPU: decodes by the paged kernel (engine/cpu_kernels.cpp), which reads each sequence's blocks in
-    place: no gather, no padding, no mask; fresh prompt chunks in bf16 by the AMX prefill kernel where the
-    CPU has AMX; other prefill chunks as TorchAttention. The kernel sets how a block
+    place: no gather, no padding, no mask; prefill chunks as TorchAttention. The kernel sets how a block
     holds its tokens, so this backend writes and reads the cache in that layout (the runner's cache
     shape, block ids and block-level copies are the same; only the order inside a block differs):
       key block   (kv_heads, head_dim, block_size)   keys transposed: a block's scores are vector FMAs
@@ -238,13 +228,6 @@ class CpuAttention(TorchAttention):
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         return self.kernel(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
-
-    def fresh(self, q, k, v, chunks: int, q_len: int) -> torch.Tensor | None:
-        """bf16 on a CPU with AMX tiles: the prefill kernel (engine/cpu_kernels.prefill_amx)."""
-        from engine import cpu_kernels
-        if not cpu_kernels.prefill_shape_ok(q.dtype, q.shape[-1]):
-            return None
-        return cpu_kernels.prefill_amx(q, k, v, chunks, q_len)
 
 
 class TritonAttention:

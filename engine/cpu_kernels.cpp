@@ -3,7 +3,8 @@
 //   2. the model's bf16 elementwise chains, each one pass over its rows (torch runs them as 3 to 9 ops,
 //      each a pass over memory), rounding to bf16 where torch's ops round, so the values are torch's
 //      up to the last bit of an fp32 exp or rsqrt;
-//   3. bf16 linears of a decode step's few rows on AMX tiles, where the CPU and the OS have them.
+//   3. bf16 linears of a decode step's few rows on AMX tiles, where the CPU and the OS have them;
+//   4. a decode step's layers in one call of the kernels above.
 //
 // ---- 1. decode attention ----
 //
@@ -118,27 +119,6 @@ static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const uint16_t* p) {        // 16 bf16 -> fp32: each the top half of a float
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
-
-// exp(x) for the prefill softmax: 2^(x log2 e) as 2^n times a degree-6 polynomial for 2^f, |f| <= 1/2
-// (relative error about 1e-7, an fp32 rounding or so, far below the bf16 rounding that follows); libm's
-// vector exp took 3 times as long
-static inline __m512 exp_ps(__m512 x) {
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    for (float c : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.f})
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-    return _mm512_scalef_ps(p, n);
-}
-
-// 16 floats to bf16, rounded to nearest even as store() rounds
-static inline __m256i to_bf16(__m512 x) {
-    const __m512i b = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16));
-}
-
 
 template <typename T, int BS, int D, int G>
 static inline void scores_simd(const T* kb, const float* qf, float* s, int64_t s_stride) {
@@ -468,164 +448,9 @@ static void linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* 
     }
 }
 
-// ---- 4. prefill attention on AMX tiles: causal attention inside fresh prompt chunks (bf16) ----
-//
-// A run of `chunks` prompt chunks of q_len tokens each, every one its sequence's whole context so far
-// (engine/attention.chunk_runs): row r of a chunk attends to its keys 0..r. As torch's CPU flash kernel
-// does, scores are summed in fp32 from bf16 q and k, the softmax is taken in fp32, its exponentials are
-// rounded to bf16 for the product with v, which is summed in fp32 and divided by the exponentials' fp32
-// sum at the end. Unlike it, each row's softmax sees all of the row's scores at once (they fit in L2),
-// so nothing is rescaled.
-//
-// First, each (chunk, KV head)'s keys and values are laid out as tiles want their second operand:
-//   keys:   per 16 keys and 32 dims, a tile of 16 rows: row r holds dims (2r, 2r + 1) of each of the 16
-//   values: per 32 keys and 16 dims, a tile of 16 rows: row r holds keys (2r, 2r + 1) of each of the 16 dims
-// (padded with zeros past q_len). Then each (chunk, query head, 16 query rows) is a task:
-//   scores: q tiles (1-2, or 1-4 for head_dim 128) x key tiles, per 16 keys a tile of sums, stored
-//   softmax of each row over its keys, exponentials rounded to bf16
-//   values: tiles 0-3 (64 dims) += an exponentials tile (4) x a value tile (5, 6), 32 keys at a time
-static void prefill_amx(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride, const uint16_t* v,
-                        int64_t v_stride, uint16_t* out, int64_t out_stride, int chunks, int q_len, int heads,
-                        int kv_heads, int D, float scale, int threads) {
-    const int group = heads / kv_heads, DS = D / 32, DB = D / 16;
-    const int64_t k16 = (q_len + 15) / 16, k32 = (q_len + 31) / 32;     // key tiles per chunk
-    const int64_t kp_size = k16 * DS * 512, vp_size = k32 * DB * 512;
-    std::vector<uint16_t> packed(size_t(chunks) * kv_heads * (kp_size + vp_size));
-    const auto kpack = [&](int64_t c, int h) { return packed.data() + (c * kv_heads + h) * (kp_size + vp_size); };
-    const auto vpack = [&](int64_t c, int h) { return kpack(c, h) + kp_size; };
-    const int64_t qblocks = (q_len + 15) / 16, tasks = int64_t(chunks) * heads * qblocks;
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < int64_t(chunks) * kv_heads; ++t) {
-            const int64_t c = t / kv_heads;
-            const int h = int(t % kv_heads);
-            uint16_t *kp = kpack(c, h), *vp = vpack(c, h);
-            std::fill(kp, kp + kp_size + vp_size, 0);                   // zeros past q_len
-            for (int64_t key = 0; key < q_len; ++key) {                 // keys: dims in pairs, a pair is 32 bits
-                uint32_t pair[64];
-                std::memcpy(pair, k + (c * q_len + key) * k_stride + h * D, 2 * D);
-                uint32_t* dst = (uint32_t*)kp + (key / 16) * DS * 256 + key % 16;
-                for (int e = 0; e < D / 2; ++e) dst[(e / 16) * 256 + (e % 16) * 16] = pair[e];
-            }
-            for (int64_t key = 0; key < q_len; ++key) {                 // values: keys in pairs
-                const uint16_t* src = v + (c * q_len + key) * v_stride + h * D;
-                uint16_t* dst = vp + (key / 32) * DB * 512 + ((key % 32) / 2) * 32 + key % 2;
-                for (int d = 0; d < D; ++d) dst[(d / 16) * 512 + (d % 16) * 2] = src[d];
-            }
-        }
-        TileConfig cfg = {};
-        cfg.palette = 1;
-        for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-        _tile_loadconfig(&cfg);
-        std::vector<float> s;                 // 16 rows of scores; then their sums
-        std::vector<uint16_t> pb, qpad(16 * D);
-        alignas(64) float o[16 * 64], sum[16];
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; ++t) {
-            const int64_t qb = qblocks - 1 - t % qblocks;                // the longest rows first
-            const int64_t c = t / qblocks / heads;
-            const int hq = int(t / qblocks % heads), h = hq / group;
-            const int64_t r0 = qb * 16, rows = std::min<int64_t>(16, q_len - r0), ctx = r0 + rows;
-            const int64_t n16 = (ctx + 15) / 16, n32 = (ctx + 31) / 32, stride = n32 * 32;
-            s.resize(16 * stride);
-            pb.resize(16 * stride);
-            const uint16_t* qr = q + (c * q_len + r0) * q_stride + hq * D;
-            int64_t qs = q_stride;
-            if (rows < 16) {                                             // a tile loads 16 rows: pad
-                std::fill(qpad.begin(), qpad.end(), 0);
-                for (int64_t r = 0; r < rows; ++r) std::memcpy(&qpad[r * D], qr + r * q_stride, 2 * D);
-                qr = qpad.data(), qs = D;
-            }
-            // tiles 1-4: q; tile 0: scores
-            _tile_loadd(1, qr, qs * 2);
-            _tile_loadd(2, qr + 32, qs * 2);
-            if (DS > 2) { _tile_loadd(3, qr + 64, qs * 2); _tile_loadd(4, qr + 96, qs * 2); }
-            // four blocks of 16 keys at a time, in tiles 0, 3, 5, 7 (6: a key tile), so that the products'
-            // latencies overlap; with head_dim 128 (q in tiles 1-4), two in tiles 0 and 5
-            const uint16_t* kp = kpack(c, h);
-            for (int64_t kb = 0; kb < n16; kb += DS > 2 ? 2 : 4) {
-                const int64_t nb = std::min<int64_t>(DS > 2 ? 2 : 4, n16 - kb);
-                const uint16_t* kt = kp + kb * DS * 512;
-                if (DS == 2) {
-                    _tile_zero(0); _tile_zero(3); _tile_zero(5); _tile_zero(7);
-                    _tile_loadd(6, kt, 64); _tile_dpbf16ps(0, 1, 6);
-                    _tile_loadd(6, kt + 512, 64); _tile_dpbf16ps(0, 2, 6);
-                    if (nb > 1) { _tile_loadd(6, kt + 1024, 64); _tile_dpbf16ps(3, 1, 6);
-                                  _tile_loadd(6, kt + 1536, 64); _tile_dpbf16ps(3, 2, 6); }
-                    if (nb > 2) { _tile_loadd(6, kt + 2048, 64); _tile_dpbf16ps(5, 1, 6);
-                                  _tile_loadd(6, kt + 2560, 64); _tile_dpbf16ps(5, 2, 6); }
-                    if (nb > 3) { _tile_loadd(6, kt + 3072, 64); _tile_dpbf16ps(7, 1, 6);
-                                  _tile_loadd(6, kt + 3584, 64); _tile_dpbf16ps(7, 2, 6); }
-                    _tile_stored(0, &s[kb * 16], stride * 4);
-                    if (nb > 1) _tile_stored(3, &s[(kb + 1) * 16], stride * 4);
-                    if (nb > 2) _tile_stored(5, &s[(kb + 2) * 16], stride * 4);
-                    if (nb > 3) _tile_stored(7, &s[(kb + 3) * 16], stride * 4);
-                } else {
-                    _tile_zero(0); _tile_zero(5);
-                    _tile_loadd(6, kt, 64); _tile_dpbf16ps(0, 1, 6);
-                    _tile_loadd(7, kt + 512, 64); _tile_dpbf16ps(0, 2, 7);
-                    _tile_loadd(6, kt + 1024, 64); _tile_dpbf16ps(0, 3, 6);
-                    _tile_loadd(7, kt + 1536, 64); _tile_dpbf16ps(0, 4, 7);
-                    if (nb > 1) {
-                        _tile_loadd(6, kt + 2048, 64); _tile_dpbf16ps(5, 1, 6);
-                        _tile_loadd(7, kt + 2560, 64); _tile_dpbf16ps(5, 2, 7);
-                        _tile_loadd(6, kt + 3072, 64); _tile_dpbf16ps(5, 3, 6);
-                        _tile_loadd(7, kt + 3584, 64); _tile_dpbf16ps(5, 4, 7);
-                    }
-                    _tile_stored(0, &s[kb * 16], stride * 4);
-                    if (nb > 1) _tile_stored(5, &s[(kb + 1) * 16], stride * 4);
-                }
-            }
-            for (int64_t r = 0; r < rows; ++r) {                         // row r sees keys 0 .. r0 + r
-                float* sr = &s[r * stride];
-                uint16_t* pr = &pb[r * stride];
-                const int64_t n = r0 + r + 1;
-                __m512 mv = _mm512_set1_ps(sr[0]);                       // the row's largest score
-                int64_t j = 0;
-                for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sr + j));
-                if (j < n) mv = _mm512_mask_max_ps(mv, __mmask16((1u << (n - j)) - 1), mv, _mm512_loadu_ps(sr + j));
-                const float m = _mm512_reduce_max_ps(mv) * scale;
-                // 16 keys at a time; the keys past the row's last (up to a whole vector) weigh 0
-                __m512 total = _mm512_setzero_ps();
-                for (int64_t x = 0; x < n; x += 16) {
-                    const __mmask16 live = n - x >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - x)) - 1);
-                    const __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_fmsub_ps(_mm512_loadu_ps(sr + x),
-                                                                                      _mm512_set1_ps(scale),
-                                                                                      _mm512_set1_ps(m))));
-                    total = _mm512_add_ps(total, e);
-                    _mm256_storeu_si256((__m256i*)(pr + x), to_bf16(e));
-                }
-                std::fill(pr + (n + 15) / 16 * 16, pr + stride, 0);
-                sum[r] = _mm512_reduce_add_ps(total);
-            }
-            for (int64_t r = rows; r < 16; ++r) std::fill(&pb[r * stride], &pb[r * stride] + stride, 0);
-            const uint16_t* vp = vpack(c, h);
-            for (int half = 0; half < DB / 4; ++half) {                  // 64 dims at a time
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int64_t ks = 0; ks < n32; ++ks) {
-                    const uint16_t* vt = vp + (ks * DB + half * 4) * 512;
-                    _tile_loadd(4, &pb[ks * 32], stride * 2);
-                    _tile_loadd(5, vt, 64); _tile_dpbf16ps(0, 4, 5);
-                    _tile_loadd(6, vt + 512, 64); _tile_dpbf16ps(1, 4, 6);
-                    _tile_loadd(5, vt + 1024, 64); _tile_dpbf16ps(2, 4, 5);
-                    _tile_loadd(6, vt + 1536, 64); _tile_dpbf16ps(3, 4, 6);
-                }
-                _tile_stored(0, o, 256); _tile_stored(1, o + 16, 256); _tile_stored(2, o + 32, 256); _tile_stored(3, o + 48, 256);
-                for (int64_t r = 0; r < rows; ++r) {
-                    uint16_t* orow = out + (c * q_len + r0 + r) * out_stride + hq * D + half * 64;
-                    const __m512 inv = _mm512_set1_ps(1.f / sum[r]);
-                    for (int d = 0; d < 64; d += 16)
-                        _mm256_storeu_si256((__m256i*)(orow + d), to_bf16(_mm512_mul_ps(_mm512_load_ps(o + r * 64 + d), inv)));
-                }
-            }
-        }
-        _tile_release();
-    }
-}
 #endif
 
-// ---- 5. a decode step's layers in one call (Llama-shaped, bf16, AMX) ----
+// ---- 4. a decode step's layers in one call (Llama-shaped, bf16, AMX) ----
 //
 // The same kernels in the same order as the model's layer-by-layer forward (models.llama.DecoderLayer with
 // CpuAttention, for a decode-only step of at most 32 sequences), so the same values bit for bit; what it
@@ -720,21 +545,7 @@ int linear_amx_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wp,
     return 0;
 #endif
 }
-// fresh prompt chunks' causal attention (section 4): q, k, v rows at their strides (views of the fused
-// projection), out rows at out_stride; head_dim 64 or 128 -> 1, or 0 where this build has no AMX
-int prefill_amx_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride, const uint16_t* v,
-                     int64_t v_stride, uint16_t* out, int64_t out_stride, int chunks, int q_len, int heads,
-                     int kv_heads, int head_dim, float scale, int threads) {
-#ifdef HAVE_AMX
-    if (head_dim != 64 && head_dim != 128) return 0;
-    prefill_amx(q, q_stride, k, k_stride, v, v_stride, out, out_stride, chunks, q_len, heads, kv_heads, head_dim,
-                scale, threads);
-    return 1;
-#else
-    return 0;
-#endif
-}
-// a decode step's layers (section 5) -> 1, or 0 where this build has no AMX or the shapes have no kernel
+// a decode step's layers (section 4) -> 1, or 0 where this build has no AMX or the shapes have no kernel
 int decode_layers_bf16(const LayerWeights* layers, int num_layers, uint16_t* x, uint16_t* residual, int64_t M,
                        int hidden, int heads, int kv_heads, int head_dim, int inter, int block_size,
                        const uint16_t* cos, const uint16_t* sin, const int64_t* slots, const int64_t* tables,

@@ -7,8 +7,6 @@
                  the model's bf16 elementwise chains in one pass each (models.llama.FusedOps): torch
                  runs them op by op, 3 to 9 passes over memory, and a 2,048-token prefill step spent
                  a quarter of its time there.
-  prefill_amx    causal attention inside fresh bf16 prompt chunks on AMX tiles (engine/attention.CpuAttention):
-                 the scores and the values' sums as tile products, 3-4x less time than SDPA's CPU kernel.
   decode_layers  a bf16 decode step's layers in one call, the kernels above in the model's order (models.llama):
                  the same values without the Python between them.
   linear_amx     bf16 linears of 1 to 32 rows (a decode step) on AMX tiles, over weights laid out once
@@ -94,8 +92,6 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
     lib.linear_amx_bf16.argtypes, lib.linear_amx_bf16.restype = [ptr, i64, i64, ptr, i64, ptr, i32], ctypes.c_int
     lib.amx_bf16_ready.argtypes, lib.amx_bf16_ready.restype = [], ctypes.c_int
-    lib.prefill_amx_bf16.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i32, i32, i32, i32, i32, ctypes.c_float, i32]
-    lib.prefill_amx_bf16.restype = ctypes.c_int
     lib.decode_layers_bf16.argtypes = [ptr, i32, ptr, ptr, i64, i32, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i64, ptr,
                                        ctypes.c_float, ctypes.c_float, i32]
     lib.decode_layers_bf16.restype = ctypes.c_int
@@ -226,26 +222,6 @@ def linear_amx(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
                                      y.data_ptr(), torch.get_num_threads()):
         raise RuntimeError("the CPU kernels were built without AMX")
     return y
-
-
-def prefill_shape_ok(dtype: torch.dtype, head_dim: int) -> bool:
-    return dtype == torch.bfloat16 and head_dim in (64, 128) and amx_bf16()
-
-
-def prefill_amx(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: int, q_len: int) -> torch.Tensor:
-    """q: (chunks * q_len, heads, head_dim), k, v: (chunks * q_len, kv_heads, head_dim), bf16, rows may be
-    strided -> (chunks * q_len, heads, head_dim): causal attention inside each q_len-row chunk."""
-    rows, heads, d = q.shape
-    if not amx_bf16():       # also what asks the OS for the tiles, once per process: without it they fault
-        raise ValueError("prefill_amx needs AMX bf16 tiles, which this CPU, OS or build does not offer")
-    for t in (q, k, v):
-        assert t.dtype == torch.bfloat16 and t.stride()[1:] == (d, 1) and t.shape[0] == rows == chunks * q_len
-    out = q.new_empty(rows, heads, d)
-    if not library().prefill_amx_bf16(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                                      out.data_ptr(), heads * d, chunks, q_len, heads, k.shape[1], d, d ** -0.5,
-                                      torch.get_num_threads()):
-        raise ValueError(f"prefill_amx has no kernel for head_dim {d} (or this build has no AMX)")
-    return out
 
 
 def decode_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, *, heads: int,

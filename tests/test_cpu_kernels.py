@@ -262,60 +262,6 @@ def test_amx_can_be_switched_off_and_fp32_never_takes_it(monkeypatch):
 
 
 @needs_amx
-@settings(max_examples=120, deadline=None)
-@given(chunks=st.integers(1, 4), q_len=st.integers(1, 300), kv=st.integers(1, 3), group=st.integers(1, 8),
-       head_dim=st.sampled_from([64, 128]), seed=st.integers(0, 2**16), sharp=st.sampled_from([0.3, 1.0, 4.0]))
-@example(chunks=8, q_len=256, kv=3, group=3, head_dim=64, seed=0, sharp=1.0)     # the serving preset's prompts
-@example(chunks=1, q_len=600, kv=2, group=7, head_dim=64, seed=1, sharp=4.0)     # a long one, Qwen2.5's group
-def test_prefill_kernel_is_as_close_to_fp64_attention_as_sdpa(chunks, q_len, kv, group, head_dim, seed, sharp):
-    """Causal attention inside fresh bf16 chunks, rows strided as the model's fused projection leaves
-    them: every row, every head, as close to the exact (fp64) result as torch's own CPU kernel is."""
-    g = torch.Generator().manual_seed(seed)
-    heads, rows = kv * group, chunks * q_len
-    qkv = (torch.randn(rows, heads + 2 * kv, head_dim, generator=g) * sharp).to(torch.bfloat16)
-    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv], qkv[:, heads + kv:]
-
-    def causal(q, k, v):
-        view = lambda t: t.reshape(chunks, q_len, t.shape[1], head_dim).transpose(1, 2)
-        o = torch.nn.functional.scaled_dot_product_attention(view(q), view(k), view(v), is_causal=True, enable_gqa=True)
-        return o.transpose(1, 2).reshape(rows, heads, head_dim)
-    exact = causal(q.double(), k.double(), v.double())
-    sdpa_err = (causal(q, k, v).double() - exact).abs()
-    got = cpu_kernels.prefill_amx(q, k, v, chunks, q_len)
-    assert got.shape == (rows, heads, head_dim) and got.dtype == torch.bfloat16
-    err = (got.double() - exact).abs()
-    assert err.max() <= 2 * sdpa_err.max() + 2e-3, (float(err.max()), float(sdpa_err.max()))
-    assert err.mean() <= 1.5 * sdpa_err.mean() + 1e-4, (float(err.mean()), float(sdpa_err.mean()))
-
-
-@needs_amx
-def test_a_bf16_step_takes_the_prefill_kernel_for_fresh_chunks_only(monkeypatch):
-    calls = []
-    real = cpu_kernels.prefill_amx
-    monkeypatch.setattr(cpu_kernels, "prefill_amx", lambda q, k, v, n, q_len: calls.append((n, q_len)) or real(q, k, v, n, q_len))
-    # a fixed batch: two fresh 20-token chunks (one run) and a 10-token chunk over a 16-token cached prefix
-    bs, kv, heads, hd = 16, 1, 3, 64
-    g = torch.Generator().manual_seed(3)
-    k_cache = torch.zeros(16, bs, kv, hd, dtype=torch.bfloat16)
-    v_cache = torch.zeros(16, bs, kv, hd, dtype=torch.bfloat16)
-    q = torch.randn(50, heads, hd, generator=g).to(torch.bfloat16)
-    k, v = torch.randn(50, kv, hd, generator=g).to(torch.bfloat16), torch.randn(50, kv, hd, generator=g).to(torch.bfloat16)
-    tables = [[0, 1], [2, 3], [4, 5]]
-    slots = [b * bs + p % bs for t, (first, n, ctx) in zip(tables, [(0, 20, 20), (20, 20, 20), (40, 10, 26)])
-             for b, p in ((t[p // bs], p) for p in range(ctx - n, ctx))]
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), context_lens=torch.tensor([20, 20, 26]),
-                             block_tables=torch.tensor(tables))
-    meta.prefills = [PrefillChunk(0, 20, 20, torch.tensor(tables[0]), None),
-                     PrefillChunk(20, 20, 20, torch.tensor(tables[1]), None),
-                     PrefillChunk(40, 10, 26, torch.tensor(tables[2]),
-                                  torch.arange(26)[None] <= torch.arange(16, 26)[:, None])]
-    expected = TorchAttention()(q, k, v, k_cache.clone(), v_cache.clone(), meta)
-    out = CpuAttention()(q, k, v, to_kernel_layout(k_cache, True), to_kernel_layout(v_cache, False), meta)
-    assert calls == [(2, 20)]                  # the fresh run in one call; the cached-prefix chunk by SDPA
-    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
-
-
-@needs_amx
 def test_a_decode_steps_layers_in_one_call_compute_what_the_layers_do(monkeypatch):
     """bf16 on AMX: a decode step of up to 32 sequences runs its layers in one call of the kernels; its hidden
     states are the layer-by-layer forward's bit for bit, step after step, and the replies are the same."""
