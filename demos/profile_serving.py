@@ -14,6 +14,9 @@ ignore_eos), and splits the engine thread's wall time by phase:
                                   viewers' records, commands
 
 and, on the event loop, the lag of a 10 ms heartbeat (how late the loop answers while it streams).
+To time the pieces, a decode step's layers are called one by one here: where a served bf16 step on an
+AMX CPU runs them in one call (models.llama.LlamaForCausalLM.fused_decode), its decode steps are faster
+than this run's by the Python between the pieces (docs/results.md, "AMX tiles").
 Numbers depend on the machine and on its load: read the shares, not the seconds.
 """
 from __future__ import annotations
@@ -63,11 +66,12 @@ class Timers:
                 self.total[name] += time.perf_counter() - t0
 
 
-def instrument(engine, timers: Timers):
+def instrument(engine, timers: Timers) -> bool:
+    """Timers around the pieces; returns whether the model would have run a decode step's layers in one call."""
     import engine.model_runner as runner_module
     engine = getattr(engine, "single", engine)          # the service's EngineSwitch: its one engine
     model = engine.runner.model
-    model.fused_decode = False      # a decode step's layers one call each, so that each piece can be timed
+    fused, model.fused_decode = model.fused_decode, False   # layers one by one, so each piece can be timed
     for layer in model.layers:                          # the linears, whatever their weight format
         for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             timers.wrap(module, "forward", "linears")
@@ -77,6 +81,7 @@ def instrument(engine, timers: Timers):
     runner_module.sample = _timed(timers, "sampling", runner_module.sample)
     timers.wrap(engine.detokenizer, "update", "detokenise")
     timers.wrap(engine.runner, "run", "runner")
+    return fused
 
 
 def _timed(timers: Timers, name: str, fn):
@@ -150,7 +155,7 @@ def main():
     service, server, url = serve(args)
     timers = Timers()
     records: list[dict] = []
-    asyncio.run(service_call(service, lambda: instrument(service.engine, timers)))
+    args.fused = asyncio.run(service_call(service, lambda: instrument(service.engine, timers)))
     service.engine.subscribe(lambda r: records.append(r) if r.get("type") == "step" else None)
     elapsed, tokens, lags = asyncio.run(drive(url, args.clients, args.prompt_tokens, args.max_tokens))
     server.should_exit = True
@@ -181,7 +186,8 @@ def report(records: list[dict], timers: Timers, elapsed: float, tokens: int, lag
     ]
     print(f"{args.clients} streams, {args.prompt_tokens}-token prompts, {args.max_tokens} tokens each"
           f"{' (serving preset)' if args.serving else ''}: {tokens} tokens in {elapsed:.1f} s = "
-          f"{tokens / elapsed:.1f} out tok/s, {len(steps)} steps, {busy / len(steps) * 1000:.0f} ms a step")
+          f"{tokens / elapsed:.1f} out tok/s, {len(steps)} steps, {busy / len(steps) * 1000:.0f} ms a step"
+          f"{' (layers called one by one, to time them)' if args.fused else ''}")
     for name, seconds in rows:
         print(f"  {name:<62} {100 * seconds / busy:5.1f} %  {1000 * seconds / len(steps):7.1f} ms/step")
     decode_steps = [r for r in steps if all(i["kind"] == "decode" for i in r["items"])]
