@@ -309,12 +309,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # input_ids: (num_tokens,); cos, sin: (num_tokens, 1, head_dim) -> hidden (num_tokens, hidden)
-        x, residual = self.embed_tokens(input_ids), None
-        if self.fused_decode and x.shape[0] <= cpu_kernels.AMX_ROWS and not get_metadata().prefills:
-            cfg, a = self.cfg, self.layers[0].self_attn
+        x, residual, meta = self.embed_tokens(input_ids), None, get_metadata()
+        if self.fused_decode and x.shape[0] <= cpu_kernels.AMX_ROWS and not meta.prefills:
+            a = self.layers[0].self_attn
             residual = cpu_kernels.decode_layers(
-                self.layer_table(), x, cos, sin, get_metadata(), heads=a.num_heads, kv_heads=a.num_kv_heads,
-                head_dim=a.head_dim, inter=cfg.intermediate_size, block_size=a.k_cache.shape[1], eps=cfg.rms_norm_eps)
+                self.layer_table(), x, cos, sin, meta, heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                inter=self.cfg.intermediate_size, block_size=a.k_cache.shape[1], eps=self.cfg.rms_norm_eps)
             return self.norm.add_forward(x, residual)[0]
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin)
@@ -369,10 +369,10 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head = pack(self.head_weight())
         if amx and cpu_kernels.amx_shape_ok(*self.head_weight().shape):
             self.amx_head = cpu_kernels.pack_amx(self.head_weight())
-        layers_have_kernels = all(isinstance(l.self_attn.backend, CpuAttention) and not l.self_attn.qk_norm and
-                                  all(m.amx is not None for m in l.modules() if isinstance(m, Linear))
-                                  for l in self.layers)
-        self.fused_decode = amx and layers_have_kernels and self.ops.rms_norm.enabled and cpu_kernels.fused_bf16()
+        # every piece of every layer has its kernel: tile linears (so AMX), paged attention, the C++ chains
+        self.fused_decode = amx and self.ops.rms_norm.enabled and all(
+            isinstance(l.self_attn.backend, CpuAttention) and not l.self_attn.qk_norm and
+            all(m.amx is not None for m in l.modules() if isinstance(m, Linear)) for l in self.layers)
 
     def load_checkpoint(self, tensors):
         """tensors: iterable of (checkpoint name, tensor) in Hugging Face naming."""
