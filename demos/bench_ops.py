@@ -4,7 +4,7 @@
     python -m demos.bench_ops --threads 1
 
 linears     the default model's 30 layers of linears and its logits head at 1 to 512 rows:
-            F.linear against engine.models.llama.linear (output features cut into one slice
+            F.linear against engine.models.linears.linear (output features cut into one slice
             per thread, one batched matmul).
 attention   one layer's decode attention over a paged cache with scattered block tables:
             one SDPA call per sequence and one batched call over blocks gathered by tensor
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from demos.bench import cpu_facts
 from demos.compare import machine
 from engine.attention import AttentionMetadata, TorchAttention, sdpa
-from engine.models.llama import linear
+from engine.models.linears import linear
 
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

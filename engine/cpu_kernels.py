@@ -10,7 +10,7 @@
   decode_layers  a bf16 decode step's layers in one call, the kernels above in the model's order (models.llama):
                  the same values without the Python between them.
   linear_amx     bf16 linears of 1 to 32 rows (a decode step) on AMX tiles, over weights laid out once
-                 for them (models.llama.Linear): they stream the weights 1.3-1.5x faster than oneDNN.
+                 for them (models.linears.Linear): they stream the weights 1.3-1.5x faster than oneDNN.
 
 The library is built with the system's C++ compiler (g++, c++ or clang++; $CXX first) for this CPU
 (-march=native) in about a second, into the batchscope cache under a name that hashes the source,

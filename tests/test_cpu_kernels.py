@@ -132,7 +132,7 @@ def test_a_build_is_reused_and_named_by_what_it_was_built_from(tmp_path, monkeyp
 
 
 def test_packed_bf16_linears_compute_what_f_linear_does():
-    from engine.models.llama import Linear, pack, packed_weights_work
+    from engine.models.linears import Linear, pack, packed_weights_work
     if not packed_weights_work(torch.bfloat16):
         pytest.skip("this torch has no oneDNN bf16 linear")
     g = torch.Generator().manual_seed(0)
@@ -217,7 +217,8 @@ def test_amx_linears_compute_what_f_linear_does(rows, out_blocks, in_blocks, see
 
 @needs_amx
 def test_a_bf16_model_takes_the_amx_linears_for_few_rows_only(monkeypatch):
-    from engine.models.llama import Linear, LlamaForCausalLM, amx_linears_work
+    from engine.models.linears import Linear, amx_linears_work
+    from engine.models.llama import LlamaForCausalLM
     from transformers import LlamaConfig
     assert amx_linears_work()
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -243,7 +244,8 @@ def test_a_bf16_model_takes_the_amx_linears_for_few_rows_only(monkeypatch):
 
 
 def test_amx_can_be_switched_off_and_fp32_never_takes_it(monkeypatch):
-    from engine.models.llama import Linear, LlamaForCausalLM
+    from engine.models.linears import Linear
+    from engine.models.llama import LlamaForCausalLM
     from transformers import LlamaConfig
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2)
