@@ -450,6 +450,68 @@ static void linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* 
 
 #endif
 
+// ---- 3b. fp32 linears of a decode step's few rows on AVX-512 ----
+//
+// y = x w^T + b for 1 to 32 rows. MKL's skinny fp32 matmul is compute-bound well before that here;
+// this one keeps R x 2 vectors of sums in registers (R rows, 32 outputs), and every weight is loaded
+// once for R rows and every input once for 32 outputs. The weights are laid out once (pack_f32) in
+// groups of 32 outputs, a group's weights for one input next to each other: w[n][k] for the group's 32
+// n, then k + 1, ..., one stream the loop reads in order. Each output sums its products in input
+// order, one multiply-add after another: the same order at every row count and every place of a row
+// in the batch, so a sequence's values do not depend on what shares its step. (MKL's order is its
+// own, so not F.linear's values bit for bit; tests/test_cpu_kernels.py bounds the difference.)
+constexpr int F32_GROUP = 32;
+
+static void pack_f32(const float* w, int64_t N, int64_t K, float* out) {
+    for (int64_t n0 = 0; n0 < N; n0 += F32_GROUP) {
+        const int64_t width = std::min<int64_t>(F32_GROUP, N - n0);
+        for (int64_t k = 0; k < K; ++k)
+            for (int64_t j = 0; j < width; ++j) *out++ = w[(n0 + j) * K + k];
+    }
+}
+
+#ifdef __AVX512F__
+template <int R, int C>     // R rows x C vectors of 16 outputs; wp: the group's weights, C * 16 a step of k
+static void outer_block(const float* x, int64_t K, const float* wp, const float* bias, float* y, int64_t N) {
+    __m512 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; ++k, wp += 16 * C) {
+        __m512 wv[C];
+        for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_ps(wp + 16 * c);
+        for (int r = 0; r < R; ++r) {
+            const __m512 xv = _mm512_set1_ps(x[r * K + k]);
+            for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c)
+            _mm512_storeu_ps(y + r * N + 16 * c, bias ? _mm512_add_ps(acc[r][c], _mm512_loadu_ps(bias + 16 * c)) : acc[r][c]);
+}
+
+constexpr int F32_R = 12;          // 24 sums in registers, 2 weight vectors and a broadcast input beside them
+
+template <int R = F32_R>
+static void outer_rows(int r, int c, const float* x, int64_t K, const float* wp, const float* bias, float* y, int64_t N) {
+    if constexpr (R > 1) if (r < R) return outer_rows<R - 1>(r, c, x, K, wp, bias, y, N);
+    if (c == 2) outer_block<R, 2>(x, K, wp, bias, y, N);
+    else outer_block<R, 1>(x, K, wp, bias, y, N);
+}
+
+static void skinny_linear_f32(const float* x, int64_t M, int64_t K, const float* wp, const float* bias, int64_t N,
+                              float* y, int threads) {
+    const int64_t groups = (N + F32_GROUP - 1) / F32_GROUP;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < groups; ++g) {              // each thread streams one stretch of the weights
+        const int64_t n0 = g * F32_GROUP;
+        const int c = int(std::min<int64_t>(F32_GROUP, N - n0) / 16);
+        for (int64_t m0 = 0; m0 < M; m0 += F32_R)       // the next rows read the group's weights from L2
+            outer_rows(int(std::min<int64_t>(F32_R, M - m0)), c, x + m0 * K, K, wp + n0 * K, bias ? bias + n0 : nullptr,
+                       y + m0 * N + n0, N);
+    }
+}
+#endif
+
 // ---- 4. a decode step's layers in one call (Llama-shaped, bf16, AMX) ----
 //
 // The same kernels in the same order as the model's layer-by-layer forward (models.llama.DecoderLayer with
@@ -540,6 +602,18 @@ void pack_amx_bf16(const uint16_t* w, int64_t N, int64_t K, uint16_t* out) { pac
 int linear_amx_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wp, int64_t N, uint16_t* y, int threads) {
 #ifdef HAVE_AMX
     linear_amx(x, M, K, wp, N, y, threads);
+    return 1;
+#else
+    return 0;
+#endif
+}
+// w: (N, K) fp32, N a multiple of 16 -> out: N * K fp32 in the layout of section 3b
+void pack_f32_weights(const float* w, int64_t N, int64_t K, float* out) { pack_f32(w, N, K, out); }
+// x: (M, K), wp: pack_f32_weights', bias: (N,) or null, y: (M, N), fp32, contiguous -> 1, or 0 without AVX-512
+int linear_f32(const float* x, int64_t M, int64_t K, const float* wp, const float* bias, int64_t N, float* y,
+               int threads) {
+#ifdef __AVX512F__
+    skinny_linear_f32(x, M, K, wp, bias, N, y, threads);
     return 1;
 #else
     return 0;

@@ -88,9 +88,10 @@ def library() -> ctypes.CDLL | None:
                        "rope_bf16": [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32],
                        "write_kv_16": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32],
                        "write_kv_32": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32],
-                       "pack_amx_bf16": [ptr, i64, i64, ptr]}.items():
+                       "pack_amx_bf16": [ptr, i64, i64, ptr], "pack_f32_weights": [ptr, i64, i64, ptr]}.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
     lib.linear_amx_bf16.argtypes, lib.linear_amx_bf16.restype = [ptr, i64, i64, ptr, i64, ptr, i32], ctypes.c_int
+    lib.linear_f32.argtypes, lib.linear_f32.restype = [ptr, i64, i64, ptr, ptr, i64, ptr, i32], ctypes.c_int
     lib.amx_bf16_ready.argtypes, lib.amx_bf16_ready.restype = [], ctypes.c_int
     lib.decode_layers_bf16.argtypes = [ptr, i32, ptr, ptr, i64, i32, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i64, ptr,
                                        ctypes.c_float, ctypes.c_float, i32]
@@ -221,6 +222,39 @@ def linear_amx(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
     if not library().linear_amx_bf16(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), out_features,
                                      y.data_ptr(), torch.get_num_threads()):
         raise RuntimeError("the CPU kernels were built without AMX")
+    return y
+
+
+# ---- fp32 linears of a decode step's few rows (AVX-512) ----
+F32_ROWS = 128      # up to this many rows the kernel took less time than oneDNN's (docs/results.md)
+
+
+@functools.cache
+def f32_linears() -> bool:
+    """Whether the library was built with AVX-512, which the fp32 kernel needs; `BATCHSCOPE_F32_KERNEL=0` keeps MKL."""
+    lib = library()
+    if lib is None or os.environ.get("BATCHSCOPE_F32_KERNEL", "1") == "0":
+        return False
+    x, w, y = torch.ones(1, 16), torch.ones(16 * 16), torch.empty(1, 16)
+    return bool(lib.linear_f32(x.data_ptr(), 1, 16, w.data_ptr(), 0, 16, y.data_ptr(), 1))
+
+
+def pack_f32(w: torch.Tensor) -> torch.Tensor:
+    """w: (out, in) fp32, out a multiple of 16 -> the same values in linear_f32's layout (flat)."""
+    assert w.dtype == torch.float32 and w.shape[0] % 16 == 0, (w.dtype, tuple(w.shape))
+    w = w.contiguous()
+    out = torch.empty(w.numel(), dtype=torch.float32)
+    library().pack_f32_weights(w.data_ptr(), w.shape[0], w.shape[1], out.data_ptr())
+    return out
+
+
+def linear_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x: (rows, in) fp32, pack_f32's w, b: (out,) or None -> x w^T + b, (rows, out_features); a row's
+    values do not depend on the other rows (made where f32_linears())."""
+    x, b = x.contiguous(), None if b is None else b.contiguous()
+    y = x.new_empty(x.shape[0], out_features)
+    library().linear_f32(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), 0 if b is None else b.data_ptr(),
+                         out_features, y.data_ptr(), torch.get_num_threads())
     return y
 
 

@@ -131,19 +131,21 @@ def test_a_build_is_reused_and_named_by_what_it_was_built_from(tmp_path, monkeyp
         cpu_kernels.library.cache_clear()
 
 
-def test_packed_bf16_linears_compute_what_f_linear_does():
-    from engine.models.linears import Linear, pack, packed_weights_work
-    if not packed_weights_work(torch.bfloat16):
-        pytest.skip("this torch has no oneDNN bf16 linear")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_linears_compute_what_f_linear_does(dtype):
+    """bf16: bit for bit; fp32: oneDNN sums in its own order (close_to_f_linear)."""
+    from engine.models.linears import Linear, close_to_f_linear, pack, packed_weights_work
+    if not packed_weights_work(dtype):
+        pytest.skip(f"this torch has no oneDNN {dtype} linear")
     g = torch.Generator().manual_seed(0)
     for rows, bias in [(1, False), (32, True), (300, False)]:
-        lin = Linear(576, 960, bias=bias).to(torch.bfloat16).requires_grad_(False)
+        lin = Linear(576, 960, bias=bias).to(dtype).requires_grad_(False)
         lin.weight.copy_(torch.randn(960, 576, generator=g))
-        x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
-        plain = lin(x)
+        if bias:
+            lin.bias.copy_(torch.randn(960, generator=g))
+        x = torch.randn(rows, 576, generator=g).to(dtype)
         lin.packed = pack(lin.weight)
-        assert torch.equal(lin(x), plain)
-    assert not packed_weights_work(torch.float32)     # fp32: oneDNN's packed kernel rounds differently
+        assert close_to_f_linear(lin(x), x, lin.weight, lin.bias)
 
 
 # ---- the bf16 elementwise chains against models.llama's torch versions ----
@@ -179,7 +181,9 @@ def test_fused_bf16_chains_are_torchs_up_to_one_rounding(rows, hidden, seed, sca
         apart = ulps_apart(expected, got).masked_fill(tiny, 0)
         # an intermediate one bf16 step off (an fp32 exp or rsqrt a bit apart) can move a product by two
         assert apart.max() <= 2, f"{int(apart.max())} bf16 steps apart"
-        assert (apart > 0).float().mean() < 0.01                 # nearly all bit for bit
+        # nearly all bit for bit; a row's norm is one rsqrt, and where that lands a step apart up to 1.6 %
+        # of its values round the other way (3,000 single rows, one CPU), so few rows get more room
+        assert (apart > 0).float().mean() < (0.01 if rows >= 16 else 0.03)
 
 
 def test_a_bf16_model_takes_the_fused_chains_and_fp32_does_not(monkeypatch):
@@ -261,6 +265,77 @@ def test_amx_can_be_switched_off_and_fp32_never_takes_it(monkeypatch):
         assert all(m.amx is None for m in bf16.modules() if isinstance(m, Linear)) and bf16.amx_head is None
     finally:
         cpu_kernels.amx_bf16.cache_clear()
+
+
+# ---- fp32 linears of a decode step's few rows (AVX-512) ----
+needs_f32 = pytest.mark.skipif(not cpu_kernels.f32_linears(), reason="the CPU kernels were built without AVX-512")
+
+
+@needs_f32
+@settings(max_examples=300, deadline=None)
+@given(rows=st.integers(1, cpu_kernels.F32_ROWS), out_blocks=st.integers(1, 40), k=st.integers(1, 700),
+       bias=st.booleans(), seed=st.integers(0, 2**16), scale=st.sampled_from([1e-3, 1.0, 50.0]))
+@example(rows=32, out_blocks=60, k=576, bias=False, seed=0, scale=1.0)     # the default model's q/k/v projection
+@example(rows=8, out_blocks=36, k=1536, bias=True, seed=1, scale=1.0)      # its down projection, with a bias
+def test_f32_linears_compute_what_f_linear_does_whatever_shares_the_step(rows, out_blocks, k, bias, seed, scale):
+    """Every row count the kernel is used for, every group of outputs (full or half) and input length: F.linear's
+    values up to summing in another order, and each row's values bit for bit those it has alone."""
+    from engine.models.linears import close_to_f_linear
+    g = torch.Generator().manual_seed(seed)
+    n = 16 * out_blocks
+    w, x = torch.randn(n, k, generator=g) * scale, torch.randn(rows, k, generator=g) * scale
+    b = torch.randn(n, generator=g) * scale if bias else None
+    packed = cpu_kernels.pack_f32(w)
+    y = cpu_kernels.linear_f32(x, packed, n, b)
+    assert close_to_f_linear(y, x, w, b)
+    one = int(torch.randint(0, rows, (1,), generator=g))
+    assert torch.equal(cpu_kernels.linear_f32(x[one:one + 1], packed, n, b), y[one:one + 1])
+
+
+@needs_f32
+def test_an_fp32_model_takes_the_f32_linears_for_few_rows_and_onednn_for_more(monkeypatch):
+    from engine.models.linears import Linear, close_to_f_linear, f32_linears_work
+    from engine.models.llama import LlamaForCausalLM
+    from transformers import Qwen2Config
+    assert f32_linears_work()
+    cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)   # q/k/v biases
+    model = LlamaForCausalLM(cfg, backend=None).requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    for p in model.parameters():                                 # built with uninitialised weights
+        p.copy_(torch.randn(p.shape, generator=g))
+    model.pack_weights()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.f32 is not None and m.packed is not None and m.amx is None for m in linears)
+    assert model.f32_head is not None and model.amx_head is None
+    calls = []
+    real = cpu_kernels.linear_f32
+    monkeypatch.setattr(cpu_kernels, "linear_f32", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    lin = linears[0]
+    assert lin.bias is not None
+    for rows in (1, cpu_kernels.F32_ROWS, cpu_kernels.F32_ROWS + 1, 300):
+        x = torch.randn(rows, lin.in_features, generator=g)
+        assert close_to_f_linear(lin(x), x, lin.weight, lin.bias)
+    assert calls == [1, cpu_kernels.F32_ROWS]                    # more rows: oneDNN's packed kernel
+    model.compute_logits(torch.randn(3, 64))
+    assert calls[-1] == 3
+
+
+def test_the_f32_kernel_can_be_switched_off(monkeypatch):
+    from engine.models.linears import Linear
+    from engine.models.llama import LlamaForCausalLM
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    monkeypatch.setenv("BATCHSCOPE_F32_KERNEL", "0")
+    cpu_kernels.f32_linears.cache_clear()
+    try:
+        assert not cpu_kernels.f32_linears()
+        fp32 = LlamaForCausalLM(cfg, backend=None)
+        fp32.pack_weights()
+        assert all(m.f32 is None for m in fp32.modules() if isinstance(m, Linear)) and fp32.f32_head is None
+    finally:
+        cpu_kernels.f32_linears.cache_clear()
 
 
 @needs_amx

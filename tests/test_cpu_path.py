@@ -121,6 +121,7 @@ def test_smoothing_leaves_the_model_unchanged(tmp_path_factory, arch, seed, outl
             lin.weight.copy_(w)
             if biases[name] is not None:
                 lin.bias.copy_(biases[name])
+    model.pack_weights()                    # the kernels' copies of the weights, made again from the new ones
     after = _prefill_logits(eng, ids)
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4 * before.abs().max().item())
 

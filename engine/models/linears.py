@@ -1,10 +1,15 @@
-"""The linears' weight formats on a CPU, each computing F.linear's values (models.llama's Linear):
+"""The linears' weight formats on a CPU (models.llama's Linear):
 
-  fp32      F.linear, with the output features cut into one slice per thread (`linear`)
-  oneDNN    bf16 weights packed once in oneDNN's blocked layout (`pack`, `packed_linear`)
+  plain     F.linear, with the output features cut into one slice per thread (`linear`): where no
+            format below is made
+  oneDNN    weights packed once in oneDNN's blocked layout (`pack`, `packed_linear`): bf16 and fp32
   AMX       bf16 weights laid out once for the tile kernel of engine/cpu_kernels.cpp, for 1 to 32 rows
+  f32       fp32 weights laid out once for the AVX-512 kernel of engine/cpu_kernels.cpp, for 1 to 128 rows
 
-Each packed format is checked on a probe before a model uses it (packed_weights_work, amx_linears_work).
+In bf16 every format computes F.linear's values bit for bit. In fp32 oneDNN and the f32 kernel each sum
+in their own order (MKL, behind F.linear, in its own): the same values up to fp32 rounding, the f32
+kernel's the same whatever else shares the step. Each format is checked on a probe before a model uses
+it (packed_weights_work, amx_linears_work, f32_linears_work).
 """
 from __future__ import annotations
 
@@ -37,16 +42,26 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return y if b is None else y + b
 
 
+def close_to_f_linear(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> bool:
+    """y is F.linear's values: bit for bit in bf16; in fp32 within what summing in another order moves
+    (a few units in the last place of the largest products' sum)."""
+    ref = F.linear(x, w, b)
+    if y.dtype != torch.float32:
+        return torch.equal(y, ref)
+    bound = 1e-5 * (x.abs() @ w.abs().T + (0 if b is None else b.abs()))
+    return bool(((y - ref).abs() <= bound).all())
+
+
 def packed_weights_work(dtype: torch.dtype) -> bool:
     """Whether oneDNN can hold this dtype's weights in its own blocked layout (torch's mkldnn ops; the
-    ones torch.compile uses on CPU) and computes bit for bit what F.linear does: checked on a probe."""
-    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    ones torch.compile uses on CPU) and computes what F.linear does (close_to_f_linear): checked on a probe."""
+    if dtype not in (torch.bfloat16, torch.float32) or not torch.backends.mkldnn.is_available():
         return False
     try:
         g = torch.Generator().manual_seed(0)
         x, w = torch.randn(8, 64, generator=g).to(dtype), torch.randn(32, 64, generator=g).to(dtype)
         y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
-        return torch.equal(y, F.linear(x, w))
+        return close_to_f_linear(y, x, w)
     except (RuntimeError, AttributeError):
         return False
 
@@ -75,19 +90,40 @@ def amx_linears_work() -> bool:
     return True
 
 
+def f32_linears_work() -> bool:
+    """Whether this CPU runs the fp32 kernel (engine/cpu_kernels.linear_f32) and it computes F.linear's values
+    (close_to_f_linear), each row's the same at every row count: checked on a probe (a partial group too)."""
+    if not cpu_kernels.f32_linears():
+        return False
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(80, 72, generator=g), torch.randn(80, generator=g)
+    packed = cpu_kernels.pack_f32(w)
+    x = torch.randn(cpu_kernels.F32_ROWS, 72, generator=g)
+    ys = {rows: cpu_kernels.linear_f32(x[:rows], packed, 80, b) for rows in (1, 7, 13, cpu_kernels.F32_ROWS)}
+    if all(close_to_f_linear(y, x[:rows], w, b) and torch.equal(y, ys[cpu_kernels.F32_ROWS][:rows])
+           for rows, y in ys.items()):
+        return True
+    log.warning("the fp32 linear kernel differs from F.linear on this CPU: it stays off")
+    return False
+
+
 class Linear(nn.Linear):
-    """nn.Linear over a flat batch; on a CPU in bf16, over copies of the weight laid out once at load
-    (LlamaForCausalLM.pack_weights) instead of re-laid out on every call, the same values either way:
-    - `amx`: the AMX tile kernel's layout, for a decode step's 1 to 32 rows, where the CPU has AMX
+    """nn.Linear over a flat batch; on a CPU, over copies of the weight laid out once at load
+    (LlamaForCausalLM.pack_weights) instead of re-laid out on every call:
+    - `amx`: bf16, the AMX tile kernel's layout, for a decode step's 1 to 32 rows, where the CPU has AMX
       (engine/cpu_kernels.linear_amx: 1.3-1.5x less time than oneDNN's packed kernel);
-    - `packed`: oneDNN's, for more rows, or every row count without AMX (1.2-1.4x less time than
-      F.linear at 8 to 256 rows, the same at 2,048; docs/results.md)."""
+    - `f32`: fp32, the AVX-512 kernel's layout, for 1 to 128 rows (engine/cpu_kernels.linear_f32);
+    - `packed`: oneDNN's, for more rows, or every row count without the kernels above (in bf16 1.2-1.4x
+      less time than F.linear at 8 to 256 rows, the same at 2,048; docs/results.md)."""
     packed: torch.Tensor | None = None
     amx: torch.Tensor | None = None
+    f32: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx is not None and x.shape[0] <= cpu_kernels.AMX_ROWS:
             return cpu_kernels.linear_amx(x, self.amx, self.out_features)
+        if self.f32 is not None and x.shape[0] <= cpu_kernels.F32_ROWS:
+            return cpu_kernels.linear_f32(x, self.f32, self.out_features, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from engine import cpu_kernels
 from engine.attention import CpuAttention, get_metadata
-from engine.models.linears import Linear, amx_linears_work, linear, pack, packed_linear, packed_weights_work
+from engine.models.linears import (Linear, amx_linears_work, f32_linears_work, linear, pack, packed_linear,
+                                   packed_weights_work)
 
 log = logging.getLogger("batchscope.engine")
 
@@ -255,12 +256,15 @@ class LlamaForCausalLM(nn.Module):
             return self.int8_head(hidden)
         if self.amx_head is not None and hidden.shape[0] <= cpu_kernels.AMX_ROWS:
             return cpu_kernels.linear_amx(hidden, self.amx_head, self.cfg.vocab_size)
+        if self.f32_head is not None and hidden.shape[0] <= cpu_kernels.F32_ROWS:
+            return cpu_kernels.linear_f32(hidden, self.f32_head, self.cfg.vocab_size)
         if self.packed_head is not None:
             return packed_linear(hidden, self.packed_head)
         return linear(hidden, self.head_weight())
 
     packed_head: torch.Tensor | None = None
     amx_head: torch.Tensor | None = None
+    f32_head: torch.Tensor | None = None
     # a decode step's layers in one call of the CPU kernels (engine/cpu_kernels.decode_layers): set by
     # pack_weights where every piece of a layer has its kernel; demos/profile_serving turns it off to time
     # the pieces one by one
@@ -280,22 +284,29 @@ class LlamaForCausalLM(nn.Module):
         return self._table[1]
 
     def pack_weights(self):
-        """Every Linear and the logits matrix in oneDNN's layout, and where the CPU has AMX also in the tile
-        kernel's (bias-free linears whose sizes it takes), where these compute the same values
-        (packed_weights_work, amx_linears_work). The plain weights stay: the embedding shares the head's,
-        and readers of the weights (weight_bytes, the int8 path, tests) see the usual tensors; each packed
-        copy costs the linears' memory once more (about 270 MB for the default model in bf16)."""
-        if not packed_weights_work(self.embed_tokens.weight.dtype) or self.embed_tokens.weight.is_cuda:
+        """Every Linear and the logits matrix in oneDNN's layout, and for a decode step's few rows also in a
+        kernel's of engine/cpu_kernels.cpp: bf16 where the CPU has AMX (bias-free linears whose sizes the
+        tiles take), fp32 where it has AVX-512; each where it computes what F.linear does (packed_weights_work,
+        amx_linears_work, f32_linears_work). The plain weights stay: the embedding shares the head's, and
+        readers of the weights (weight_bytes, the int8 path, tests) see the usual tensors; each packed copy
+        costs the linears' memory once more (270 MB for the default model in bf16, 540 MB in fp32)."""
+        dtype = self.embed_tokens.weight.dtype
+        if not packed_weights_work(dtype) or self.embed_tokens.weight.is_cuda:
             return
-        amx = amx_linears_work()
+        amx = dtype == torch.bfloat16 and amx_linears_work()
+        f32 = dtype == torch.float32 and f32_linears_work()
         for m in self.modules():
             if isinstance(m, Linear):
                 m.packed = pack(m.weight)
                 if amx and m.bias is None and cpu_kernels.amx_shape_ok(*m.weight.shape):
                     m.amx = cpu_kernels.pack_amx(m.weight)
+                if f32 and m.out_features % 16 == 0:
+                    m.f32 = cpu_kernels.pack_f32(m.weight)
         self.packed_head = pack(self.head_weight())
         if amx and cpu_kernels.amx_shape_ok(*self.head_weight().shape):
             self.amx_head = cpu_kernels.pack_amx(self.head_weight())
+        if f32 and self.cfg.vocab_size % 16 == 0:
+            self.f32_head = cpu_kernels.pack_f32(self.head_weight())
         # every piece of every layer has its kernel: tile linears (so AMX), paged attention, the C++ chains
         self.fused_decode = amx and self.ops.rms_norm.enabled and all(
             isinstance(l.self_attn.backend, CpuAttention) and not l.self_attn.qk_norm and
