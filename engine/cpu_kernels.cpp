@@ -1,9 +1,10 @@
 // The CPU's own kernels (engine/cpu_kernels.py builds this file once per machine and loads it with ctypes):
 //   1. decode attention over the paged KV cache, read where it lies;
-//   2. the model's bf16 elementwise chains, each one pass over its rows (torch runs them as 3 to 9 ops,
-//      each a pass over memory), rounding to bf16 where torch's ops round, so the values are torch's
-//      up to the last bit of an fp32 exp or rsqrt;
-//   3. bf16 linears of a decode step's few rows on AMX tiles, where the CPU and the OS have them;
+//   2. the model's elementwise chains, each one pass over its rows (torch runs them as 2 to 9 ops,
+//      each a pass over memory), in bf16 rounding where torch's ops round, so the values are torch's
+//      up to the last bit of an fp32 exp or rsqrt; and in fp32;
+//   3. linears of a decode step's few rows: bf16 on AMX tiles, where the CPU and the OS have them
+//      (3a), fp32 on AVX-512 (3b);
 //   4. a decode step's layers in one call of the kernels above.
 //
 // ---- 1. decode attention ----
@@ -362,7 +363,54 @@ static void rope_rows(const uint16_t* x, int64_t x_stride, const uint16_t* cos, 
         }
 }
 
-// ---- 3. bf16 linears on AMX tiles: y = x w^T for a decode step's few rows ----
+// The same chains in fp32 (models.llama's fp32 forms: F.rms_norm, silu(gate) * up, x * cos + roll(x) * sin),
+// nothing rounded between the ops: the same values up to the last bit of an fp32 exp or rsqrt
+static void rms_norm_rows(const float* x, const float* residual, const float* w, float* out, float* sum_out,
+                          int64_t rows, int hidden, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (parallel(rows, hidden))
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = x + r * hidden;
+        float* v = sum_out ? sum_out + r * hidden : out + r * hidden;     // the sum, then normed in place
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int c = 0; c < hidden; ++c) {
+            const float a = residual ? xr[c] + residual[r * hidden + c] : xr[c];
+            v[c] = a;
+            ss += a * a;
+        }
+        const float inv = 1.f / std::sqrt(ss / hidden + eps);
+#pragma omp simd
+        for (int c = 0; c < hidden; ++c) out[r * hidden + c] = v[c] * inv * w[c];
+    }
+}
+
+static void silu_and_mul_rows(const float* gate_up, float* out, int64_t rows, int inter, int threads) {
+#pragma omp parallel for num_threads(threads) if (parallel(rows, inter))
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* g = gate_up + r * 2 * inter;
+        const float* u = g + inter;
+#pragma omp simd
+        for (int c = 0; c < inter; ++c) out[r * inter + c] = g[c] / (1.f + std::exp(std::min(-g[c], 88.f))) * u[c];
+    }
+}
+
+static void rope_rows(const float* x, int64_t x_stride, const float* cos, const float* sin, float* out, int64_t rows,
+                      int heads, int D, int threads) {
+    const int half = D / 2;
+#pragma omp parallel for num_threads(threads) if (parallel(rows, int64_t(heads) * D))
+    for (int64_t r = 0; r < rows; ++r)
+        for (int h = 0; h < heads; ++h) {
+            const float* xh = x + r * x_stride + int64_t(h) * D;
+            const float *c = cos + r * D, *sn = sin + r * D;
+            float* oh = out + (r * heads + h) * D;
+#pragma omp simd
+            for (int d = 0; d < half; ++d) oh[d] = xh[d] * c[d] + xh[d + half] * sn[d];
+#pragma omp simd
+            for (int d = half; d < D; ++d) oh[d] = xh[d] * c[d] + xh[d - half] * sn[d];
+        }
+}
+
+// ---- 3a. bf16 linears on AMX tiles: y = x w^T for a decode step's few rows ----
 //
 // At 1 to 32 rows a linear only streams its weights: each weight is used by as many multiply-adds as
 // there are rows. oneDNN's kernels read the default model's weights at 13-16 GB/s there; this one
@@ -512,48 +560,65 @@ static void skinny_linear_f32(const float* x, int64_t M, int64_t K, const float*
 }
 #endif
 
-// ---- 4. a decode step's layers in one call (Llama-shaped, bf16, AMX) ----
+// ---- 4. a decode step's layers in one call (Llama-shaped; bf16 on AMX, fp32 on AVX-512) ----
 //
 // The same kernels in the same order as the model's layer-by-layer forward (models.llama.DecoderLayer with
-// CpuAttention, for a decode-only step of at most 32 sequences), so the same values bit for bit; what it
-// saves is the Python between them, about ten calls and their tensors per layer, which took a fifth of a
+// CpuAttention, for a decode-only step of few sequences), so the same values bit for bit; what it saves is
+// the Python between them, about ten calls and their tensors per layer, which took a fifth of a
 // 32-sequence step while the other thread waited. x: the embeddings in, the last layer's output out;
 // residual: the residual stream out (the final norm adds it, in Python).
 struct LayerWeights {                 // models.llama.LlamaForCausalLM.layer_table: 8 pointers per layer
-    const uint16_t *in_norm, *qkv, *o, *post_norm, *gate_up, *down;
-    uint16_t *k_cache, *v_cache;
+    const void *in_norm, *qkv, *o, *post_norm, *gate_up, *down;   // the linears in their kernel's layout
+    void *k_cache, *v_cache;
 };
 
 #ifdef HAVE_AMX
-static void decode_layers(const LayerWeights* layers, int num_layers, uint16_t* x, uint16_t* residual, int64_t M,
-                          int hidden, int heads, int kv_heads, int D, int inter, int block_size, const uint16_t* cos,
-                          const uint16_t* sin, const int64_t* slots, const int64_t* tables, int64_t bt_stride,
-                          const int64_t* ctx_lens, float eps, float scale, int threads) {
+static void linear_rows(const uint16_t* x, int64_t M, int64_t K, const void* w, int64_t N, uint16_t* y, int threads) {
+    linear_amx(x, M, K, (const uint16_t*)w, N, y, threads);
+}
+#endif
+#ifdef __AVX512F__
+static void linear_rows(const float* x, int64_t M, int64_t K, const void* w, int64_t N, float* y, int threads) {
+    skinny_linear_f32(x, M, K, (const float*)w, nullptr, N, y, threads);
+}
+
+template <typename T>
+static void decode_layers(const LayerWeights* layers, int num_layers, T* x, T* residual, int64_t M, int hidden,
+                          int heads, int kv_heads, int D, int inter, int block_size, const T* cos, const T* sin,
+                          const int64_t* slots, const int64_t* tables, int64_t bt_stride, const int64_t* ctx_lens,
+                          float eps, float scale, int threads) {
     const int qkv_width = (heads + 2 * kv_heads) * D, qk_width = (heads + kv_heads) * D;
-    std::vector<uint16_t> h(M * hidden), qkv(M * qkv_width), qk(M * qk_width), attn(M * heads * D), o(M * hidden),
+    std::vector<T> h(M * hidden), qkv(M * qkv_width), qk(M * qk_width), attn(M * heads * D), o(M * hidden),
         gate_up(M * 2 * inter), act(M * inter);
     for (int l = 0; l < num_layers; ++l) {
         const LayerWeights& w = layers[l];
+        const T *in_norm = (const T*)w.in_norm, *post_norm = (const T*)w.post_norm;
+        T *k_cache = (T*)w.k_cache, *v_cache = (T*)w.v_cache;
         if (l == 0) {
-            std::memcpy(residual, x, sizeof(uint16_t) * M * hidden);
-            rms_norm_rows(x, nullptr, w.in_norm, h.data(), nullptr, M, hidden, eps, threads);
+            std::memcpy(residual, x, sizeof(T) * M * hidden);
+            rms_norm_rows(x, nullptr, in_norm, h.data(), nullptr, M, hidden, eps, threads);
         } else {
-            rms_norm_rows(x, residual, w.in_norm, h.data(), residual, M, hidden, eps, threads);
+            rms_norm_rows(x, residual, in_norm, h.data(), residual, M, hidden, eps, threads);
         }
-        linear_amx(h.data(), M, hidden, w.qkv, qkv_width, qkv.data(), threads);
+        linear_rows(h.data(), M, hidden, w.qkv, qkv_width, qkv.data(), threads);
         rope_rows(qkv.data(), qkv_width, cos, sin, qk.data(), M, heads + kv_heads, D, threads);
-        write_kv(qk.data() + heads * D, qk_width, qkv.data() + qk_width, qkv_width, w.k_cache, w.v_cache, slots, M,
+        write_kv(qk.data() + heads * D, qk_width, qkv.data() + qk_width, qkv_width, k_cache, v_cache, slots, M,
                  kv_heads, D, block_size, threads);
-        dispatch(qk.data(), qk_width, (const uint16_t*)w.k_cache, (const uint16_t*)w.v_cache, tables, bt_stride,
-                 ctx_lens, attn.data(), int(M), heads, kv_heads, D, block_size, scale, threads);
-        linear_amx(attn.data(), M, heads * D, w.o, hidden, o.data(), threads);
-        rms_norm_rows(o.data(), residual, w.post_norm, h.data(), residual, M, hidden, eps, threads);
-        linear_amx(h.data(), M, hidden, w.gate_up, 2 * inter, gate_up.data(), threads);
+        dispatch(qk.data(), qk_width, (const T*)k_cache, (const T*)v_cache, tables, bt_stride, ctx_lens, attn.data(),
+                 int(M), heads, kv_heads, D, block_size, scale, threads);
+        linear_rows(attn.data(), M, heads * D, w.o, hidden, o.data(), threads);
+        rms_norm_rows(o.data(), residual, post_norm, h.data(), residual, M, hidden, eps, threads);
+        linear_rows(h.data(), M, hidden, w.gate_up, 2 * inter, gate_up.data(), threads);
         silu_and_mul_rows(gate_up.data(), act.data(), M, inter, threads);
-        linear_amx(act.data(), M, inter, w.down, hidden, x, threads);
+        linear_rows(act.data(), M, inter, w.down, hidden, x, threads);
     }
 }
 #endif
+
+static bool layer_shapes(int hidden, int heads, int head_dim, int inter, int block_size) {
+    return hidden % 32 == 0 && (heads * head_dim) % 32 == 0 && inter % 32 == 0 && head_dim % 16 == 0 &&
+           (block_size == 16 || block_size == 32) && (head_dim == 64 || head_dim == 128);
+}
 
 extern "C" {
 int paged_decode_f32(const float* q, int64_t q_stride, const float* k, const float* v, const int64_t* tables,
@@ -619,20 +684,42 @@ int linear_f32(const float* x, int64_t M, int64_t K, const float* wp, const floa
     return 0;
 #endif
 }
-// a decode step's layers (section 4) -> 1, or 0 where this build has no AMX or the shapes have no kernel
+// a decode step's layers (section 4) -> 1, or 0 where this build has not the kernels or the shapes have none
 int decode_layers_bf16(const LayerWeights* layers, int num_layers, uint16_t* x, uint16_t* residual, int64_t M,
                        int hidden, int heads, int kv_heads, int head_dim, int inter, int block_size,
                        const uint16_t* cos, const uint16_t* sin, const int64_t* slots, const int64_t* tables,
                        int64_t bt_stride, const int64_t* ctx_lens, float eps, float scale, int threads) {
 #ifdef HAVE_AMX
-    const bool shapes = hidden % 32 == 0 && (heads * head_dim) % 32 == 0 && inter % 32 == 0 && head_dim % 16 == 0 &&
-                        (block_size == 16 || block_size == 32) && (head_dim == 64 || head_dim == 128);
-    if (!shapes) return 0;
+    if (!layer_shapes(hidden, heads, head_dim, inter, block_size)) return 0;
     decode_layers(layers, num_layers, x, residual, M, hidden, heads, kv_heads, head_dim, inter, block_size, cos, sin,
                   slots, tables, bt_stride, ctx_lens, eps, scale, threads);
     return 1;
 #else
     return 0;
 #endif
+}
+int decode_layers_f32(const LayerWeights* layers, int num_layers, float* x, float* residual, int64_t M, int hidden,
+                      int heads, int kv_heads, int head_dim, int inter, int block_size, const float* cos,
+                      const float* sin, const int64_t* slots, const int64_t* tables, int64_t bt_stride,
+                      const int64_t* ctx_lens, float eps, float scale, int threads) {
+#ifdef __AVX512F__
+    if (!layer_shapes(hidden, heads, head_dim, inter, block_size)) return 0;
+    decode_layers(layers, num_layers, x, residual, M, hidden, heads, kv_heads, head_dim, inter, block_size, cos, sin,
+                  slots, tables, bt_stride, ctx_lens, eps, scale, threads);
+    return 1;
+#else
+    return 0;
+#endif
+}
+void rms_norm_f32(const float* x, const float* residual, const float* w, float* out, float* sum_out, int64_t rows,
+                  int hidden, float eps, int threads) {
+    rms_norm_rows(x, residual, w, out, sum_out, rows, hidden, eps, threads);
+}
+void silu_and_mul_f32(const float* gate_up, float* out, int64_t rows, int inter, int threads) {
+    silu_and_mul_rows(gate_up, out, rows, inter, threads);
+}
+void rope_f32(const float* x, int64_t x_stride, const float* cos, const float* sin, float* out, int64_t rows,
+              int heads, int head_dim, int threads) {
+    rope_rows(x, x_stride, cos, sin, out, rows, heads, head_dim, threads);
 }
 }

@@ -4,13 +4,15 @@
                  copy and runs SDPA over it: each layer writes the context once more and reads it
                  twice. The kernel reads the cache where it lies (engine/attention.CpuAttention).
   rms_norm, silu_and_mul, rope
-                 the model's bf16 elementwise chains in one pass each (models.llama.FusedOps): torch
-                 runs them op by op, 3 to 9 passes over memory, and a 2,048-token prefill step spent
-                 a quarter of its time there.
-  decode_layers  a bf16 decode step's layers in one call, the kernels above in the model's order (models.llama):
+                 the model's elementwise chains (bf16, fp32) in one pass each (models.llama.FusedOps):
+                 torch runs them op by op, 2 to 9 passes over memory, and a 2,048-token bf16 prefill
+                 step spent a quarter of its time there.
+  decode_layers  a decode step's layers in one call, the kernels above in the model's order (models.llama):
                  the same values without the Python between them.
   linear_amx     bf16 linears of 1 to 32 rows (a decode step) on AMX tiles, over weights laid out once
                  for them (models.linears.Linear): they stream the weights 1.3-1.5x faster than oneDNN.
+  linear_f32     fp32 linears of 1 to 128 rows on AVX-512, over weights laid out once for them: 1.3-2.5x
+                 less time than MKL or oneDNN at these rows (docs/results.md).
 
 The library is built with the system's C++ compiler (g++, c++ or clang++; $CXX first) for this CPU
 (-march=native) in about a second, into the batchscope cache under a name that hashes the source,
@@ -86,6 +88,8 @@ def library() -> ctypes.CDLL | None:
     i64p = [ptr, ptr, ptr, ptr, ptr, i64, i32, ctypes.c_float, i32]
     for name, args in {"rms_norm_bf16": i64p, "silu_and_mul_bf16": [ptr, ptr, i64, i32, i32],
                        "rope_bf16": [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32],
+                       "rms_norm_f32": i64p, "silu_and_mul_f32": [ptr, ptr, i64, i32, i32],
+                       "rope_f32": [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32],
                        "write_kv_16": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32],
                        "write_kv_32": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32],
                        "pack_amx_bf16": [ptr, i64, i64, ptr], "pack_f32_weights": [ptr, i64, i64, ptr]}.items():
@@ -93,9 +97,10 @@ def library() -> ctypes.CDLL | None:
     lib.linear_amx_bf16.argtypes, lib.linear_amx_bf16.restype = [ptr, i64, i64, ptr, i64, ptr, i32], ctypes.c_int
     lib.linear_f32.argtypes, lib.linear_f32.restype = [ptr, i64, i64, ptr, ptr, i64, ptr, i32], ctypes.c_int
     lib.amx_bf16_ready.argtypes, lib.amx_bf16_ready.restype = [], ctypes.c_int
-    lib.decode_layers_bf16.argtypes = [ptr, i32, ptr, ptr, i64, i32, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i64, ptr,
-                                       ctypes.c_float, ctypes.c_float, i32]
-    lib.decode_layers_bf16.restype = ctypes.c_int
+    for name in ("decode_layers_bf16", "decode_layers_f32"):
+        getattr(lib, name).argtypes = [ptr, i32, ptr, ptr, i64, i32, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i64,
+                                       ptr, ctypes.c_float, ctypes.c_float, i32]
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
@@ -146,22 +151,25 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                            k_cache.shape[1], torch.get_num_threads())
 
 
-# ---- bf16 elementwise chains: the same values as models.llama's torch versions (tests/test_cpu_kernels.py) ----
-def fused_bf16() -> bool:
+# ---- elementwise chains: the same values as models.llama's torch versions (tests/test_cpu_kernels.py) ----
+CHAINS = {torch.bfloat16: "bf16", torch.float32: "f32"}      # the dtypes they are built for
+
+
+def fused_chains() -> bool:
     return library() is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """norm(x), or with residual (norm(x + residual), x + residual), over the last dim; bf16."""
+    """norm(x), or with residual (norm(x + residual), x + residual), over the last dim; bf16 or fp32."""
     shape = x.shape
     x = x.reshape(-1, shape[-1]).contiguous()           # a view where it already is (the hidden states)
     if residual is not None:
         residual = residual.reshape(-1, shape[-1]).contiguous()
     out = torch.empty_like(x)
     total = None if residual is None else torch.empty_like(x)
-    library().rms_norm_bf16(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
-                            out.data_ptr(), 0 if total is None else total.data_ptr(), x.shape[0], x.shape[1], eps,
-                            torch.get_num_threads())
+    getattr(library(), f"rms_norm_{CHAINS[x.dtype]}")(
+        x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        0 if total is None else total.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return out.view(shape) if total is None else (out.view(shape), total.view(shape))
 
 
@@ -173,7 +181,8 @@ def silu_and_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     """(rows, 2 * inter) = [gate | up], contiguous -> silu(gate) * up, (rows, inter)."""
     gate_up = gate_up.contiguous()
     out = gate_up.new_empty(gate_up.shape[0], inter)
-    library().silu_and_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, torch.get_num_threads())
+    getattr(library(), f"silu_and_mul_{CHAINS[gate_up.dtype]}")(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0],
+                                                               inter, torch.get_num_threads())
     return out
 
 
@@ -184,8 +193,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     cos, sin = cos.contiguous(), sin.contiguous()
     out = x.new_empty(rows, heads, d)
-    library().rope_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows, heads, d,
-                        torch.get_num_threads())
+    getattr(library(), f"rope_{CHAINS[x.dtype]}")(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                                                  out.data_ptr(), rows, heads, d, torch.get_num_threads())
     return out
 
 
@@ -261,16 +270,16 @@ def linear_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int, b: torc
 def decode_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, *, heads: int,
                   kv_heads: int, head_dim: int, inter: int, block_size: int, eps: float) -> torch.Tensor:
     """A decode-only step's layers (models.llama.LlamaForCausalLM.layer_table's weights and caches) over x, the
-    step's embeddings (rows, hidden) bf16, which it overwrites with the last layer's output; returns the
-    residual stream. meta: the step's AttentionMetadata (slots, block tables, context lengths)."""
-    assert x.dtype == torch.bfloat16 and x.is_contiguous() and table.dtype == torch.int64 and table.is_contiguous()
+    step's embeddings (rows, hidden), bf16 or fp32, which it overwrites with the last layer's output; returns
+    the residual stream. meta: the step's AttentionMetadata (slots, block tables, context lengths)."""
+    assert x.dtype in CHAINS and x.is_contiguous() and table.dtype == torch.int64 and table.is_contiguous()
     tables, lens, slots = meta.block_tables, meta.context_lens.contiguous(), meta.slot_mapping.contiguous()
     assert tables.dtype == lens.dtype == slots.dtype == torch.long and tables.stride(1) == 1
     cos, sin = cos.contiguous(), sin.contiguous()
     residual = torch.empty_like(x)
-    if not library().decode_layers_bf16(table.data_ptr(), table.shape[0], x.data_ptr(), residual.data_ptr(), x.shape[0],
-                                        x.shape[1], heads, kv_heads, head_dim, inter, block_size, cos.data_ptr(),
-                                        sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0),
-                                        lens.data_ptr(), eps, head_dim ** -0.5, torch.get_num_threads()):
-        raise ValueError("decode_layers has no kernel for these shapes (or this build has no AMX)")
+    if not getattr(library(), f"decode_layers_{CHAINS[x.dtype]}")(
+            table.data_ptr(), table.shape[0], x.data_ptr(), residual.data_ptr(), x.shape[0], x.shape[1], heads,
+            kv_heads, head_dim, inter, block_size, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+            tables.stride(0), lens.data_ptr(), eps, head_dim ** -0.5, torch.get_num_threads()):
+        raise ValueError("decode_layers has no kernel for these shapes (or this build has not the linears' kernel)")
     return residual

@@ -186,17 +186,41 @@ def test_fused_bf16_chains_are_torchs_up_to_one_rounding(rows, hidden, seed, sca
         assert (apart > 0).float().mean() < (0.01 if rows >= 16 else 0.03)
 
 
-def test_a_bf16_model_takes_the_fused_chains_and_fp32_does_not(monkeypatch):
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 300), hidden=st.sampled_from([64, 576, 960]), seed=st.integers(0, 2**16),
+       scale=st.sampled_from([0.01, 1.0, 30.0]))
+@example(rows=1, hidden=64, seed=7, scale=30.0)     # a gate of about -120: exp's argument is capped
+def test_fused_f32_chains_are_torchs_up_to_rounding(rows, hidden, seed, scale):
+    from engine.models import llama
+    g = torch.Generator().manual_seed(seed)
+    f = lambda *shape: torch.randn(*shape, generator=g) * scale
+    x, res, w = f(rows, hidden), f(rows, hidden), f(hidden)
+    # rounding apart (a fused multiply-add where torch rounds the product; fp32 exp, rsqrt), against the
+    # size of what was summed: RoPE's two products can cancel
+    close = lambda got, expected: torch.testing.assert_close(  # noqa: E731
+        got, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+    close(cpu_kernels.rms_norm(x, w, 1e-5), llama.rms_norm(x, w, 1e-5))
+    (n1, s1), (n2, s2) = llama.add_rms_norm(x, res, w, 1e-5), cpu_kernels.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(s1, s2)                                   # the residual sum is one fp32 add: exact
+    close(n2, n1)
+    gate_up = f(rows, 2 * hidden)
+    close(cpu_kernels.silu_and_mul(gate_up, hidden), llama.silu_and_mul(gate_up, hidden))
+    qkv = f(rows, 5, 64)                                         # q and k heads: a strided view, as in the model
+    cos, sin = f(rows, 1, 64), f(rows, 1, 64)
+    close(cpu_kernels.rope(qkv[:, :4], cos, sin), llama.apply_rope(qkv[:, :4], cos, sin))
+
+
+def test_bf16_and_fp32_take_the_fused_chains_other_dtypes_and_eager_do_not(monkeypatch):
     from engine.models.llama import FusedOps
     calls = []
     monkeypatch.setattr(cpu_kernels, "silu_and_mul", lambda x, inter: calls.append(x.dtype) or x[:, :inter])
     ops = FusedOps()
-    ops.silu_and_mul(torch.zeros(2, 8, dtype=torch.bfloat16), 4)
-    ops.silu_and_mul(torch.zeros(2, 8), 4)
-    assert calls == [torch.bfloat16]
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        ops.silu_and_mul(torch.zeros(2, 8, dtype=dtype), 4)
+    assert calls == [torch.bfloat16, torch.float32]
     eager = FusedOps(enabled=False)                              # enforce_eager: torch's ops, op by op
     eager.silu_and_mul(torch.zeros(2, 8, dtype=torch.bfloat16), 4)
-    assert calls == [torch.bfloat16]
+    assert calls == [torch.bfloat16, torch.float32]
 
 
 # ---- bf16 linears on AMX tiles ----
@@ -338,20 +362,20 @@ def test_the_f32_kernel_can_be_switched_off(monkeypatch):
         cpu_kernels.f32_linears.cache_clear()
 
 
-@needs_amx
-def test_a_decode_steps_layers_in_one_call_compute_what_the_layers_do(monkeypatch):
-    """bf16 on AMX: a decode step of up to 32 sequences runs its layers in one call of the kernels; its hidden
-    states are the layer-by-layer forward's bit for bit, step after step, and the replies are the same."""
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_amx), pytest.param("float32", marks=needs_f32)])
+def test_a_decode_steps_layers_in_one_call_compute_what_the_layers_do(monkeypatch, dtype):
+    """bf16 on AMX, fp32 on AVX-512: a decode step of few sequences runs its layers in one call of the kernels;
+    its hidden states are the layer-by-layer forward's bit for bit, step after step, and the replies the same."""
     from engine import EngineConfig, LLMEngine
     from engine.attention import get_metadata
     from engine.sampling_params import SamplingParams
-    engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_gb=0.25, enable_prefix_caching=False))
+    engine = LLMEngine(EngineConfig(dtype=dtype, kv_cache_gb=0.25, enable_prefix_caching=False))
     model = engine.runner.model
     assert model.fused_decode
     forward, compared = model.forward, []
 
     def both(input_ids, cos, sin):
-        one_call = not get_metadata().prefills and input_ids.shape[0] <= cpu_kernels.AMX_ROWS
+        one_call = not get_metadata().prefills and input_ids.shape[0] <= model.fused_rows
         model.fused_decode = False
         layered = forward(input_ids, cos, sin)        # each step writes the same keys and values to the same slots
         model.fused_decode = True

@@ -36,9 +36,9 @@ class Fused:
       launches, not bytes moved, would set its time. Eager steps (prefill, mixed) run the plain
       function: there a compiled region's guards and dispatch cost more host time than the fusion
       saves (measured on an H200: a 512-token step took 100 ms compiled, 25 ms plain).
-    - CPU, bf16: one pass of engine/cpu_kernels.cpp where that library built (the same values up to
-      the last bit of an fp32 exp or rsqrt): torch's 3 to 9 passes took a quarter of a 2,048-token
-      prefill step.
+    - CPU, bf16 and fp32: one pass of engine/cpu_kernels.cpp where that library built (the same values
+      up to the last bit of an fp32 exp or rsqrt): torch's 3 to 9 passes took a quarter of a 2,048-token
+      bf16 prefill step.
     - Otherwise, or when `enabled` is off (enforce_eager): the plain function."""
 
     def __init__(self, fn, cpu_name: str, enabled: bool = True):
@@ -47,10 +47,10 @@ class Fused:
 
     def __call__(self, x, *args):
         if not x.is_cuda:
-            if x.dtype != torch.bfloat16 or not self.enabled:
+            if x.dtype not in cpu_kernels.CHAINS or not self.enabled:
                 return self.fn(x, *args)
-            if self.cpu is None:             # first bf16 call: the C++ form, or the plain one without it
-                self.cpu = getattr(cpu_kernels, self.cpu_name) if cpu_kernels.fused_bf16() else self.fn
+            if self.cpu is None:             # first call: the C++ form, or the plain one without it
+                self.cpu = getattr(cpu_kernels, self.cpu_name) if cpu_kernels.fused_chains() else self.fn
             return self.cpu(x, *args)
         if not (self.enabled and self.active):
             return self.fn(x, *args)
@@ -238,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # input_ids: (num_tokens,); cos, sin: (num_tokens, 1, head_dim) -> hidden (num_tokens, hidden)
         x, residual, meta = self.embed_tokens(input_ids), None, get_metadata()
-        if self.fused_decode and x.shape[0] <= cpu_kernels.AMX_ROWS and not meta.prefills:
+        if self.fused_decode and x.shape[0] <= self.fused_rows and not meta.prefills:
             a = self.layers[0].self_attn
             residual = cpu_kernels.decode_layers(
                 self.layer_table(), x, cos, sin, meta, heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_dim,
@@ -269,6 +269,7 @@ class LlamaForCausalLM(nn.Module):
     # pack_weights where every piece of a layer has its kernel; demos/profile_serving turns it off to time
     # the pieces one by one
     fused_decode = False
+    fused_rows = 0                  # up to this many sequences (the linears' kernel's rows)
     _table: tuple[int, torch.Tensor] | None = None
 
     def layer_table(self) -> torch.Tensor:
@@ -276,9 +277,9 @@ class LlamaForCausalLM(nn.Module):
         when the runner has given the layers other caches."""
         key = self.layers[0].self_attn.k_cache.data_ptr()
         if self._table is None or self._table[0] != key:
-            rows = [[l.input_layernorm.weight.data_ptr(), l.self_attn.qkv_proj.amx.data_ptr(),
-                     l.self_attn.o_proj.amx.data_ptr(), l.post_attention_layernorm.weight.data_ptr(),
-                     l.mlp.gate_up_proj.amx.data_ptr(), l.mlp.down_proj.amx.data_ptr(),
+            kernel = lambda m: (m.amx if m.amx is not None else m.f32).data_ptr()       # noqa: E731
+            rows = [[l.input_layernorm.weight.data_ptr(), kernel(l.self_attn.qkv_proj), kernel(l.self_attn.o_proj),
+                     l.post_attention_layernorm.weight.data_ptr(), kernel(l.mlp.gate_up_proj), kernel(l.mlp.down_proj),
                      l.self_attn.k_cache.data_ptr(), l.self_attn.v_cache.data_ptr()] for l in self.layers]
             self._table = key, torch.tensor(rows, dtype=torch.int64)
         return self._table[1]
@@ -307,10 +308,12 @@ class LlamaForCausalLM(nn.Module):
             self.amx_head = cpu_kernels.pack_amx(self.head_weight())
         if f32 and self.cfg.vocab_size % 16 == 0:
             self.f32_head = cpu_kernels.pack_f32(self.head_weight())
-        # every piece of every layer has its kernel: tile linears (so AMX), paged attention, the C++ chains
-        self.fused_decode = amx and self.ops.rms_norm.enabled and all(
+        # every piece of every layer has its kernel: the linears' (bias-free), paged attention, the C++ chains
+        self.fused_decode = (amx or f32) and self.ops.rms_norm.enabled and cpu_kernels.fused_chains() and all(
             isinstance(l.self_attn.backend, CpuAttention) and not l.self_attn.qk_norm and
-            all(m.amx is not None for m in l.modules() if isinstance(m, Linear)) for l in self.layers)
+            all((m.amx is not None or m.f32 is not None) and m.bias is None
+                for m in l.modules() if isinstance(m, Linear)) for l in self.layers)
+        self.fused_rows = cpu_kernels.AMX_ROWS if amx else cpu_kernels.F32_ROWS
 
     def load_checkpoint(self, tensors):
         """tensors: iterable of (checkpoint name, tensor) in Hugging Face naming."""
