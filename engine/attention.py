@@ -97,6 +97,11 @@ def gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return cache.view(cache.shape[0], -1).index_select(0, blocks).view(-1, *cache.shape[2:])
 
 
+def batched(t: torch.Tensor, m: int) -> torch.Tensor:
+    """(m * q_len, heads, head_dim) rows -> (m, heads, q_len, head_dim), a view."""
+    return t.view(m, -1, *t.shape[1:]).transpose(1, 2)
+
+
 def chunk_runs(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
     """The step's prefill chunks (consecutive in the flat batch) cut into runs that share one attention
     call: chunks that start their sequences (no mask) and have one length, side by side, are one causal
@@ -144,14 +149,16 @@ class TorchAttention:
             c, m = run[0], len(run)
             rows = slice(c.q_start, c.q_start + m * c.q_len)
 
-            def batched(t):      # (m * q_len, heads, head_dim) rows -> (m, heads, q_len, head_dim), a view
-                return t[rows].view(m, c.q_len, *t.shape[1:]).transpose(1, 2)
             if c.mask is None:   # the chunks are their sequences' whole contexts so far: plain causal attention
-                o = sdpa(batched(q), batched(k), batched(v), is_causal=True)
+                out[rows] = self.causal(q[rows], k[rows], v[rows], m)
             else:                # earlier chunks (or cached prefix) come from the paged cache (a run of one)
-                o = sdpa(batched(q), *self.context(k_cache, v_cache, c), attn_mask=c.mask)
-            out[rows].view(m, c.q_len, *q.shape[1:]).copy_(o.transpose(1, 2))
+                o = sdpa(batched(q[rows], m), *self.context(k_cache, v_cache, c), attn_mask=c.mask)
+                out[rows] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
         return out
+
+    def causal(self, q, k, v, m: int) -> torch.Tensor:
+        """m fresh chunks of one length side by side, (m * q_len, heads, head_dim) rows -> their causal attention."""
+        return sdpa(batched(q, m), batched(k, m), batched(v, m), is_causal=True).transpose(1, 2).reshape(q.shape)
 
     def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata):
         write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -200,7 +207,8 @@ class TorchAttention:
 
 class CpuAttention(TorchAttention):
     """CPU: decodes by the paged kernel (engine/cpu_kernels.cpp), which reads each sequence's blocks in
-    place: no gather, no padding, no mask; prefill chunks as TorchAttention. The kernel sets how a block
+    place: no gather, no padding, no mask; fresh fp32 prompt chunks by the causal kernel there too; other
+    prefill chunks as TorchAttention. The decode kernel sets how a block
     holds its tokens, so this backend writes and reads the cache in that layout (the runner's cache
     shape, block ids and block-level copies are the same; only the order inside a block differs):
       key block   (kv_heads, head_dim, block_size)   keys transposed: a block's scores are vector FMAs
@@ -228,6 +236,11 @@ class CpuAttention(TorchAttention):
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         return self.kernel(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
+
+    def causal(self, q, k, v, m: int) -> torch.Tensor:
+        from engine import cpu_kernels          # fp32 on AVX-512: the kernel; otherwise SDPA
+        out = cpu_kernels.causal_prefill(q, k, v, m)
+        return super().causal(q, k, v, m) if out is None else out
 
 
 class TritonAttention:

@@ -271,6 +271,92 @@ static int dispatch(const T* q, int64_t q_stride, const T* k, const T* v, const 
     return 0;
 }
 
+// Causal attention of fresh fp32 prompt chunks (AVX-512): m sequences' first L tokens each, side by side
+// (models' q, k, v rows: token t of sequence s at row s * L + t, a row's heads at stride D). One task is
+// one (sequence, KV head). Its keys are laid out once in blocks of 32, each block (D, 32), so that 16
+// keys' scores are one vector multiply-add per dimension over 8 KB that stay in L1. Then each of its
+// query heads, R rows at a time: their scores against the keys up to their last row, a softmax per row
+// over all its scores at once (fp32, exact, as SDPA's math), and the values' sum with R x 64 sums in
+// registers. SDPA's values up to rounding; 2-3x less time at the default model's shapes.
+#ifdef __AVX512F__
+constexpr int CAUSAL_R = 6;
+
+template <int D>
+static void causal_f32(const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
+                       int64_t v_stride, float* out, int m, int L, int heads, int kv_heads, float scale, int threads) {
+    const int group = heads / kv_heads, Lp = (L + 31) / 32 * 32;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int task = 0; task < m * kv_heads; ++task) {
+        const int s = task / kv_heads, g = task % kv_heads;
+        thread_local std::vector<float> kt, sc;
+        kt.assign(size_t(D) * Lp, 0.f);                               // keys past L are zeros
+        sc.resize(size_t(CAUSAL_R) * Lp);
+        for (int t = 0; t < L; ++t) {
+            const float* kr = k + (int64_t(s) * L + t) * k_stride + g * D;
+            float* block = &kt[size_t(t / 32) * D * 32 + t % 32];
+            for (int d = 0; d < D; ++d) block[d * 32] = kr[d];
+        }
+        for (int j = 0; j < group; ++j) {
+            const int h = g * group + j;
+            for (int i0 = 0; i0 < L; i0 += CAUSAL_R) {
+                const int R = std::min(CAUSAL_R, L - i0), n = i0 + R;   // rows i0 .. i0 + R - 1 see keys < n
+                const float* qr[CAUSAL_R];
+                for (int r = 0; r < CAUSAL_R; ++r) qr[r] = q + (int64_t(s) * L + i0 + std::min(r, R - 1)) * q_stride + h * D;
+                for (int t0 = 0; t0 < n; t0 += 32) {                   // scores, a block of 32 keys at a time
+                    const float* block = &kt[size_t(t0 / 32) * D * 32];
+                    __m512 a[CAUSAL_R][2];
+                    for (int r = 0; r < CAUSAL_R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+                    for (int d = 0; d < D; ++d) {
+                        const __m512 k0 = _mm512_loadu_ps(block + d * 32), k1 = _mm512_loadu_ps(block + d * 32 + 16);
+                        for (int r = 0; r < CAUSAL_R; ++r) {
+                            const __m512 qd = _mm512_set1_ps(qr[r][d]);
+                            a[r][0] = _mm512_fmadd_ps(qd, k0, a[r][0]);
+                            a[r][1] = _mm512_fmadd_ps(qd, k1, a[r][1]);
+                        }
+                    }
+                    for (int r = 0; r < CAUSAL_R; ++r) {
+                        _mm512_storeu_ps(&sc[size_t(r) * Lp + t0], a[r][0]);
+                        _mm512_storeu_ps(&sc[size_t(r) * Lp + t0 + 16], a[r][1]);
+                    }
+                }
+                float inv[CAUSAL_R];
+                for (int r = 0; r < R; ++r) {                          // softmax of row i0 + r over keys 0 .. i0 + r
+                    float* sr = &sc[size_t(r) * Lp];
+                    const int valid = i0 + r + 1;
+                    float mx = sr[0] * scale, sum = 0.f;
+                    for (int t = 1; t < valid; ++t) mx = std::max(mx, sr[t] * scale);
+#pragma omp simd reduction(+ : sum)
+                    for (int t = 0; t < valid; ++t) {
+                        sr[t] = std::exp(sr[t] * scale - mx);
+                        sum += sr[t];
+                    }
+                    for (int t = valid; t < n; ++t) sr[t] = 0.f;         // the causal mask
+                    inv[r] = 1.f / sum;
+                }
+                for (int d0 = 0; d0 < D; d0 += 64) {                   // values, 64 dimensions at a time
+                    __m512 a[CAUSAL_R][4];
+                    for (int r = 0; r < CAUSAL_R; ++r)
+                        for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
+                    for (int t = 0; t < n; ++t) {
+                        const float* vt = v + (int64_t(s) * L + t) * v_stride + g * D + d0;
+                        __m512 vv[4];
+                        for (int c = 0; c < 4; ++c) vv[c] = _mm512_loadu_ps(vt + 16 * c);
+                        for (int r = 0; r < CAUSAL_R; ++r) {
+                            const __m512 p = _mm512_set1_ps(sc[size_t(r) * Lp + t]);
+                            for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(p, vv[c], a[r][c]);
+                        }
+                    }
+                    for (int r = 0; r < R; ++r)
+                        for (int c = 0; c < 4; ++c)
+                            _mm512_storeu_ps(out + ((int64_t(s) * L + i0 + r) * heads + h) * D + d0 + 16 * c,
+                                             _mm512_mul_ps(a[r][c], _mm512_set1_ps(inv[r])));
+                }
+            }
+        }
+    }
+}
+#endif
+
 // A step's new keys and values into their slots, in the layout above. k, v: (tokens, kv_heads, D), rows at
 // k + t * k_stride (views of the fused projection); slots: (tokens,) int64. T is copied, never converted.
 template <typename T>
@@ -706,6 +792,19 @@ int decode_layers_f32(const LayerWeights* layers, int num_layers, float* x, floa
     if (!layer_shapes(hidden, heads, head_dim, inter, block_size)) return 0;
     decode_layers(layers, num_layers, x, residual, M, hidden, heads, kv_heads, head_dim, inter, block_size, cos, sin,
                   slots, tables, bt_stride, ctx_lens, eps, scale, threads);
+    return 1;
+#else
+    return 0;
+#endif
+}
+// fresh prompt chunks' causal attention (section 1) -> 1, or 0 without AVX-512 or a kernel for head_dim
+int causal_prefill_f32(const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
+                       int64_t v_stride, float* out, int m, int L, int heads, int kv_heads, int head_dim, float scale,
+                       int threads) {
+#ifdef __AVX512F__
+    if (head_dim == 64) causal_f32<64>(q, q_stride, k, k_stride, v, v_stride, out, m, L, heads, kv_heads, scale, threads);
+    else if (head_dim == 128) causal_f32<128>(q, q_stride, k, k_stride, v, v_stride, out, m, L, heads, kv_heads, scale, threads);
+    else return 0;
     return 1;
 #else
     return 0;

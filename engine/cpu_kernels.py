@@ -1,5 +1,6 @@
 """The CPU's own kernels (engine/cpu_kernels.cpp), built once per machine and loaded with ctypes.
 
+  causal_prefill fresh fp32 prompt chunks' causal attention (CpuAttention.causal): 2-3x less time than SDPA.
   paged_decode   decode attention. The portable path gathers every decode's K/V blocks into a padded
                  copy and runs SDPA over it: each layer writes the context once more and reads it
                  twice. The kernel reads the cache where it lies (engine/attention.CpuAttention).
@@ -97,6 +98,8 @@ def library() -> ctypes.CDLL | None:
     lib.linear_amx_bf16.argtypes, lib.linear_amx_bf16.restype = [ptr, i64, i64, ptr, i64, ptr, i32], ctypes.c_int
     lib.linear_f32.argtypes, lib.linear_f32.restype = [ptr, i64, i64, ptr, ptr, i64, ptr, i32], ctypes.c_int
     lib.amx_bf16_ready.argtypes, lib.amx_bf16_ready.restype = [], ctypes.c_int
+    lib.causal_prefill_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+    lib.causal_prefill_f32.restype = ctypes.c_int
     for name in ("decode_layers_bf16", "decode_layers_f32"):
         getattr(lib, name).argtypes = [ptr, i32, ptr, ptr, i64, i32, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i64,
                                        ptr, ctypes.c_float, ctypes.c_float, i32]
@@ -136,6 +139,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         k_cache.shape[1], d ** -0.5, torch.get_num_threads())
     if not done:
         raise ValueError(f"paged_decode has no kernel for block_size {k_cache.shape[1]} and head_dim {d}")
+    return out
+
+
+def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: int) -> torch.Tensor | None:
+    """m fresh prompt chunks of one length side by side: q (m * q_len, heads, head_dim), k and v (m * q_len,
+    kv_heads, head_dim), fp32, rows may be strided -> their causal attention, (m * q_len, heads, head_dim);
+    None where this build has no kernel for them (no AVX-512, another head_dim)."""
+    rows, heads, d = q.shape
+    if q.dtype != torch.float32 or library() is None or any(t.stride()[1:] != (d, 1) for t in (q, k, v)):
+        return None
+    out = torch.empty(rows, heads, d)
+    if not library().causal_prefill_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                        out.data_ptr(), m, rows // m, heads, k.shape[1], d, d ** -0.5,
+                                        torch.get_num_threads()):
+        return None
     return out
 
 
