@@ -3,9 +3,13 @@
     python -m demos.bench_ops                  # torch's thread count
     python -m demos.bench_ops --threads 1
 
-linears     the default model's 30 layers of linears and its logits head at 1 to 512 rows:
+linears     the default model's 30 layers of linears and its logits head at 1 to 512 rows, fp32:
             F.linear against engine.models.linears.linear (output features cut into one slice
-            per thread, one batched matmul).
+            per thread, one batched matmul), oneDNN's packed kernel and, on AVX-512, the
+            engine's own kernel (engine.cpu_kernels.linear_f32), which the engine takes up to
+            cpu_kernels.F32_ROWS rows.
+prefill     fresh prompt chunks' causal attention, 30 layers, fp32: SDPA (one call per run of
+            chunks, as TorchAttention) against the engine's kernel (cpu_kernels.causal_prefill).
 attention   one layer's decode attention over a paged cache with scattered block tables:
             one SDPA call per sequence and one batched call over blocks gathered by tensor
             indexing (the two earlier engine paths) against TorchAttention.decode (one call
@@ -26,8 +30,10 @@ import torch.nn.functional as F
 
 from demos.bench import cpu_facts
 from demos.compare import machine
+from engine import cpu_kernels
 from engine.attention import AttentionMetadata, TorchAttention, sdpa
-from engine.models.linears import linear
+from engine.model_runner import keep_freed_memory
+from engine.models.linears import linear, pack, packed_linear, packed_weights_work
 
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -56,12 +62,31 @@ def row(times: dict, base: str) -> list[str]:
 
 def linears(rounds: int, rows=(1, 8, 32, 128, 512)):
     weights = [torch.randn(n, k) / k ** 0.5 for _ in range(LAYERS) for n, k in LINEARS] + [torch.randn(VOCAB, HIDDEN)]
-    print("\n| rows | F.linear ms | split ms | speed-up |\n|---:|---:|---:|---:|")
+    variants = {"F.linear": lambda x, w, i: F.linear(x, w), "split": lambda x, w, i: linear(x, w)}
+    if packed_weights_work(torch.float32):
+        onednn = [pack(w) for w in weights]
+        variants["oneDNN"] = lambda x, w, i: packed_linear(x, onednn[i])
+    if cpu_kernels.f32_linears():
+        own = [cpu_kernels.pack_f32(w) for w in weights]
+        variants["kernel"] = lambda x, w, i: cpu_kernels.linear_f32(x, own[i], w.shape[0])
+    others = [k for k in variants if k != "F.linear"]
+    print("\n| rows | F.linear ms | " + " | ".join(f"{k} ms | F.linear / {k}" for k in others) + " |\n|---:|---:|"
+          + "---:|---:|" * len(others))
     for m in rows:
         xs = {k: torch.randn(m, k) for k in (HIDDEN, INTER)}
-        times = rounds_of({"F.linear": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
-                           "split": lambda: [linear(xs[w.shape[1]], w) for w in weights]}, rounds if m < 128 else 3)
+        times = rounds_of({k: lambda f=f: [f(xs[w.shape[1]], w, i) for i, w in enumerate(weights)]
+                           for k, f in variants.items()}, rounds if m < 128 else 3)
         print(f"| {m} | " + " | ".join(row(times, "F.linear")) + " |")
+
+
+def prefill(rounds: int, cases=((8, 256), (1, 2048), (4, 100))):
+    print("\n| chunks x tokens | SDPA ms | kernel ms | SDPA / kernel |\n|---|---:|---:|---:|")
+    for m, n in cases:
+        qkv = torch.randn(m * n, HEADS + 2 * KV_HEADS, HEAD_DIM)       # rows of the fused projection, as served
+        q, k, v = qkv[:, :HEADS], qkv[:, HEADS:HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS:]
+        times = rounds_of({"sdpa": lambda: [TorchAttention().causal(q, k, v, m) for _ in range(LAYERS)],
+                           "kernel": lambda: [cpu_kernels.causal_prefill(q, k, v, m) for _ in range(LAYERS)]}, rounds)
+        print(f"| {m} x {n} | " + " | ".join(row(times, "sdpa")) + " |")
 
 
 def attention(rounds: int, cases=((1, 512), (8, 512), (32, 512), (8, 64), (32, 128), (8, 1500))):
@@ -107,9 +132,12 @@ def main(argv: list[str] | None = None):
     print(f"{m['date']}, {m['cpu']} ({m['cpu_count']} cores; flags {', '.join(facts['cpu_flags']) or 'none read'}; "
           f"load average {facts['load_average_1min']}), torch {m['torch']}, {m['torch_threads']} thread(s); "
           f"medians of {args.rounds} rounds")
+    keep_freed_memory()                 # freed buffers stay mapped: no page faults timed
     with torch.inference_mode():
         linears(args.rounds)
         attention(args.rounds)
+        if cpu_kernels.f32_linears():   # the causal kernel is built where AVX-512 is
+            prefill(args.rounds)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ ignore_eos), and splits the engine thread's wall time by phase:
                                   viewers' records, commands
 
 and, on the event loop, the lag of a 10 ms heartbeat (how late the loop answers while it streams).
-To time the pieces, a decode step's layers are called one by one here: where a served bf16 step on an
-AMX CPU runs them in one call (models.llama.LlamaForCausalLM.fused_decode), its decode steps are faster
-than this run's by the Python between the pieces (docs/results.md, "AMX tiles").
+To time the pieces, a decode step's layers are called one by one here: where a served step runs them in
+one call (models.llama.LlamaForCausalLM.fused_decode: bf16 on an AMX CPU, fp32 on AVX-512), its decode
+steps are faster than this run's by the Python between the pieces (docs/results.md, "AMX tiles").
 Numbers depend on the machine and on its load: read the shares, not the seconds.
 """
 from __future__ import annotations

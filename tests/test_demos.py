@@ -275,10 +275,15 @@ def test_app_does_not_import_demos_and_metrics_need_no_torch():
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=60)
 
 
-def test_bench_ops_prints_both_tables(capsys):
+def test_bench_ops_prints_its_tables(capsys):
     from demos import bench_ops
+    from engine import cpu_kernels
     with torch.inference_mode():
         bench_ops.linears(1, rows=(1, 3))
         bench_ops.attention(1, cases=((1, 40), (3, 100)))
+        if cpu_kernels.f32_linears():
+            bench_ops.prefill(1, cases=((2, 30),))
     out = capsys.readouterr().out
     assert "| 3 |" in out and "| 3 x 100 |" in out and out.count("x |") >= 4
+    if cpu_kernels.f32_linears():
+        assert "F.linear / kernel" in out and "| 2 x 30 |" in out
