@@ -271,7 +271,8 @@ static int dispatch(const T* q, int64_t q_stride, const T* k, const T* v, const 
     return 0;
 }
 
-// Causal attention of fresh fp32 prompt chunks (AVX-512): m sequences' first L tokens each, side by side
+// Causal attention of fresh prompt chunks (AVX-512), fp32 or bf16 (computed in fp32, the output rounded
+// once): m sequences' first L tokens each, side by side
 // (models' q, k, v rows: token t of sequence s at row s * L + t, a row's heads at stride D). One task is
 // one (sequence, KV head). Its keys are laid out once in blocks of 32, each block (D, 32), so that 16
 // keys' scores are one vector multiply-add per dimension over 8 KB that stay in L1. Then each of its
@@ -281,9 +282,9 @@ static int dispatch(const T* q, int64_t q_stride, const T* k, const T* v, const 
 #ifdef __AVX512F__
 constexpr int CAUSAL_R = 6;
 
-template <int D>
-static void causal_f32(const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
-                       int64_t v_stride, float* out, int m, int L, int heads, int kv_heads, float scale, int threads) {
+template <typename T, int D>
+static void causal(const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* out,
+                   int m, int L, int heads, int kv_heads, float scale, int threads) {
     const int group = heads / kv_heads, Lp = (L + 31) / 32 * 32;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int task = 0; task < m * kv_heads; ++task) {
@@ -292,15 +293,15 @@ static void causal_f32(const float* q, int64_t q_stride, const float* k, int64_t
         kt.assign(size_t(D) * Lp, 0.f);                               // keys past L are zeros
         sc.resize(size_t(CAUSAL_R) * Lp);
         for (int t = 0; t < L; ++t) {
-            const float* kr = k + (int64_t(s) * L + t) * k_stride + g * D;
+            const T* kr = k + (int64_t(s) * L + t) * k_stride + g * D;
             float* block = &kt[size_t(t / 32) * D * 32 + t % 32];
-            for (int d = 0; d < D; ++d) block[d * 32] = kr[d];
+            for (int d = 0; d < D; ++d) block[d * 32] = to_float(kr[d]);
         }
         for (int j = 0; j < group; ++j) {
             const int h = g * group + j;
             for (int i0 = 0; i0 < L; i0 += CAUSAL_R) {
                 const int R = std::min(CAUSAL_R, L - i0), n = i0 + R;   // rows i0 .. i0 + R - 1 see keys < n
-                const float* qr[CAUSAL_R];
+                const T* qr[CAUSAL_R];
                 for (int r = 0; r < CAUSAL_R; ++r) qr[r] = q + (int64_t(s) * L + i0 + std::min(r, R - 1)) * q_stride + h * D;
                 for (int t0 = 0; t0 < n; t0 += 32) {                   // scores, a block of 32 keys at a time
                     const float* block = &kt[size_t(t0 / 32) * D * 32];
@@ -309,7 +310,7 @@ static void causal_f32(const float* q, int64_t q_stride, const float* k, int64_t
                     for (int d = 0; d < D; ++d) {
                         const __m512 k0 = _mm512_loadu_ps(block + d * 32), k1 = _mm512_loadu_ps(block + d * 32 + 16);
                         for (int r = 0; r < CAUSAL_R; ++r) {
-                            const __m512 qd = _mm512_set1_ps(qr[r][d]);
+                            const __m512 qd = _mm512_set1_ps(to_float(qr[r][d]));
                             a[r][0] = _mm512_fmadd_ps(qd, k0, a[r][0]);
                             a[r][1] = _mm512_fmadd_ps(qd, k1, a[r][1]);
                         }
@@ -338,18 +339,21 @@ static void causal_f32(const float* q, int64_t q_stride, const float* k, int64_t
                     for (int r = 0; r < CAUSAL_R; ++r)
                         for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
                     for (int t = 0; t < n; ++t) {
-                        const float* vt = v + (int64_t(s) * L + t) * v_stride + g * D + d0;
+                        const T* vt = v + (int64_t(s) * L + t) * v_stride + g * D + d0;
                         __m512 vv[4];
-                        for (int c = 0; c < 4; ++c) vv[c] = _mm512_loadu_ps(vt + 16 * c);
+                        for (int c = 0; c < 4; ++c) vv[c] = load16(vt + 16 * c);
                         for (int r = 0; r < CAUSAL_R; ++r) {
                             const __m512 p = _mm512_set1_ps(sc[size_t(r) * Lp + t]);
                             for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(p, vv[c], a[r][c]);
                         }
                     }
                     for (int r = 0; r < R; ++r)
-                        for (int c = 0; c < 4; ++c)
-                            _mm512_storeu_ps(out + ((int64_t(s) * L + i0 + r) * heads + h) * D + d0 + 16 * c,
-                                             _mm512_mul_ps(a[r][c], _mm512_set1_ps(inv[r])));
+                        for (int c = 0; c < 4; ++c) {
+                            alignas(64) float o[16];
+                            _mm512_store_ps(o, _mm512_mul_ps(a[r][c], _mm512_set1_ps(inv[r])));
+                            T* dst = out + ((int64_t(s) * L + i0 + r) * heads + h) * D + d0 + 16 * c;
+                            for (int e = 0; e < 16; ++e) store(dst + e, o[e]);
+                        }
                 }
             }
         }
@@ -706,6 +710,19 @@ static bool layer_shapes(int hidden, int heads, int head_dim, int inter, int blo
            (block_size == 16 || block_size == 32) && (head_dim == 64 || head_dim == 128);
 }
 
+// head_dim -> its instantiation; 0 where there is none (or no AVX-512)
+template <typename T>
+static int causal_prefill(const T* q, int64_t q_stride, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
+                          T* out, int m, int L, int heads, int kv_heads, int head_dim, float scale, int threads) {
+#ifdef __AVX512F__
+    if (head_dim == 64) causal<T, 64>(q, q_stride, k, k_stride, v, v_stride, out, m, L, heads, kv_heads, scale, threads);
+    else if (head_dim == 128) causal<T, 128>(q, q_stride, k, k_stride, v, v_stride, out, m, L, heads, kv_heads, scale, threads);
+    else return 0;
+    return 1;
+#else
+    return 0;
+#endif
+}
 extern "C" {
 int paged_decode_f32(const float* q, int64_t q_stride, const float* k, const float* v, const int64_t* tables,
                       int64_t bt_stride, const int64_t* lens, float* out, int n, int heads, int kv_heads,
@@ -801,14 +818,12 @@ int decode_layers_f32(const LayerWeights* layers, int num_layers, float* x, floa
 int causal_prefill_f32(const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
                        int64_t v_stride, float* out, int m, int L, int heads, int kv_heads, int head_dim, float scale,
                        int threads) {
-#ifdef __AVX512F__
-    if (head_dim == 64) causal_f32<64>(q, q_stride, k, k_stride, v, v_stride, out, m, L, heads, kv_heads, scale, threads);
-    else if (head_dim == 128) causal_f32<128>(q, q_stride, k, k_stride, v, v_stride, out, m, L, heads, kv_heads, scale, threads);
-    else return 0;
-    return 1;
-#else
-    return 0;
-#endif
+    return causal_prefill(q, q_stride, k, k_stride, v, v_stride, out, m, L, heads, kv_heads, head_dim, scale, threads);
+}
+int causal_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride, const uint16_t* v,
+                        int64_t v_stride, uint16_t* out, int m, int L, int heads, int kv_heads, int head_dim,
+                        float scale, int threads) {
+    return causal_prefill(q, q_stride, k, k_stride, v, v_stride, out, m, L, heads, kv_heads, head_dim, scale, threads);
 }
 void rms_norm_f32(const float* x, const float* residual, const float* w, float* out, float* sum_out, int64_t rows,
                   int hidden, float eps, int threads) {

@@ -1,6 +1,6 @@
 """The CPU's own kernels (engine/cpu_kernels.cpp), built once per machine and loaded with ctypes.
 
-  causal_prefill fresh fp32 prompt chunks' causal attention (CpuAttention.causal): 2-3x less time than SDPA.
+  causal_prefill fresh prompt chunks' causal attention in fp32 (CpuAttention.causal): 2-4x less time than SDPA.
   paged_decode   decode attention. The portable path gathers every decode's K/V blocks into a padded
                  copy and runs SDPA over it: each layer writes the context once more and reads it
                  twice. The kernel reads the cache where it lies (engine/attention.CpuAttention).
@@ -44,6 +44,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
 LINK = ["-shared", "-fopenmp"]      # libgomp.so.1: the OpenMP runtime torch has loaded, so its threads
 FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+CHAINS = {torch.bfloat16: "bf16", torch.float32: "f32"}    # the suffix of the chains' and causal kernel's builds
 SHAPES = {(16, 64), (16, 128), (32, 64), (32, 128)}   # (block_size, head_dim) compiled in cpu_kernels.cpp
 
 
@@ -98,8 +99,9 @@ def library() -> ctypes.CDLL | None:
     lib.linear_amx_bf16.argtypes, lib.linear_amx_bf16.restype = [ptr, i64, i64, ptr, i64, ptr, i32], ctypes.c_int
     lib.linear_f32.argtypes, lib.linear_f32.restype = [ptr, i64, i64, ptr, ptr, i64, ptr, i32], ctypes.c_int
     lib.amx_bf16_ready.argtypes, lib.amx_bf16_ready.restype = [], ctypes.c_int
-    lib.causal_prefill_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
-    lib.causal_prefill_f32.restype = ctypes.c_int
+    for name in ("causal_prefill_f32", "causal_prefill_bf16"):
+        getattr(lib, name).argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+        getattr(lib, name).restype = ctypes.c_int
     for name in ("decode_layers_bf16", "decode_layers_f32"):
         getattr(lib, name).argtypes = [ptr, i32, ptr, ptr, i64, i32, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i64,
                                        ptr, ctypes.c_float, ctypes.c_float, i32]
@@ -144,15 +146,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: int) -> torch.Tensor | None:
     """m fresh prompt chunks of one length side by side: q (m * q_len, heads, head_dim), k and v (m * q_len,
-    kv_heads, head_dim), fp32, rows may be strided -> their causal attention, (m * q_len, heads, head_dim);
-    None where this build has no kernel for them (no AVX-512, another head_dim)."""
+    kv_heads, head_dim), fp32 or bf16 (computed in fp32), rows may be strided -> their causal attention,
+    (m * q_len, heads, head_dim); None where this build has no kernel for them (no AVX-512, another head_dim)."""
     rows, heads, d = q.shape
-    if q.dtype != torch.float32 or library() is None or any(t.stride()[1:] != (d, 1) for t in (q, k, v)):
+    if q.dtype not in CHAINS or library() is None or any(t.stride()[1:] != (d, 1) for t in (q, k, v)):
         return None
-    out = torch.empty(rows, heads, d)
-    if not library().causal_prefill_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                                        out.data_ptr(), m, rows // m, heads, k.shape[1], d, d ** -0.5,
-                                        torch.get_num_threads()):
+    out = q.new_empty(rows, heads, d)
+    if not getattr(library(), f"causal_prefill_{CHAINS[q.dtype]}")(
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(), m,
+            rows // m, heads, k.shape[1], d, d ** -0.5, torch.get_num_threads()):
         return None
     return out
 
@@ -170,7 +172,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 # ---- elementwise chains: the same values as models.llama's torch versions (tests/test_cpu_kernels.py) ----
-CHAINS = {torch.bfloat16: "bf16", torch.float32: "f32"}      # the dtypes they are built for
 
 
 def fused_chains() -> bool:

@@ -227,3 +227,14 @@ def test_a_failed_requests_non_finite_kv_does_not_reach_the_next_owner_of_its_bl
     good = eng.generate([ids], params)[0]
     assert good["error"] is None and good["token_ids"] == want
     assert eng.block_manager.num_used == 0
+
+
+def test_the_cpu_kernels_build_where_a_compiler_is():
+    """tests/test_cpu_kernels.py skips itself where the library did not build; a compiler that is there and
+    a source that does not compile must fail here instead, and a CPU with AVX-512 must get its kernels."""
+    from engine import cpu_kernels
+    if cpu_kernels.compiler() is None or os.environ.get("BATCHSCOPE_CPU_KERNEL") == "0":
+        pytest.skip("no C++ compiler here (or the kernels are switched off)")
+    assert cpu_kernels.library() is not None, "engine/cpu_kernels.cpp did not build: see the warning logged"
+    if "avx512f" in cpu_kernels.cpu_flags().split() and os.environ.get("BATCHSCOPE_F32_KERNEL") != "0":
+        assert cpu_kernels.f32_linears()
