@@ -6,8 +6,8 @@
 linears     the default model's 30 layers of linears and its logits head at 1 to 512 rows, fp32:
             F.linear against engine.models.linears.linear (output features cut into one slice
             per thread, one batched matmul), oneDNN's packed kernel and, on AVX-512, the
-            engine's own kernel (engine.cpu_kernels.linear_f32), which the engine takes up to
-            cpu_kernels.F32_ROWS rows.
+            engine's own kernel (engine.cpu_kernels.linear_f32), which the engine takes at every
+            row count where it is built.
 prefill     fresh prompt chunks' causal attention, 30 layers, fp32: SDPA (one call per run of
             chunks, as TorchAttention) against the engine's kernel (cpu_kernels.causal_prefill).
 attention   one layer's decode attention over a paged cache with scattered block tables:

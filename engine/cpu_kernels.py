@@ -12,8 +12,8 @@
                  the same values without the Python between them.
   linear_amx     bf16 linears of 1 to 32 rows (a decode step) on AMX tiles, over weights laid out once
                  for them (models.linears.Linear): they stream the weights 1.3-1.5x faster than oneDNN.
-  linear_f32     fp32 linears of 1 to 128 rows on AVX-512, over weights laid out once for them: 1.3-2.5x
-                 less time than MKL or oneDNN at these rows (docs/results.md).
+  linear_f32     fp32 linears on AVX-512, over weights laid out once for them: 2.2-2.9x less time than
+                 MKL, as fast as oneDNN at 2,048 rows and faster below (docs/results.md).
 
 The library is built with the system's C++ compiler (g++, c++ or clang++; $CXX first) for this CPU
 (-march=native) in about a second, into the batchscope cache under a name that hashes the source,
@@ -254,7 +254,7 @@ def linear_amx(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torc
 
 
 # ---- fp32 linears of a decode step's few rows (AVX-512) ----
-F32_ROWS = 128      # up to this many rows the kernel took less time than oneDNN's (docs/results.md)
+F32_ROWS = 128      # a fp32 decode step of up to this many sequences runs its layers in one call (decode_layers)
 
 
 @functools.cache

@@ -348,7 +348,7 @@ needs_f32 = pytest.mark.skipif(not cpu_kernels.f32_linears(), reason="the CPU ke
 
 @needs_f32
 @settings(max_examples=300, deadline=None)
-@given(rows=st.integers(1, cpu_kernels.F32_ROWS), out_blocks=st.integers(1, 40), k=st.integers(1, 700),
+@given(rows=st.integers(1, 300), out_blocks=st.integers(1, 40), k=st.integers(1, 700),
        bias=st.booleans(), seed=st.integers(0, 2**16), scale=st.sampled_from([1e-3, 1.0, 50.0]))
 @example(rows=32, out_blocks=60, k=576, bias=False, seed=0, scale=1.0)     # the default model's q/k/v projection
 @example(rows=8, out_blocks=36, k=1536, bias=True, seed=1, scale=1.0)      # its down projection, with a bias
@@ -368,7 +368,7 @@ def test_f32_linears_compute_what_f_linear_does_whatever_shares_the_step(rows, o
 
 
 @needs_f32
-def test_an_fp32_model_takes_the_f32_linears_for_few_rows_and_onednn_for_more(monkeypatch):
+def test_an_fp32_model_takes_the_f32_linears_at_every_row_count(monkeypatch):
     from engine.models.linears import Linear, close_to_f_linear, f32_linears_work
     from engine.models.llama import LlamaForCausalLM
     from transformers import Qwen2Config
@@ -381,17 +381,17 @@ def test_an_fp32_model_takes_the_f32_linears_for_few_rows_and_onednn_for_more(mo
         p.copy_(torch.randn(p.shape, generator=g))
     model.pack_weights()
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.f32 is not None and m.packed is not None and m.amx is None for m in linears)
-    assert model.f32_head is not None and model.amx_head is None
+    assert linears and all(m.f32 is not None and m.packed is None and m.amx is None for m in linears)
+    assert model.f32_head is not None and model.amx_head is None and model.packed_head is None
     calls = []
     real = cpu_kernels.linear_f32
     monkeypatch.setattr(cpu_kernels, "linear_f32", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     lin = linears[0]
     assert lin.bias is not None
-    for rows in (1, cpu_kernels.F32_ROWS, cpu_kernels.F32_ROWS + 1, 300):
+    for rows in (1, 32, 129, 2048):
         x = torch.randn(rows, lin.in_features, generator=g)
         assert close_to_f_linear(lin(x), x, lin.weight, lin.bias)
-    assert calls == [1, cpu_kernels.F32_ROWS]                    # more rows: oneDNN's packed kernel
+    assert calls == [1, 32, 129, 2048]
     model.compute_logits(torch.randn(3, 64))
     assert calls[-1] == 3
 

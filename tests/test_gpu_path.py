@@ -309,7 +309,7 @@ def test_fused_elementwise_chains_trace_with_dynamic_shapes():
 
 
 def test_fused_dispatch_and_fallback(monkeypatch):
-    """CPU fp32 tensors take the plain function; on CUDA a first compile that fails leaves it unfused."""
+    """CPU fp16 tensors (no C++ chain) take the plain function; on CUDA a first compile that fails leaves it unfused."""
     from types import SimpleNamespace
     from engine.models.llama import Fused
 
@@ -323,7 +323,7 @@ def test_fused_dispatch_and_fallback(monkeypatch):
     monkeypatch.setattr(torch, "compile", failing_compile)
     f = FuseOnCuda(lambda x, y: y + 1)
     f.active = True                                                  # as inside FusedOps.fusing()
-    assert f(torch.zeros(1), 1) == 2 and f.compiled is None          # CPU: never compiled
+    assert f(torch.zeros(1, dtype=torch.float16), 1) == 2 and f.compiled is None   # CPU: never compiled
     on_gpu = SimpleNamespace(is_cuda=True)
     assert f(on_gpu, 1) == 2 and f.compiled is f.fn                  # the compile failed: plain from now on
     assert f(on_gpu, 2) == 3

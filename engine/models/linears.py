@@ -4,7 +4,7 @@
             format below is made
   oneDNN    weights packed once in oneDNN's blocked layout (`pack`, `packed_linear`): bf16 and fp32
   AMX       bf16 weights laid out once for the tile kernel of engine/cpu_kernels.cpp, for 1 to 32 rows
-  f32       fp32 weights laid out once for the AVX-512 kernel of engine/cpu_kernels.cpp, for 1 to 128 rows
+  f32       fp32 weights laid out once for the AVX-512 kernel of engine/cpu_kernels.cpp, for every row count
 
 In bf16 every format computes F.linear's values bit for bit. In fp32 oneDNN and the f32 kernel each sum
 in their own order (MKL, behind F.linear, in its own): the same values up to fp32 rounding, the f32
@@ -98,9 +98,9 @@ def f32_linears_work() -> bool:
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(80, 72, generator=g), torch.randn(80, generator=g)
     packed = cpu_kernels.pack_f32(w)
-    x = torch.randn(cpu_kernels.F32_ROWS, 72, generator=g)
-    ys = {rows: cpu_kernels.linear_f32(x[:rows], packed, 80, b) for rows in (1, 7, 13, cpu_kernels.F32_ROWS)}
-    if all(close_to_f_linear(y, x[:rows], w, b) and torch.equal(y, ys[cpu_kernels.F32_ROWS][:rows])
+    x = torch.randn(300, 72, generator=g)
+    ys = {rows: cpu_kernels.linear_f32(x[:rows], packed, 80, b) for rows in (1, 7, 13, 300)}
+    if all(close_to_f_linear(y, x[:rows], w, b) and torch.equal(y, ys[300][:rows])
            for rows, y in ys.items()):
         return True
     log.warning("the fp32 linear kernel differs from F.linear on this CPU: it stays off")
@@ -112,7 +112,8 @@ class Linear(nn.Linear):
     (LlamaForCausalLM.pack_weights) instead of re-laid out on every call:
     - `amx`: bf16, the AMX tile kernel's layout, for a decode step's 1 to 32 rows, where the CPU has AMX
       (engine/cpu_kernels.linear_amx: 1.3-1.5x less time than oneDNN's packed kernel);
-    - `f32`: fp32, the AVX-512 kernel's layout, for 1 to 128 rows (engine/cpu_kernels.linear_f32);
+    - `f32`: fp32, the AVX-512 kernel's layout, for every row count (engine/cpu_kernels.linear_f32; as fast
+      as oneDNN's at 2,048 rows, faster below, so no oneDNN copy is kept beside it);
     - `packed`: oneDNN's, for more rows, or every row count without the kernels above (in bf16 1.2-1.4x
       less time than F.linear at 8 to 256 rows, the same at 2,048; docs/results.md)."""
     packed: torch.Tensor | None = None
@@ -122,7 +123,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx is not None and x.shape[0] <= cpu_kernels.AMX_ROWS:
             return cpu_kernels.linear_amx(x, self.amx, self.out_features)
-        if self.f32 is not None and x.shape[0] <= cpu_kernels.F32_ROWS:
+        if self.f32 is not None:
             return cpu_kernels.linear_f32(x, self.f32, self.out_features, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)

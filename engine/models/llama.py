@@ -256,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
             return self.int8_head(hidden)
         if self.amx_head is not None and hidden.shape[0] <= cpu_kernels.AMX_ROWS:
             return cpu_kernels.linear_amx(hidden, self.amx_head, self.cfg.vocab_size)
-        if self.f32_head is not None and hidden.shape[0] <= cpu_kernels.F32_ROWS:
+        if self.f32_head is not None:
             return cpu_kernels.linear_f32(hidden, self.f32_head, self.cfg.vocab_size)
         if self.packed_head is not None:
             return packed_linear(hidden, self.packed_head)
@@ -287,8 +287,8 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self):
         """Every Linear and the logits matrix in oneDNN's layout, and for a decode step's few rows also in a
         kernel's of engine/cpu_kernels.cpp: bf16 where the CPU has AMX (bias-free linears whose sizes the
-        tiles take), fp32 where it has AVX-512; each where it computes what F.linear does (packed_weights_work,
-        amx_linears_work, f32_linears_work). The plain weights stay: the embedding shares the head's, and
+        tiles take); fp32 where it has AVX-512 in that kernel's layout alone, for every row count; each where
+        it computes what F.linear does (packed_weights_work, amx_linears_work, f32_linears_work). The plain weights stay: the embedding shares the head's, and
         readers of the weights (weight_bytes, the int8 path, tests) see the usual tensors; each packed copy
         costs the linears' memory once more (270 MB for the default model in bf16, 540 MB in fp32)."""
         dtype = self.embed_tokens.weight.dtype
@@ -298,16 +298,18 @@ class LlamaForCausalLM(nn.Module):
         f32 = dtype == torch.float32 and f32_linears_work()
         for m in self.modules():
             if isinstance(m, Linear):
+                if f32 and m.out_features % 16 == 0:
+                    m.f32 = cpu_kernels.pack_f32(m.weight)      # every row count: no oneDNN copy beside it
+                    continue
                 m.packed = pack(m.weight)
                 if amx and m.bias is None and cpu_kernels.amx_shape_ok(*m.weight.shape):
                     m.amx = cpu_kernels.pack_amx(m.weight)
-                if f32 and m.out_features % 16 == 0:
-                    m.f32 = cpu_kernels.pack_f32(m.weight)
-        self.packed_head = pack(self.head_weight())
-        if amx and cpu_kernels.amx_shape_ok(*self.head_weight().shape):
-            self.amx_head = cpu_kernels.pack_amx(self.head_weight())
         if f32 and self.cfg.vocab_size % 16 == 0:
             self.f32_head = cpu_kernels.pack_f32(self.head_weight())
+        else:
+            self.packed_head = pack(self.head_weight())
+        if amx and cpu_kernels.amx_shape_ok(*self.head_weight().shape):
+            self.amx_head = cpu_kernels.pack_amx(self.head_weight())
         # every piece of every layer has its kernel: the linears' (bias-free), paged attention, the C++ chains
         self.fused_decode = (amx or f32) and self.ops.rms_norm.enabled and cpu_kernels.fused_chains() and all(
             isinstance(l.self_attn.backend, CpuAttention) and not l.self_attn.qk_norm and
