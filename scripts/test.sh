@@ -12,7 +12,12 @@ python3 -m pip install --quiet -e ".[dev]"
 # servers, browsers and subprocesses. Default: one worker more than the cores this process may use,
 # at most 6 (each worker loads models); BATCHSCOPE_TEST_WORKERS=N sets N, and 0 runs everything in
 # this one process.
-cores=$(nproc); workers="${BATCHSCOPE_TEST_WORKERS:-$(( cores < 5 ? cores + 1 : 6 ))}"
+# Each worker also holds models (an fp32 default model is 1.5 GB with its kernel's copy of the weights) and
+# starts servers and disaggregated pairs: at most one worker per 9 GB of memory (3 workers on 24 GB met
+# the OOM killer).
+cores=$(nproc); mem_gb=$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 64)
+by_cores=$(( cores < 5 ? cores + 1 : 6 )); by_mem=$(( mem_gb / 9 > 1 ? mem_gb / 9 : 1 ))
+workers="${BATCHSCOPE_TEST_WORKERS:-$(( by_cores < by_mem ? by_cores : by_mem ))}"
 set +e
 if [ "$workers" -gt 0 ]; then
     OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" python3 -m pytest -q -n "$workers" --dist worksteal --durations=15 "$@"

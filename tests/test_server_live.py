@@ -222,7 +222,8 @@ def test_policy_change_needs_the_presenter_key_and_applies_at_the_next_step(live
                        ({"step_delay": 99}, "step_delay")]:
         r = live_server.set_engine(**bad)
         assert r.status_code == 400 and words in r.json()["error"]["message"], (bad, r.text)
-    body = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 12, "ignore_eos": True,
+    # long enough that steps run after the switch while it streams (12 tokens could all be out before it)
+    body = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 64, "ignore_eos": True,
             "stream": True}
     try:
         with http.stream("POST", "/v1/chat/completions", json=body) as r:
