@@ -387,6 +387,8 @@ static inline float round_bf16(float x) {                // x rounded to bf16, a
     store(&b, x);
     return to_float(b);
 }
+template <typename T>                                      // a T op's result: bf16 rounds it, fp32 keeps it
+static inline float rounded(float x) { return std::is_same_v<T, uint16_t> ? round_bf16(x) : x; }
 static inline bool parallel(int64_t rows, int64_t width) { return rows * width >= (1 << 16); }
 
 // norm(x + residual) and x + residual (models.llama.add_rms_norm), or norm(x) when residual is null:
@@ -415,46 +417,48 @@ static void rms_norm_rows(const uint16_t* x, const uint16_t* residual, const uin
 }
 
 // silu(gate) * up over (rows, 2 * inter) = [gate | up] (models.llama.silu_and_mul)
-static void silu_and_mul_rows(const uint16_t* gate_up, uint16_t* out, int64_t rows, int inter, int threads) {
+template <typename T>
+static void silu_and_mul_rows(const T* gate_up, T* out, int64_t rows, int inter, int threads) {
 #pragma omp parallel for num_threads(threads) if (parallel(rows, inter))
     for (int64_t r = 0; r < rows; ++r) {
-        const uint16_t* g = gate_up + r * 2 * inter;
-        const uint16_t* u = g + inter;
+        const T* g = gate_up + r * 2 * inter;
+        const T* u = g + inter;
 #pragma omp simd
         for (int c = 0; c < inter; ++c) {
             // exp's argument capped below fp32's overflow: the fast-math division is a reciprocal and a
             // Newton step, which turns 1 / inf into NaN; past the cap silu(a) is below 1e-36 either way
             const float a = to_float(g[c]);
-            store(&out[r * inter + c], round_bf16(a / (1.f + std::exp(std::min(-a, 88.f)))) * to_float(u[c]));
+            store(&out[r * inter + c], rounded<T>(a / (1.f + std::exp(std::min(-a, 88.f)))) * to_float(u[c]));
         }
     }
 }
 
 // x * cos + roll(x, D / 2) * sin per head (models.llama.apply_rope; sin's first half negated);
 // x: (rows, heads, D) with row stride x_stride; cos, sin: (rows, D); out: (rows, heads, D), contiguous
-static void rope_rows(const uint16_t* x, int64_t x_stride, const uint16_t* cos, const uint16_t* sin, uint16_t* out,
-                      int64_t rows, int heads, int D, int threads) {
+template <typename T>
+static void rope_rows(const T* x, int64_t x_stride, const T* cos, const T* sin, T* out, int64_t rows, int heads, int D,
+                      int threads) {
     const int half = D / 2;
 #pragma omp parallel for num_threads(threads) if (parallel(rows, int64_t(heads) * D))
     for (int64_t r = 0; r < rows; ++r)
         for (int h = 0; h < heads; ++h) {
-            const uint16_t* xh = x + r * x_stride + int64_t(h) * D;
-            const uint16_t *c = cos + r * D, *sn = sin + r * D;
-            uint16_t* oh = out + (r * heads + h) * D;
+            const T* xh = x + r * x_stride + int64_t(h) * D;
+            const T *c = cos + r * D, *sn = sin + r * D;
+            T* oh = out + (r * heads + h) * D;
             // the two halves apart, so that each loop reads its partner half at a fixed offset
 #pragma omp simd
             for (int d = 0; d < half; ++d)
-                store(&oh[d], round_bf16(to_float(xh[d]) * to_float(c[d])) +
-                                  round_bf16(to_float(xh[d + half]) * to_float(sn[d])));
+                store(&oh[d], rounded<T>(to_float(xh[d]) * to_float(c[d])) +
+                                  rounded<T>(to_float(xh[d + half]) * to_float(sn[d])));
 #pragma omp simd
             for (int d = half; d < D; ++d)
-                store(&oh[d], round_bf16(to_float(xh[d]) * to_float(c[d])) +
-                                  round_bf16(to_float(xh[d - half]) * to_float(sn[d])));
+                store(&oh[d], rounded<T>(to_float(xh[d]) * to_float(c[d])) +
+                                  rounded<T>(to_float(xh[d - half]) * to_float(sn[d])));
         }
 }
 
-// The same chains in fp32 (models.llama's fp32 forms: F.rms_norm, silu(gate) * up, x * cos + roll(x) * sin),
-// nothing rounded between the ops: the same values up to the last bit of an fp32 exp or rsqrt
+// The norm in fp32 (F.rms_norm), nothing rounded between the ops: the same values up to the last bit of an
+// fp32 rsqrt (SiLU-and-multiply and RoPE above take fp32 as they are, rounding nowhere)
 static void rms_norm_rows(const float* x, const float* residual, const float* w, float* out, float* sum_out,
                           int64_t rows, int hidden, float eps, int threads) {
 #pragma omp parallel for num_threads(threads) if (parallel(rows, hidden))
@@ -472,32 +476,6 @@ static void rms_norm_rows(const float* x, const float* residual, const float* w,
 #pragma omp simd
         for (int c = 0; c < hidden; ++c) out[r * hidden + c] = v[c] * inv * w[c];
     }
-}
-
-static void silu_and_mul_rows(const float* gate_up, float* out, int64_t rows, int inter, int threads) {
-#pragma omp parallel for num_threads(threads) if (parallel(rows, inter))
-    for (int64_t r = 0; r < rows; ++r) {
-        const float* g = gate_up + r * 2 * inter;
-        const float* u = g + inter;
-#pragma omp simd
-        for (int c = 0; c < inter; ++c) out[r * inter + c] = g[c] / (1.f + std::exp(std::min(-g[c], 88.f))) * u[c];
-    }
-}
-
-static void rope_rows(const float* x, int64_t x_stride, const float* cos, const float* sin, float* out, int64_t rows,
-                      int heads, int D, int threads) {
-    const int half = D / 2;
-#pragma omp parallel for num_threads(threads) if (parallel(rows, int64_t(heads) * D))
-    for (int64_t r = 0; r < rows; ++r)
-        for (int h = 0; h < heads; ++h) {
-            const float* xh = x + r * x_stride + int64_t(h) * D;
-            const float *c = cos + r * D, *sn = sin + r * D;
-            float* oh = out + (r * heads + h) * D;
-#pragma omp simd
-            for (int d = 0; d < half; ++d) oh[d] = xh[d] * c[d] + xh[d + half] * sn[d];
-#pragma omp simd
-            for (int d = half; d < D; ++d) oh[d] = xh[d] * c[d] + xh[d - half] * sn[d];
-        }
 }
 
 // ---- 3a. bf16 linears on AMX tiles: y = x w^T for a decode step's few rows ----
