@@ -13,9 +13,9 @@ import sys
 # command -> (module whose main(argv) runs it, what it does)
 COMMANDS = {
     "serve": ("app.__main__", "the app: UI, OpenAI API and step stream on one port (flags of `python -m app`)"),
-    "compare": ("demos.compare", "run a classroom scenario under several policies; write the HTML report"),
-    "bench": ("demos.bench", "benchmark the engine against transformers generate"),
-    "arena": ("demos.arena", "score a scheduling policy file against the built-in ones (docs/arena.md)"),
+    "compare": ("demos.compare.scenario", "run a classroom scenario under several policies; write the HTML report"),
+    "bench": ("demos.bench.against_hf", "benchmark the engine against transformers generate"),
+    "arena": ("demos.arena.score", "score a scheduling policy file against the built-in ones (docs/arena.md)"),
 }
 
 

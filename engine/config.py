@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEDULER_POLICIES = ("static", "continuous", "chunked")     # one engine, one scheduler
-POLICIES = (*SCHEDULER_POLICIES, "disaggregated")             # + two engines (engine/disagg.py)
+POLICIES = (*SCHEDULER_POLICIES, "disaggregated")             # + two engines (engine/disagg/router.py)
 BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",   # accepted name -> torch dtype name
           "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-          "int8": "float32"}      # CPU: int8 linears (engine/quant.py), fp32 activations and KV cache
+          "int8": "float32"}      # CPU: int8 linears (engine/weights/quant.py), fp32 activations and KV cache
 
 
 @dataclass
@@ -20,7 +20,7 @@ class EngineConfig:
     model: str | None = None            # local folder or Hub id; None = embedded SmolLM2-135M-Instruct
     device: str = "auto"                # "auto" -> cuda if available, else cpu
     dtype: str = "auto"                 # "auto" -> bf16 on CUDA and on CPUs with AMX, else fp32
-    policy: str = "chunked"             # static | continuous | chunked | disaggregated (engine/disagg.py)
+    policy: str = "chunked"             # static | continuous | chunked | disaggregated (engine/disagg/router.py)
     max_num_batched_tokens: int = 256   # token budget of one step
     max_num_seqs: int = 16              # most sequences in one step
     max_prefill_chunk: int | None = None  # optional cap on one request's chunk (chunked policy)
@@ -67,7 +67,7 @@ def check_scheduler_policy(policy: str):
     """A policy one scheduler can run; `disaggregated` is two engines, not a scheduling rule."""
     if policy == "disaggregated":
         raise ValueError("`disaggregated` runs a prefill engine and a decode engine in two processes: "
-                         "build an engine.disagg.DisaggregatedEngine, not an LLMEngine")
+                         "build an engine.disagg.router.DisaggregatedEngine, not an LLMEngine")
     if policy not in SCHEDULER_POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
 

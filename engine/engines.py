@@ -5,7 +5,7 @@
     engine.pair_state                     # None, "starting", "ready" or "failed: <why>" (also in stats())
 
 Three settings (`static`, `continuous`, `chunked`) run on one LLMEngine. The fourth,
-`disaggregated`, runs on a DisaggregatedEngine (engine/disagg.py: two worker
+`disaggregated`, runs on a DisaggregatedEngine (engine/disagg/router.py: two worker
 processes, each loading its own copy of the model). The pair starts on a helper
 thread the first time the setting is chosen; until it is ready new requests keep
 going to the single engine. Then new requests go to the engine of the setting in
@@ -145,7 +145,7 @@ class EngineSwitch:
     # ---- the pair's start ----
     def _start_pair(self):
         """Helper thread: two worker processes, each loading the model (seconds to a minute)."""
-        from engine.disagg import DisaggregatedEngine
+        from engine.disagg.router import DisaggregatedEngine
         try:
             pair = DisaggregatedEngine(replace(self.config, policy="disaggregated"), t0=self.single.t0,
                                        steps=self.single.steps)

@@ -10,8 +10,8 @@
 
 Single-threaded by design: a server calls it from one engine thread. The engine
 orchestrates: the scheduler picks the batch and does the bookkeeping after it,
-the runner computes it, the records (engine/records.py) tell the world, and
-the request book (engine/requests.py) keeps the requests, counters and listeners.
+the runner computes it, the records (engine/outputs/records.py) tell the world, and
+the request book (engine/outputs/requests.py) keeps the requests, counters and listeners.
 It satisfies the `Engine` protocol of engine/protocol.py.
 """
 from __future__ import annotations
@@ -22,18 +22,18 @@ from dataclasses import replace
 
 import torch
 
-from engine.block_manager import BlockManager
+from engine.scheduling.block_manager import BlockManager
 from engine.config import DTYPES, EngineConfig
-from engine.detokenizer import Detokenizer
-from engine.loader import check_architecture, resolve_model
-from engine.model_runner import ModelRunner
-from engine.prompts import eos_ids, tokenize
+from engine.outputs.detokenizer import Detokenizer
+from engine.weights.loader import check_architecture, resolve_model
+from engine.execution.model_runner import ModelRunner
+from engine.outputs.prompts import eos_ids, tokenize
 from engine.protocol import RequestInfo, RequestOutput, StepOutputs
-from engine.records import KVState, PolicyEvent, read_batch, step_record
-from engine.requests import RequestBook, StepCounter
+from engine.outputs.records import KVState, PolicyEvent, read_batch, step_record
+from engine.outputs.requests import RequestBook, StepCounter
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Batch, Scheduler
-from engine.sequence import Sequence, Status
+from engine.scheduling.scheduler import Batch, Scheduler
+from engine.scheduling.sequence import Sequence, Status
 
 log = logging.getLogger("batchscope.engine")
 _UNSET = object()

@@ -5,7 +5,7 @@
     for out in outputs.outputs:             # one RequestOutput per request whose reply moved
         out.request_id, out.text, out.token_ids, out.finish_reason
 
-`LLMEngine` (engine/llm_engine.py), the disaggregated pair (engine/disagg.py) and the
+`LLMEngine` (engine/llm_engine.py), the disaggregated pair (engine/disagg/router.py) and the
 switch between them (engine/engines.py) all satisfy `Engine`; a caller never needs to
 know which one it holds, nor read a `Sequence`. A source that cannot do something says
 so in `settings()` (the pair runs one policy only) or by raising ValueError from

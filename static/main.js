@@ -22,7 +22,7 @@ import * as why from "./why.js";
 
 let started = false, last = 0;
 
-// frames and chart redraws, for the room demo and tests (demos/room.py reads it)
+// frames and chart redraws, for the room demo and tests (demos/load/room.py reads it)
 const perf = { frames: 0, draws: 0, drawMs: 0, maxDrawMs: 0, slowFrames: 0 };
 
 function frame(now) {

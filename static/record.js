@@ -1,6 +1,6 @@
 // The one place the browser reads record fields: step records (s), their items (it),
 // the KV state (s.kv), request events (ev) and policy events or settings (p), as
-// engine/records.py defines them (docs/step_record.md). Every view reads records
+// engine/outputs/records.py defines them (docs/step_record.md). Every view reads records
 // through `rec` (imported as R), so a renamed field is fixed here once, and
 // tests/test_record_fields.py checks every name read here against the schema
 // (it finds them by these parameter names: s, it, ev, p, and sc for a stall cause).

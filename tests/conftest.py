@@ -20,7 +20,7 @@ def pytest_configure(config):
     the workers start and collect, instead of in the first worker that needs it while the others wait."""
     if not getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
         return
-    from engine.loader import DEFAULT_MODEL_NAME, cache_dir, ready
+    from engine.weights.loader import DEFAULT_MODEL_NAME, cache_dir, ready
     if not ready(cache_dir() / DEFAULT_MODEL_NAME):
         import subprocess
         import tempfile
@@ -28,7 +28,7 @@ def pytest_configure(config):
         # the fresh-machine path itself: test_prepare checks this run's record instead of preparing again
         record = Path(tempfile.mkdtemp(prefix="batchscope-prepare-"))
         os.environ[FRESH_PREPARE] = str(record)          # the workers start after this hook
-        config._batchscope_prepare = subprocess.Popen(     # the workers wait on its lock (engine/loader.py)
+        config._batchscope_prepare = subprocess.Popen(     # the workers wait on its lock (engine/weights/loader.py)
             fresh_prepare_command(record), cwd=Path(__file__).resolve().parent.parent,
             stdout=(record / "stdout").open("w"), stderr=(record / "stderr").open("w"))
 

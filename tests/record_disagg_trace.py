@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from demos import trace
-from demos.runner import engine_meta, run_scenario
+from demos.compare import trace
+from demos.compare.runner import engine_meta, run_scenario
 from app.replay.scenarios import get_scenario
 from app.readers import metrics
 from engine import EngineConfig
-from engine.disagg import DisaggregatedEngine
+from engine.disagg.router import DisaggregatedEngine
 
 OUT = Path(__file__).parent / "data" / "disagg_trace.json"
 BUDGETS = (128, 64)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from demos import trace
-from demos.runner import engine_meta, run_scenario
+from demos.compare import trace
+from demos.compare.runner import engine_meta, run_scenario
 from app.replay.scenarios import get_scenario
 from app.readers import metrics
 from engine import EngineConfig, LLMEngine

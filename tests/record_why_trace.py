@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from app.replay.scenarios import Arrival, Scenario
-from demos import trace
-from demos.runner import engine_meta, run_scenario
+from demos.compare import trace
+from demos.compare.runner import engine_meta, run_scenario
 from app.readers import analysis
 from engine import EngineConfig, LLMEngine
 

@@ -4,10 +4,10 @@ the KV-map test of app/readers/analysis.py extends one (tests/test_analysis.py).
 import math
 import random
 
-from engine.block_manager import BlockManager
+from engine.scheduling.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Batch, Scheduler
-from engine.sequence import Sequence, Status
+from engine.scheduling.scheduler import Batch, Scheduler
+from engine.scheduling.sequence import Sequence, Status
 
 POLICIES = ("static", "continuous", "chunked")
 MAX_STEPS = 3000

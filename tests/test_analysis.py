@@ -7,9 +7,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from app.readers import analysis
-from demos import trace
+from demos.compare import trace
 from app.readers import metrics
-from engine.records import KV_MAP_EVERY, kv_map, kv_ops
+from engine.outputs.records import KV_MAP_EVERY, kv_map, kv_ops
 from tests.scheduler_workload import Case
 from tests.factories import arrived, cost_step, dec, linear_stream, pre, step
 

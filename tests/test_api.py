@@ -4,8 +4,8 @@ import json
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.detokenizer import Detokenizer
-from engine.sequence import Sequence
+from engine.outputs.detokenizer import Detokenizer
+from engine.scheduling.sequence import Sequence
 
 pytestmark = pytest.mark.model
 HELLO = [{"role": "user", "content": "Tell me a short story about a cat."}]

@@ -8,13 +8,13 @@ import pytest
 from app.readers import metrics
 from app.readers.analysis import CostFit
 from app.cli import main as cli
-from demos.arena import SIM_TOLERANCE, PolicyFileError, load_policy, run_one, sim_gap
-from demos.arena_workloads import WORKLOADS, Job, Workload, get_workload, tau_of
-from engine.policy import Policy
+from demos.arena.score import SIM_TOLERANCE, PolicyFileError, load_policy, run_one, sim_gap
+from demos.arena.workloads import WORKLOADS, Job, Workload, get_workload, tau_of
+from engine.scheduling.policy import Policy
 
 FIT = CostFit("given", 0.01, 0.0005, 1e-6, None, 0, 3)
-EXAMPLES = ("demos/policies/shortest_prompt_first.py", "demos/policies/long_prefill_threshold.py",
-            "engine/policies/chunked.py", "engine/policies/static.py", "engine/policies/continuous.py")
+EXAMPLES = ("demos/arena/policies/shortest_prompt_first.py", "demos/arena/policies/long_prefill_threshold.py",
+            "engine/scheduling/policies/chunked.py", "engine/scheduling/policies/static.py", "engine/scheduling/policies/continuous.py")
 
 
 def write(tmp_path, name, text):
@@ -25,7 +25,7 @@ def write(tmp_path, name, text):
 
 def test_a_policy_file_gives_its_one_policy(tmp_path):
     one = write(tmp_path, "mine.py", """
-        from engine.policy import Policy
+        from engine.scheduling.policy import Policy
         class Mine(Policy):
             def schedule(self, step):
                 return [(r, 1) for r in step.decodes]
@@ -33,7 +33,7 @@ def test_a_policy_file_gives_its_one_policy(tmp_path):
     p = load_policy(one)
     assert isinstance(p, Policy) and p.name == "mine"          # named after its file when it has no name
     two = write(tmp_path, "two.py", """
-        from engine.policy import Policy
+        from engine.scheduling.policy import Policy
         class A(Policy): pass
         class B(Policy): pass
         """)
@@ -42,7 +42,7 @@ def test_a_policy_file_gives_its_one_policy(tmp_path):
     broken = write(tmp_path, "broken.py", "import no_such_module\n")
     with pytest.raises(PolicyFileError, match="ModuleNotFoundError"):
         load_policy(broken)
-    with pytest.raises(PolicyFileError, match="must be an engine.policy.Policy"):
+    with pytest.raises(PolicyFileError, match="must be an engine.scheduling.policy.Policy"):
         load_policy(write(tmp_path, "wrong.py", "policy = 3\n"))
 
 
@@ -86,7 +86,7 @@ def test_goodput_is_the_share_that_met_both_slos():
 
 def test_a_policy_that_breaks_a_rule_is_disqualified_with_the_rule_named(tmp_path):
     greedy = load_policy(write(tmp_path, "greedy.py", """
-        from engine.policy import Policy
+        from engine.scheduling.policy import Policy
         class Greedy(Policy):
             name = "greedy"
             def schedule(self, step):
@@ -98,7 +98,7 @@ def test_a_policy_that_breaks_a_rule_is_disqualified_with_the_rule_named(tmp_pat
 
 def test_a_policy_that_runs_nothing_is_stopped(tmp_path):
     idle = load_policy(write(tmp_path, "idle.py", """
-        from engine.policy import Policy
+        from engine.scheduling.policy import Policy
         class Idle(Policy):
             def schedule(self, step):
                 return []
@@ -109,7 +109,7 @@ def test_a_policy_that_runs_nothing_is_stopped(tmp_path):
 
 def test_cli_scores_a_policy_file_and_ranks_a_folder(tmp_path, capsys):
     out = tmp_path / "report.html"
-    rc = cli(["arena", "demos/policies/shortest_prompt_first.py", "--workload", "chat-burst", "--workload",
+    rc = cli(["arena", "demos/arena/policies/shortest_prompt_first.py", "--workload", "chat-burst", "--workload",
               "long-documents", "--cost", "0.01,0.0005,0.000001", "--scale", "0.25", "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 0 and "== chat-burst" in text and "== long-documents" in text
@@ -125,9 +125,9 @@ def test_cli_scores_a_policy_file_and_ranks_a_folder(tmp_path, capsys):
     # the lecturer's ranking: a folder of submissions, a broken one last with its rule named
     subs = tmp_path / "subs"
     subs.mkdir()
-    (subs / "spf.py").write_text(open("demos/policies/shortest_prompt_first.py").read())
+    (subs / "spf.py").write_text(open("demos/arena/policies/shortest_prompt_first.py").read())
     write(subs, "greedy.py", """
-        from engine.policy import Policy
+        from engine.scheduling.policy import Policy
         class Greedy(Policy):
             def schedule(self, step):
                 return [(r, r.remaining) for r in step.running + step.waiting]
@@ -148,7 +148,7 @@ def test_the_simulator_takes_the_real_engines_steps(tmp_path):
     within SIM_TOLERANCE (the fit's own error: on a busy machine a fit taken a minute earlier can be off
     by more, which docs/arena.md reports)."""
     from app.readers.analysis import cost_points
-    from demos.arena import physical_fit
+    from demos.arena.score import physical_fit
     from tests.helpers import save_tiny_model
     kw = {"model": str(save_tiny_model("llama", tmp_path / "m"))}
     jobs = tuple(Job(0.0, f"u{i}", tuple(range(2000 + 50 * i, 2000 + 50 * i + n)), 6 + i % 4)
@@ -169,7 +169,7 @@ def test_the_simulator_takes_the_real_engines_steps(tmp_path):
 
 def test_the_class_log_is_a_workload_on_the_live_machines_clock(tmp_path):
     """Arrival times of a saved log are read in τ of the machine that served them (from its own records)."""
-    from demos.arena_workloads import class_log
+    from demos.arena.workloads import class_log
     from engine.sampling_params import SamplingParams
     params = SamplingParams(max_tokens=20).__dict__
     arrivals = [{"req": f"r{i}", "label": name, "t": 10.0 + t, "step": i, "prompt_token_ids": list(range(100, 100 + n)),
@@ -190,7 +190,7 @@ def test_the_class_log_is_a_workload_on_the_live_machines_clock(tmp_path):
     assert [j.at for j in w.jobs] == pytest.approx([0.0, 0.9 / tau, 1.8 / tau], abs=2e-3)
     r = run_one("chunked", w, FIT, "sim", {})
     assert r["error"] is None and len(r["sim"]["score"]["requests"]) == 3
-    rc = cli(["arena", "engine/policies/chunked.py", "--workload", "chat-burst", "--scale", "0.25", "--cost",
+    rc = cli(["arena", "engine/scheduling/policies/chunked.py", "--workload", "chat-burst", "--scale", "0.25", "--cost",
               "0.01,0.0005,0", "--log", str(tmp_path / "log.json"), "--out", str(tmp_path / "r.html")])
     doc = json.loads((tmp_path / "r.json").read_text())
     assert rc == 0 and set(doc["workloads"]) == {"chat-burst", "class-log"}
@@ -200,16 +200,16 @@ def test_the_class_log_is_a_workload_on_the_live_machines_clock(tmp_path):
 
 
 def test_the_docs_example_policy_runs_every_workload():
-    """docs/arena.md's first example and engine/policy.py's are the same policy, and it works."""
+    """docs/arena.md's first example and engine/scheduling/policy.py's are the same policy, and it works."""
     import re
     from pathlib import Path
     docs = re.search(r"```python\n(.*?)```", Path("docs/arena.md").read_text(), re.S).group(1)
     ns = {}
     exec(compile(docs, "docs/arena.md", "exec"), ns)
-    import engine.policy
+    import engine.scheduling.policy
     def lines(text):
         return "\n".join(line.strip() for line in text.splitlines() if line.strip())
-    assert lines(docs.split("\npolicy = ")[0]) in lines(engine.policy.__doc__)
+    assert lines(docs.split("\npolicy = ")[0]) in lines(engine.scheduling.policy.__doc__)
     for name in WORKLOADS:
         r = run_one(ns["policy"], get_workload(name, scale=0.25), FIT, "sim", {})
         assert r["error"] is None, r["error"]

@@ -1,7 +1,7 @@
 """Paged KV bookkeeping without a model: allocation, freeing, prefix reuse and eviction."""
-from engine.block_manager import BlockManager
+from engine.scheduling.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.scheduling.sequence import Sequence
 
 
 def seq(tokens, sid="s"):

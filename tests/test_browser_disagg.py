@@ -64,9 +64,9 @@ def check_lanes(drawn: dict, threads: dict[str, int], label: str, blocks: int):
 def recorded():
     """The lesson's scenario on the real DisaggregatedEngine (two worker processes), as a stream."""
     from app.replay.scenarios import get_scenario
-    from demos.runner import run_scenario
+    from demos.compare.runner import run_scenario
     from engine import EngineConfig
-    from engine.disagg import DisaggregatedEngine
+    from engine.disagg.router import DisaggregatedEngine
     with DisaggregatedEngine(EngineConfig(policy="disaggregated", kv_cache_gb=0.25, max_num_batched_tokens=128)) as e:
         return run_scenario(e, get_scenario("split-prefill-decode", **SCENARIO)).stream
 

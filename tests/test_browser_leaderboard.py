@@ -19,9 +19,9 @@ def report(tmp_path_factory):
     d = tmp_path_factory.mktemp("lb")
     subs = d / "subs"
     subs.mkdir()
-    (subs / "spf.py").write_text(open("demos/policies/shortest_prompt_first.py").read())
+    (subs / "spf.py").write_text(open("demos/arena/policies/shortest_prompt_first.py").read())
     (subs / "greedy.py").write_text(textwrap.dedent("""
-        from engine.policy import Policy
+        from engine.scheduling.policy import Policy
         class Greedy(Policy):
             def schedule(self, step):
                 return [(r, r.remaining) for r in step.running + step.waiting]

@@ -1,4 +1,4 @@
-"""The CPU backend (engine.attention.CpuAttention: the paged decode kernel of engine/cpu_kernels.cpp and
+"""The CPU backend (engine.execution.attention.CpuAttention: the paged decode kernel of engine/kernels/cpu_kernels.cpp and
 its own layout inside a block) against the portable backend on random ragged batches, in float32 and
 bfloat16; what it writes into the cache; and that attention falls back to the portable path where the
 kernel cannot be built."""
@@ -7,8 +7,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from engine import cpu_kernels
-from engine.attention import AttentionMetadata, CpuAttention, PrefillChunk, TorchAttention, select_backend
+from engine.kernels import cpu_kernels
+from engine.execution.attention import AttentionMetadata, CpuAttention, PrefillChunk, TorchAttention, select_backend
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler: the kernel cannot be built")
 
@@ -108,7 +108,7 @@ def check_causal(m, q_len, d, kv_heads, group, seed, scale, dtype):
     """Fresh prompt chunks side by side, as rows of the fused q/k/v projection (strided views): every
     length (block tails), head size and group, against causal attention in fp64: within fp32's rounding of
     the values' size (SDPA is closer still: it sums a score in blocks, the kernel in order over head_dim)."""
-    from engine.attention import batched
+    from engine.execution.attention import batched
     g = torch.Generator().manual_seed(seed)
     heads = kv_heads * group
     qkv = (torch.randn(m * q_len, heads + 2 * kv_heads, d, generator=g) * scale).to(dtype)
@@ -128,7 +128,7 @@ def check_causal(m, q_len, d, kv_heads, group, seed, scale, dtype):
 
 
 def test_the_causal_kernel_takes_fp32_and_bf16_and_the_backend_falls_back_to_sdpa():
-    from engine.attention import CpuAttention, TorchAttention
+    from engine.execution.attention import CpuAttention, TorchAttention
     q, k, v = torch.randn(20, 4, 64), torch.randn(20, 2, 64), torch.randn(20, 2, 64)
     assert cpu_kernels.causal_prefill(q.half(), k.half(), v.half(), 2) is None
     assert cpu_kernels.causal_prefill(q[:, :, :48].contiguous(), k[:, :, :48].contiguous(),
@@ -418,7 +418,7 @@ def test_a_decode_steps_layers_in_one_call_compute_what_the_layers_do(monkeypatc
     """bf16 on AMX, fp32 on AVX-512: a decode step of few sequences runs its layers in one call of the kernels;
     its hidden states are the layer-by-layer forward's bit for bit, step after step, and the replies the same."""
     from engine import EngineConfig, LLMEngine
-    from engine.attention import get_metadata
+    from engine.execution.attention import get_metadata
     from engine.sampling_params import SamplingParams
     engine = LLMEngine(EngineConfig(dtype=dtype, kv_cache_gb=0.25, enable_prefix_caching=False))
     model = engine.runner.model

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.attention import AttentionMetadata, TorchAttention, decode_groups
+from engine.execution.attention import AttentionMetadata, TorchAttention, decode_groups
 from tests.helpers import save_tiny_model
 
 BS, KV, HD, HEADS = 4, 2, 8, 6
@@ -71,7 +71,7 @@ def test_rope_roll_equals_rotate_half(n, heads, half, seed):
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 20), cols=st.integers(1, 40), seed=st.integers(0, 999), spread=st.floats(1e-3, 1e3))
 def test_quantize_per_channel_error_is_half_a_step(rows, cols, seed, spread):
-    from engine.quant import quantize_per_channel
+    from engine.weights.quant import quantize_per_channel
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * spread
     q, scale = quantize_per_channel(w)
     assert q.dtype == torch.int8 and q.abs().max() <= 127
@@ -83,7 +83,7 @@ int8 = pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_eng
 
 @int8
 def test_int8_linear_close_to_fp32():
-    from engine.quant import Int8Linear, quantize_per_channel
+    from engine.weights.quant import Int8Linear, quantize_per_channel
     g = torch.Generator().manual_seed(0)
     w, b, x = torch.randn(48, 64, generator=g), torch.randn(48, generator=g), torch.randn(5, 64, generator=g)
     lin = Int8Linear(*quantize_per_channel(w), b)
@@ -99,7 +99,7 @@ def test_smoothing_leaves_the_model_unchanged(tmp_path_factory, arch, seed, outl
     """Dividing each linear's input channels by s where they are made (a norm's weight; for o_proj the v
     rows of qkv_proj, shared by a group of heads) and multiplying its weight columns by s is exact in
     real numbers: without the int8 rounding the model's logits stay those of fp32, for any maxima."""
-    from engine.quant import smooth, smoothed
+    from engine.weights.quant import smooth, smoothed
     folder = save_tiny_model(arch, tmp_path_factory.mktemp(arch))
     eng = LLMEngine(EngineConfig(model=str(folder), dtype="float32", block_size=8, num_kv_blocks=32))
     model = eng.runner.model
@@ -127,9 +127,9 @@ def test_smoothing_leaves_the_model_unchanged(tmp_path_factory, arch, seed, outl
 
 
 def _prefill_logits(eng, ids):
-    from engine.attention import set_metadata
-    from engine.scheduler import Batch
-    from engine.sequence import Sequence
+    from engine.execution.attention import set_metadata
+    from engine.scheduling.scheduler import Batch
+    from engine.scheduling.sequence import Sequence
     runner = eng.runner
     seq = Sequence("s", "s", ids, SamplingParams(max_tokens=1), 0.0)
     assert eng.block_manager.allocate(seq, len(ids))
@@ -152,7 +152,7 @@ def _greedy(eng, prompts, n=8):
 
 @int8
 def test_int8_engine_caches_its_weights_and_rebuilds_them_for_new_ones(tmp_path):
-    from engine.quant import INT8_FILE, Int8Linear
+    from engine.weights.quant import INT8_FILE, Int8Linear
     folder = save_tiny_model("llama", tmp_path / "llama")
     kw = dict(model=str(folder), dtype="int8", block_size=8, num_kv_blocks=64)
     prompts = [list(range(100, 100 + n)) for n in (3, 40, 70)]
@@ -175,7 +175,7 @@ def test_int8_engine_caches_its_weights_and_rebuilds_them_for_new_ones(tmp_path)
 def test_int8_needs_a_cpu(tmp_path):
     from transformers import AutoConfig
 
-    from engine.loader import load_model
+    from engine.weights.loader import load_model
     folder = save_tiny_model("llama", tmp_path / "llama")
     with pytest.raises(ValueError, match="int8"):
         load_model(folder, AutoConfig.from_pretrained(folder), "int8", torch.device("meta"), TorchAttention())
@@ -232,9 +232,9 @@ def test_a_failed_requests_non_finite_kv_does_not_reach_the_next_owner_of_its_bl
 def test_the_cpu_kernels_build_where_a_compiler_is():
     """tests/test_cpu_kernels.py skips itself where the library did not build; a compiler that is there and
     a source that does not compile must fail here instead, and a CPU with AVX-512 must get its kernels."""
-    from engine import cpu_kernels
+    from engine.kernels import cpu_kernels
     if cpu_kernels.compiler() is None or os.environ.get("BATCHSCOPE_CPU_KERNEL") == "0":
         pytest.skip("no C++ compiler here (or the kernels are switched off)")
-    assert cpu_kernels.library() is not None, "engine/cpu_kernels.cpp did not build: see the warning logged"
+    assert cpu_kernels.library() is not None, "engine/kernels/cpu_kernels.cpp did not build: see the warning logged"
     if "avx512f" in cpu_kernels.cpu_flags().split() and os.environ.get("BATCHSCOPE_F32_KERNEL") != "0":
         assert cpu_kernels.f32_linears()

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from app.replay.scenarios import SCENARIOS, Arrival, Scenario, get_scenario, load_text
-from demos import trace
-from demos.runner import Feeder, run_scenario
+from demos.compare import trace
+from demos.compare.runner import Feeder, run_scenario
 from app.readers import metrics
 from engine import EngineConfig, LLMEngine
-from engine.loader import resolve_model
+from engine.weights.loader import resolve_model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -138,7 +138,7 @@ from hypothesis import given, strategies as st  # noqa: E402
 @given(st.lists(st.integers(0, 30), min_size=1, max_size=8), st.lists(st.integers(1, 4), min_size=1, max_size=60),
        st.sampled_from(["step", "wall"]))
 def test_one_replay_hands_out_every_arrival_once_in_order_when_due(ats, ticks, clock):
-    """app/replay/scenarios.py's Replay, used by demos/runner.py and the page's lessons: whatever the clock
+    """app/replay/scenarios.py's Replay, used by demos/compare/runner.py and the page's lessons: whatever the clock
     does, each arrival comes exactly once, in scenario order, never before its time; idle skips ahead."""
     from app.replay.scenarios import Replay
     sc = Scenario("r", "", tuple(Arrival(a, f"u{i}", 1, prompt="x") for i, a in enumerate(sorted(ats))), clock=clock)
@@ -184,7 +184,7 @@ def test_trace_round_trip_and_chrome_events(tiny_model, tmp_path):
 
 # ---- compare and bench, end to end on the tiny model ----
 def test_compare_smoke(tiny_model, tmp_path):
-    from demos import compare
+    from demos.compare import scenario as compare
     out, js = tmp_path / "r.html", tmp_path / "m.json"
     compare.main(["--scenario", "long-prompt-interrupts", "--policies", "static,continuous,chunked",
                   "--model", tiny_model, "--dtype", "float32", "--out", str(out), "--json", str(js),
@@ -210,7 +210,7 @@ def test_compare_smoke(tiny_model, tmp_path):
     md = (tmp_path / "m.md").read_text()
     assert "| output tokens/s |" in md
     assert f"| steps | {doc['policies']['static']['num_steps']} | {cont['num_steps']} | {chunk['num_steps']} |" in md
-    from demos import figure
+    from demos.compare import figure
     figure.main(["--traces", str(tmp_path / "traces"), "--out", str(tmp_path / "f.svg")])
     svg = (tmp_path / "f.svg").read_text()
     assert svg.startswith("<svg") and svg.count("<polyline") == len(cont["focus"]["victims"]) + len(
@@ -218,7 +218,7 @@ def test_compare_smoke(tiny_model, tmp_path):
 
 
 def test_bench_smoke(tiny_model, tmp_path):
-    from demos import bench
+    from demos.bench import against_hf as bench
     js = tmp_path / "b.json"
     bench.main(["--model", tiny_model, "--requests", "5", "--prompt-range", "8,40", "--output-range", "2,9",
                 "--batch", "2", "--budget", "64", "--decode-batches", "1,3", "--decode-context", "40",
@@ -250,7 +250,7 @@ def test_bench_smoke(tiny_model, tmp_path):
 
 
 def test_one_chrome_converter_every_event_on_a_track():
-    """demos.trace and the server's /api/trace?format=chrome use app/readers/trace.py; every event names its track."""
+    """demos.compare.trace and the server's /api/trace?format=chrome use app/readers/trace.py; every event names its track."""
     from app.readers.trace import chrome_trace
     from tests.factories import stall_stream
     s = stall_stream()
@@ -276,8 +276,8 @@ def test_app_does_not_import_demos_and_metrics_need_no_torch():
 
 
 def test_bench_ops_prints_its_tables(capsys):
-    from demos import bench_ops
-    from engine import cpu_kernels
+    from demos.bench import ops as bench_ops
+    from engine.kernels import cpu_kernels
     with torch.inference_mode():
         bench_ops.linears(1, rows=(1, 3))
         bench_ops.attention(1, cases=((1, 40), (3, 100)))

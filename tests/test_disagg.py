@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode (engine/disagg.py) on the real default model: the same greedy tokens as
+"""Disaggregated prefill/decode (engine/disagg/router.py) on the real default model: the same greedy tokens as
 transformers, prompts only on the prefill worker and replies only on the decode worker, every block
 given back on both workers after aborts at any moment; and a killed worker restarted (on the tiny random
 model: what is checked there is which requests fail and that the survivor's tokens are the single engine's)."""
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from engine import EngineConfig, SamplingParams
-from engine.disagg import DisaggregatedEngine
+from engine.disagg.router import DisaggregatedEngine
 from tests.helpers import CHAT_PROMPTS, hf_greedy
 
 pytestmark = pytest.mark.model
@@ -212,10 +212,10 @@ def test_settings_and_refusals(engine):
 
 
 def test_workers_start_with_the_environment_of_the_moment(engine, monkeypatch):
-    """Workers fork from a fork server that started with an earlier pair (engine/disagg.py worker_context):
+    """Workers fork from a fork server that started with an earlier pair (engine/disagg/router.py worker_context):
     they must still see the environment as it is when they start, as spawned ones would. Workers started
     after BATCHSCOPE_CPU_KERNEL=0 is set run torch's attention where the earlier pair ran the CPU kernel."""
-    from engine import cpu_kernels
+    from engine.kernels import cpu_kernels
     if cpu_kernels.library() is None:
         pytest.skip("no CPU kernel here (no C++ compiler?): switching it off changes nothing to see")
     assert {w.info["attention_backend"] for w in engine.workers.values()} == {"cpu-paged"}

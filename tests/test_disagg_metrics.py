@@ -82,7 +82,7 @@ def test_recorded_disaggregated_trace():
     and decode steps overlap in time on their two workers, one hand-over per request that decoded,
     each stretch's transfers within its time span, steps numbered as one stream."""
     from pathlib import Path
-    from demos import trace
+    from demos.compare import trace
     objs = trace.load(Path(__file__).parent / "data" / "disagg_trace.json")
     steps = metrics.steps(objs)
     assert [s["step"] for s in steps] == list(range(steps[0]["step"], steps[0]["step"] + len(steps)))

@@ -1,5 +1,5 @@
 """The engine boundary (engine/protocol.py): what step() returns for each request, the request book both
-engines share (engine/requests.py), and the switch between the single engine and the pair (engine/engines.py).
+engines share (engine/outputs/requests.py), and the switch between the single engine and the pair (engine/engines.py).
 A tiny random model: the point is the bookkeeping, not the words."""
 import random
 
@@ -8,8 +8,8 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ShuttingDown
 from engine.protocol import Engine, RequestOutput
-from engine.requests import RequestBook, StepCounter
-from engine.sequence import Status
+from engine.outputs.requests import RequestBook, StepCounter
+from engine.scheduling.sequence import Status
 from tests.helpers import save_tiny_model
 
 
@@ -24,7 +24,7 @@ def tiny_engine(folder, steps: StepCounter | None = None, **kw) -> LLMEngine:
 
 
 def test_every_engine_satisfies_the_protocol(tiny):
-    from engine.disagg import DisaggregatedEngine
+    from engine.disagg.router import DisaggregatedEngine
     from engine.engines import EngineSwitch
     assert isinstance(tiny_engine(tiny), Engine)
     assert isinstance(EngineSwitch(EngineConfig(model=str(tiny), dtype="float32", num_kv_blocks=64)), Engine)
@@ -142,7 +142,7 @@ def test_two_engines_sharing_a_counter_number_their_steps_as_one_stream(tiny):
 def test_the_switch_routes_requests_and_reports_them(tiny, monkeypatch):
     import time
 
-    import engine.disagg
+    import engine.disagg.router
     from engine.engines import EngineSwitch
     sw = EngineSwitch(EngineConfig(model=str(tiny), dtype="float32", num_kv_blocks=64))
     rid = sw.add_request(prompt_token_ids=[9, 9, 9], params=SamplingParams(max_tokens=4, ignore_eos=True))
@@ -157,7 +157,7 @@ def test_the_switch_routes_requests_and_reports_them(tiny, monkeypatch):
 
     def no_pair(*args, **kw):
         raise RuntimeError("no room for two more models")
-    monkeypatch.setattr(engine.disagg, "DisaggregatedEngine", no_pair)
+    monkeypatch.setattr(engine.disagg.router, "DisaggregatedEngine", no_pair)
     sw.set_policy("disaggregated", max_num_batched_tokens=32)
     assert sw.pair_state == "starting" and sw.settings()["max_num_batched_tokens"] == 32
     deadline = time.monotonic() + 30

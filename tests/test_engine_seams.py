@@ -7,11 +7,11 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
-from engine.records import KV_MAP_EVERY, Listeners, PolicyEvent, StepRecord, read_batch, record_fields, step_record
+from engine.scheduling.block_manager import BlockManager
+from engine.outputs.records import KV_MAP_EVERY, Listeners, PolicyEvent, StepRecord, read_batch, record_fields, step_record
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.scheduling.scheduler import Scheduler
+from engine.scheduling.sequence import Sequence
 
 
 def test_listeners_each_get_a_dict_of_their_own_and_a_failing_one_is_removed():
@@ -41,7 +41,7 @@ def test_listeners_each_get_a_dict_of_their_own_and_a_failing_one_is_removed():
 
 
 def test_importing_the_records_and_their_metrics_does_not_import_torch():
-    code = ("import sys, engine.records, engine.scheduler, app.readers.metrics; "
+    code = ("import sys, engine.outputs.records, engine.scheduling.scheduler, app.readers.metrics; "
             "print(sorted({'torch', 'gradio', 'fastapi'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, strategies as st
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.attention import TorchAttention, decode_splits, kernel_supports, select_backend
-from engine.cuda_graph import bucket_for, token_buckets
-from engine.model_runner import StepInputs, token_slots
+from engine.execution.attention import TorchAttention, decode_splits, kernel_supports, select_backend
+from engine.execution.cuda_graph import bucket_for, token_buckets
+from engine.execution.model_runner import StepInputs, token_slots
 from tests.helpers import hf_greedy, save_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ def test_bucket_choice(num_tokens, num_seqs, max_tokens, max_num_seqs):
 def test_step_layout_pads_and_packs_one_buffer():
     """One flat int64 buffer: token rows, then per-sequence rows, block tables last; a step writes its
     values and pads the rest (scratch slot, empty sequences), and the copy stops after its last table."""
-    from engine.cuda_graph import StepLayout
+    from engine.execution.cuda_graph import StepLayout
     lay = StepLayout(tokens=16, seqs=4, width=3)
     offs = lay.offsets
     assert [offs[k][1] for k in ("input_ids", "positions", "slots", "sample_rows", "cu_q", "seq_lens")] == \
@@ -85,7 +85,7 @@ def test_token_slots(start, end):
 def test_unified_launch_shapes():
     """Split-K and tile rows from shapes only: decode-like batches split when few and long; batches
     with chunks take 64-row tiles and no split."""
-    from engine.attention import TritonAttention
+    from engine.execution.attention import TritonAttention
     pytest.importorskip("triton")
     b = TritonAttention(num_sms=132)
     assert b.launch(4, 4, 2048, 7, 2) == (16, 16)       # four long decodes: 16 ranges each
@@ -123,7 +123,7 @@ def test_backend_selection_on_cpu(monkeypatch):
 def test_backend_selection_on_cuda(interpreted, monkeypatch):
     """The CUDA branch of the choice, with the device's answers faked (the kernel module is loaded
     first, by the fixture, so that dropping TRITON_INTERPRET here does not change how it runs later)."""
-    import engine.attention as attention
+    import engine.execution.attention as attention
     from types import SimpleNamespace
     cap = [(8, 9)]
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -152,11 +152,11 @@ def test_backend_selection_on_cuda(interpreted, monkeypatch):
 # ---- the Triton kernel, run by Triton's interpreter on CPU tensors ----
 @pytest.fixture(scope="module")
 def interpreted():
-    """engine.triton_attention, run by the GPU where there is one, else by Triton's interpreter."""
+    """engine.execution.triton_attention, run by the GPU where there is one, else by Triton's interpreter."""
     pytest.importorskip("triton")
     if not (CUDA or os.environ.get("TRITON_INTERPRET") == "1"):
         pytest.skip("triton was imported before this module could turn its interpreter on")
-    import engine.triton_attention as ta
+    import engine.execution.triton_attention as ta
     return ta
 
 

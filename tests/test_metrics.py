@@ -101,7 +101,7 @@ def test_tbt_series_and_cdf():
 
 
 def test_gantt_segments_merge_steps_and_mark_stalls():
-    from demos.report import segments
+    from app.readers.report import segments
     s = stall_stream(stall_s=1.0, tick=0.01)
     segs = [x for x in segments(s) if x["req"] == "a"]
     kinds = sorted((x["kind"], round(x["start"], 3), round(x["end"], 3), x["tokens"]) for x in segs)

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from engine import loader
+from engine.weights import loader
 from tests.helpers import save_tiny_model
 
 EMBED = "model.embed_tokens.weight"

@@ -13,7 +13,7 @@ import pytest
 
 from tests.browser import MARKS, chromium, load_stage
 
-from demos import trace
+from demos.compare import trace
 from app.readers import metrics
 from tests.factories import random_streams
 from tests.page_table import TABLE_JS, check

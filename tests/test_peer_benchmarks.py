@@ -81,10 +81,10 @@ def test_aiperf_finishes_a_concurrent_run_without_errors(server, tmp_path):
 
 
 def test_the_side_by_side_script_measures_a_server(server):
-    """demos/bench_peers.py's client on a real server: every request answered, its numbers filled in."""
+    """demos/vllm/peers.py's client on a real server: every request answered, its numbers filled in."""
     import asyncio
 
-    from demos import bench_peers
+    from demos.vllm import peers as bench_peers
     url, _, service = server
     m = asyncio.run(bench_peers.level(url, concurrency=2, requests=3, prompt_tokens=16, output_tokens=5, salt=1,
                                       model=service.model_name))
@@ -96,7 +96,7 @@ def test_the_side_by_side_script_measures_a_server(server):
 
 def vllm_python_or_skip() -> str:
     """vLLM's own environment (scripts/install_vllm.sh; $BATCHSCOPE_VLLM_PYTHON names another)."""
-    from demos import vllm_server
+    from demos.vllm import server as vllm_server
     path = vllm_server.vllm_python()
     if path is None:
         pytest.skip("vLLM is not installed (bash scripts/install_vllm.sh)")

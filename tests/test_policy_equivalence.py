@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.scheduling.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, Status
+from engine.scheduling.scheduler import Scheduler
+from engine.scheduling.sequence import Sequence, Status
 from tests.reference_scheduler import ReferenceScheduler
 
 POLICIES = ("static", "continuous", "chunked")

@@ -1,12 +1,12 @@
-"""Each rule of engine/scheduler.py broken by a purposely bad policy: a PolicyError naming the rule, the step
+"""Each rule of engine/scheduling/scheduler.py broken by a purposely bad policy: a PolicyError naming the rule, the step
 and the request; the step is undone, no block leaks, and the requests finish under a good policy."""
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.policy import RULES, Policy, PolicyError
+from engine.scheduling.block_manager import BlockManager
+from engine.scheduling.policy import RULES, Policy, PolicyError
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, Status
+from engine.scheduling.scheduler import Scheduler
+from engine.scheduling.sequence import Sequence, Status
 
 
 def seq(n: int, sid: str, start: int = 0) -> Sequence:

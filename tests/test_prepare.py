@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import loader
-from engine.wheel_fetch import FetchError, PinnedWheel, fetch_wheel
+from engine.weights import loader
+from engine.weights.wheel_fetch import FetchError, PinnedWheel, fetch_wheel
 from tests.helpers import FRESH_PREPARE, HIDE_INSTALLED, fresh_prepare_command, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,10 +139,10 @@ def test_a_mirror_handing_over_another_file_is_refused_with_one_message(own_pip,
 
 
 def test_prepare_says_what_to_do_when_nothing_can_be_fetched(own_pip, tmp_path):
-    """No index reachable: `python -m engine.loader prepare` prints one message and exits 1, no traceback."""
+    """No index reachable: `python -m engine.weights.loader prepare` prints one message and exits 1, no traceback."""
     env = {**os.environ, "BATCHSCOPE_CACHE": str(tmp_path / "cache"),
            "PIP_INDEX_URL": "http://127.0.0.1:9/simple"}
-    done = subprocess.run([sys.executable, "-c", HIDE_INSTALLED + "from engine import loader, wheel_fetch\n"
+    done = subprocess.run([sys.executable, "-c", HIDE_INSTALLED + "from engine.weights import loader, wheel_fetch\n"
                            "wheel_fetch.pip_index_urls = lambda: ['http://127.0.0.1:9/simple']\n"
                            "sys.exit(loader.main(['prepare']))"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

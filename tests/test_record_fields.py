@@ -1,6 +1,6 @@
 """The browser reads record fields in one place (static/record.js), and only fields the schema has.
 
-The schema is engine/records.py (record_fields()); the app adds `step_delay` to
+The schema is engine/outputs/records.py (record_fields()); the app adds `step_delay` to
 policy events and to the settings in a snapshot (app/serving/service.py). A renamed or
 misspelt field in record.js, an accessor used elsewhere that record.js lacks, or
 a view reading a record field around record.js, fails here.
@@ -8,7 +8,7 @@ a view reading a record field around record.js, fails here.
 import re
 from pathlib import Path
 
-from engine.records import record_fields
+from engine.outputs.records import record_fields
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 APP_FIELDS = {"policy": {"step_delay"}}         # added by the app, not the engine

@@ -1,4 +1,4 @@
-"""The record schema: one definition (engine/records.py), the docs generated from it, wire dicts that
+"""The record schema: one definition (engine/outputs/records.py), the docs generated from it, wire dicts that
 readers may extend without touching the engine, and a scheduler that imports without torch."""
 import subprocess
 import sys
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.records import (PolicyEvent, RequestEvent, StepItem, StepRecord, KVState, record_fields,
+from engine.outputs.records import (PolicyEvent, RequestEvent, StepItem, StepRecord, KVState, record_fields,
                             schema_markdown)
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "step_record.md"
@@ -15,7 +15,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "step_record.md"
 def test_docs_tables_are_the_schema():
     text = DOC.read_text()
     block = text.split("<!-- schema:start -->\n", 1)[1].split("<!-- schema:end -->", 1)[0]
-    assert block == schema_markdown(), "docs/step_record.md is stale: paste `python -m engine.records` in"
+    assert block == schema_markdown(), "docs/step_record.md is stale: paste `python -m engine.outputs.records` in"
 
 
 def test_every_field_has_a_meaning_and_the_contract_names_are_kept():
@@ -57,5 +57,5 @@ def test_wire_dicts_are_fresh_and_leave_out_absent_optionals():
 
 
 def test_scheduler_imports_without_torch():
-    code = "import sys, engine.scheduler, engine.records; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, engine.scheduling.scheduler, engine.outputs.records; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=DOC.parent.parent)

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import sample
+from engine.execution.sampler import sample
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.scheduling.sequence import Sequence
 
 
 def seq(params: SamplingParams, seed: int) -> Sequence:

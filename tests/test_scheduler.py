@@ -1,10 +1,10 @@
 """Scheduling policies without a model: what each step contains, in milliseconds."""
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.scheduling.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.scheduling.scheduler import Scheduler
+from engine.scheduling.sequence import Sequence
 
 
 def make(policy, budget=16, max_seqs=8, blocks=64, block_size=4, chunk=None):

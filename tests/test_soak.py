@@ -6,7 +6,7 @@ still checked against the same model run in-process), with a cache of eight bloc
 model's 0.006 GB is."""
 import pytest
 
-from demos.soak import main
+from demos.load.soak import main
 
 pytestmark = [pytest.mark.soak, pytest.mark.server]
 

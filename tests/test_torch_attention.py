@@ -1,11 +1,11 @@
-"""The torch backend's whole call (engine.attention.TorchAttention) on random ragged batches against
+"""The torch backend's whole call (engine.execution.attention.TorchAttention) on random ragged batches against
 attention computed sequence by sequence in fp64: decodes, fresh prefill chunks (runs of one length
 share one call), chunks over a cached prefix; and how chunks are cut into runs."""
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.attention import AttentionMetadata, PrefillChunk, TorchAttention, chunk_runs
+from engine.execution.attention import AttentionMetadata, PrefillChunk, TorchAttention, chunk_runs
 
 BS, KV, HD, HEADS, NUM_BLOCKS = 4, 2, 8, 6, 96
 

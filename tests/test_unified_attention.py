@@ -1,4 +1,4 @@
-"""The unified Triton attention kernel (engine/triton_attention.py) against an fp64 reference, on random
+"""The unified Triton attention kernel (engine/execution/triton_attention.py) against an fp64 reference, on random
 ragged batches: decodes only, chunks only, both; cached prefixes; padded tokens and sequences; block
 sizes 16-256; grouped-query ratios 1-8; fp32, bf16 and fp16 caches; with and without split-K.
 On a CPU Triton's interpreter runs it (slow: many short cases, a few long ones)."""
@@ -23,7 +23,7 @@ def kernel():
     pytest.importorskip("triton")
     if not (CUDA or os.environ.get("TRITON_INTERPRET") == "1"):
         pytest.skip("triton was imported before this module could turn its interpreter on")
-    import engine.triton_attention as ta
+    import engine.execution.triton_attention as ta
     return ta
 
 
@@ -151,7 +151,7 @@ AOT_COMPILE = """
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
-from engine.triton_attention import _unified_kernel
+from engine.execution.triton_attention import _unified_kernel
 ints = ["num_seqs", "num_splits", "stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_bt",
         "stride_ot", "stride_oh", "stride_osp"]
 for dtype, split, group, head_dim, bq in [("bf16", False, 7, 64, 2), ("bf16", True, 6, 128, 2), ("fp32", False, 4, 64, 4),

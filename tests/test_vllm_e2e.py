@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from demos import vllm_server
+from demos.vllm import server as vllm_server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.server]
 BUDGET = 128          # small, so the document's prefill needs several steps
@@ -58,7 +58,7 @@ def vllm(tmp_path_factory):
 def app_url(vllm):
     import uvicorn
     from app.__main__ import build, parse_args
-    from demos.vllm_server import free_port
+    from demos.vllm.server import free_port
     url, records, _ = vllm
     port = free_port()
     service, app = build(parse_args(["--attach", url, "--attach-records", records, "--port", str(port)]), env={})

@@ -1,4 +1,4 @@
-"""demos/vllm_side.py (vLLM's row in demos.compare and demos.bench) against a stand-in vLLM: what it checks
+"""demos/vllm/side.py (vLLM's row in demos.compare and demos.bench) against a stand-in vLLM: what it checks
 before a run and how it names what is missing. The real runs: docs/results.md."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import pytest
 import uvicorn
 
-from demos import vllm_side
+from demos.vllm import side as vllm_side
 from integrations.vllm.publisher import Publisher
 from tests.fake_vllm import SETTINGS, Thread, fake_vllm, free_port
 

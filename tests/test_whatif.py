@@ -167,7 +167,7 @@ def test_live_session_replays_like_demos_compare_and_stays_private(real_server, 
     live_server = real_server
     from websockets.sync.client import connect
 
-    from demos.compare import run_policy
+    from demos.compare.scenario import run_policy
     http, key = live_server.http, {"X-Presenter-Key": live_server.key}
     assert http.delete("/api/whatif/log").status_code == 403            # the audience cannot touch the log
     assert http.delete("/api/whatif/log", headers=key).json()["requests"] == 0
@@ -244,7 +244,7 @@ def test_live_session_replays_like_demos_compare_and_stays_private(real_server, 
 
 
 def test_compare_reads_a_saved_log_with_the_live_budgets(tmp_path):
-    from demos.compare import saved_session
+    from demos.compare.scenario import saved_session
     doc = {"type": "arrival_log", "version": 1, "model": "m", "device": "cpu", "dtype": "float32",
            "settings": {"policy": "continuous", "max_num_batched_tokens": 64, "max_num_seqs": 8},
            "arrivals": [{"req": "r1", "label": "Dan", "t": 0.5, "step": 4, "prompt_token_ids": [9, 8],

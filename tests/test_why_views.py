@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.readers import analysis
-from demos import trace
+from demos.compare import trace
 from app.readers import metrics
 from tests.factories import linear_stream
 

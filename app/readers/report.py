@@ -3,7 +3,7 @@
     from app.readers.report import write_report
     write_report("out/report.html", scenario, runs, summaries)
 
-runs: {name: anything with .stream and .meta} (demos/runner.py's Run, app/replay/whatif.py's
+runs: {name: anything with .stream and .meta} (demos/compare/runner.py's Run, app/replay/whatif.py's
 Replayed); summaries: {name: metrics dict}, as demos.compare and the what-if replay build them. Sections: metrics table, one Gantt chart per
 policy (which request was in which step, prefill vs decode, stalls in red),
 TBT over time, TTFT and TBT CDFs, budget fill per step.

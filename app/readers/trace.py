@@ -1,6 +1,6 @@
 """Records -> Chrome trace events: the one converter (open the file in ui.perfetto.dev or chrome://tracing).
 
-Used by the server's `/api/trace?format=chrome` and by `python -m demos.trace`.
+Used by the server's `/api/trace?format=chrome` and by `python -m demos.compare.trace`.
 A `steps` track with one slice per step; one track per request (named by its
 label) with a `decode` or `prefill N` slice for each step it was in and instant
 markers for its lifecycle events; instants for policy changes; counters for the

@@ -1,7 +1,7 @@
 """Classroom scenarios: fixed workloads that show one batching effect each, and their replay.
 
 The page's lessons (app/ui/lessons.py) and the comparison reports
-(demos/runner.py) both play scenarios from here, through one Replay: the
+(demos/compare/runner.py) both play scenarios from here, through one Replay: the
 arrivals fall due by the same clock rules, with the same sampling parameters.
 
 A Scenario is data: a list of Arrivals (when a request joins, who sends it,
@@ -24,7 +24,7 @@ Arrival offsets are read in the scenario's `clock`:
           point is load over time (requests per second); its arrival times
           repeat exactly, but which step they land in depends on the machine.
 
-Replay(scenario) hands out the arrivals as they fall due; demos/runner.py feeds
+Replay(scenario) hands out the arrivals as they fall due; demos/compare/runner.py feeds
 them to an engine it steps itself, app/ui/lessons.py to the chat panels of a
 running server. app/readers/metrics.py turns the resulting records into numbers.
 """

@@ -9,7 +9,7 @@ Those records reach this event loop late on a busy machine, so the runner
 also holds the engine at the step its next user is due (EngineLoop.hold):
 the user joins the step the scenario names, and a lesson's steps are the
 same on a loaded machine as on an idle one.
-The arrivals fall due through app/replay/scenarios.py's Replay, as in demos/runner.py.
+The arrivals fall due through app/replay/scenarios.py's Replay, as in demos/compare/runner.py.
 """
 from __future__ import annotations
 

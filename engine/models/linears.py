@@ -3,8 +3,8 @@
   plain     F.linear, with the output features cut into one slice per thread (`linear`): where no
             format below is made
   oneDNN    weights packed once in oneDNN's blocked layout (`pack`, `packed_linear`): bf16 and fp32
-  AMX       bf16 weights laid out once for the tile kernel of engine/cpu_kernels.cpp, for 1 to 32 rows
-  f32       fp32 weights laid out once for the AVX-512 kernel of engine/cpu_kernels.cpp, for every row count
+  AMX       bf16 weights laid out once for the tile kernel of engine/kernels/cpu_kernels.cpp, for 1 to 32 rows
+  f32       fp32 weights laid out once for the AVX-512 kernel of engine/kernels/cpu_kernels.cpp, for every row count
 
 In bf16 every format computes F.linear's values bit for bit. In fp32 oneDNN and the f32 kernel each sum
 in their own order (MKL, behind F.linear, in its own): the same values up to fp32 rounding, the f32
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from engine import cpu_kernels
+from engine.kernels import cpu_kernels
 
 log = logging.getLogger("batchscope.engine")
 
@@ -33,7 +33,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     every thread reads its own share of the weights. MKL runs a skinny fp32 matmul (a decode step's
     few rows) on one thread; cut this way the default model's linears took 1.3-1.6x less time on a
     2-core CPU at 1 to 32 rows, 1.15-1.3x at 128, and as long at 512, where MKL uses every thread
-    itself (two runs of python -m demos.bench_ops; docs/results.md)."""
+    itself (two runs of python -m demos.bench.ops; docs/results.md)."""
     t = torch.get_num_threads()
     if t == 1 or x.is_cuda or x.dtype != torch.float32 or w.shape[0] % t or x.shape[0] > SPLIT_ROWS:
         return F.linear(x, w, b)

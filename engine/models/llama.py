@@ -14,8 +14,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from engine import cpu_kernels
-from engine.attention import CpuAttention, get_metadata
+from engine.kernels import cpu_kernels
+from engine.execution.attention import CpuAttention, get_metadata
 from engine.models.linears import (Linear, amx_linears_work, f32_linears_work, linear, pack, packed_linear,
                                    packed_weights_work)
 
@@ -36,7 +36,7 @@ class Fused:
       launches, not bytes moved, would set its time. Eager steps (prefill, mixed) run the plain
       function: there a compiled region's guards and dispatch cost more host time than the fusion
       saves (measured on an H200: a 512-token step took 100 ms compiled, 25 ms plain).
-    - CPU, bf16 and fp32: one pass of engine/cpu_kernels.cpp where that library built (the same values
+    - CPU, bf16 and fp32: one pass of engine/kernels/cpu_kernels.cpp where that library built (the same values
       up to the last bit of an fp32 exp or rsqrt): torch's 3 to 9 passes took a quarter of a 2,048-token
       bf16 prefill step.
     - Otherwise, or when `enabled` is off (enforce_eager): the plain function."""
@@ -226,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend, ops) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.int8_head = None        # engine.quant sets it for dtype="int8"
+        self.int8_head = None        # engine.weights.quant sets it for dtype="int8"
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -286,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_weights(self):
         """Every Linear and the logits matrix in oneDNN's layout, and for a decode step's few rows also in a
-        kernel's of engine/cpu_kernels.cpp: bf16 where the CPU has AMX (bias-free linears whose sizes the
+        kernel's of engine/kernels/cpu_kernels.cpp: bf16 where the CPU has AMX (bias-free linears whose sizes the
         tiles take); fp32 where it has AVX-512 in that kernel's layout alone, for every row count; each where
         it computes what F.linear does (packed_weights_work, amx_linears_work, f32_linears_work). The plain weights stay: the embedding shares the head's, and
         readers of the weights (weight_bytes, the int8 path, tests) see the usual tensors; each packed copy

@@ -1,6 +1,6 @@
 """The record stream of one vLLM engine: newline-delimited JSON over TCP, never in vLLM's way.
 
-vLLM's step loop only appends each record (a frozen Record of engine/records.py, or a dict) to a
+vLLM's step loop only appends each record (a frozen Record of engine/outputs/records.py, or a dict) to a
 bounded deque: no lock, no wake-up of another thread (waking one would make the step loop hand it
 the GIL), no serialising. When the deque is full the record is dropped and counted, and the next
 record that gets through is preceded by a `{"type": "gap", "dropped": N}` line, so a slow or stuck

@@ -1,4 +1,4 @@
-"""Reading one vLLM scheduling step as batchscope's records (engine/records.py).
+"""Reading one vLLM scheduling step as batchscope's records (engine/outputs/records.py).
 
 Pure functions over what the scheduler already holds: its `SchedulerOutput`, the
 `Request` objects in `scheduler.requests` and `scheduler.running`, and the block pool's
@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from engine.records import KVState, StallCause, StepItem
+from engine.outputs.records import KVState, StallCause, StepItem
 
 # vLLM's OpenAI server names an engine request `chatcmpl-<id>` or `cmpl-<id>`, where <id> is the
 # client's `request_id` (or X-Request-Id header, or a random uuid), then adds `-<8 hex>` of its own

@@ -23,7 +23,7 @@ import os
 import time
 from typing import Any
 
-from engine.records import Listeners, PolicyEvent, RequestEvent, StepRecord, StepTiming
+from engine.outputs.records import Listeners, PolicyEvent, RequestEvent, StepRecord, StepTiming
 from integrations.vllm import reading
 
 log = logging.getLogger("batchscope.vllm")

@@ -1,0 +1,346 @@
+"""Attention over a flat ragged batch that reads and writes the paged KV cache.
+
+A step's tokens are one flat dimension: first one token per decoding sequence,
+then the prefill chunks. Everything attention needs to know about that layout
+travels in one per-step AttentionMetadata (set by the model runner, read by
+every layer), not through the forward signatures.
+
+Backends share one call: backend(q, k, v, k_cache, v_cache, meta) -> out.
+  TorchAttention      portable (CPU and CUDA): one SDPA call per prefill chunk, or
+                      per run of fresh chunks of one length; decodes in one call
+                      per group of similar context lengths, over their blocks
+                      gathered (index_select) and masked.
+  TritonAttention     CUDA: the whole batch, decodes and chunks, in one launch
+                      of a Triton kernel that reads the cache by block table and
+                      finds each token's sequence on the device (graph-capturable
+                      at a padded token bucket).
+  FlashAttention      flash-attn reading block tables directly (CUDA, when the
+                      package is installed and block_size % 256 == 0; eager).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int               # first row of this chunk in the flat batch
+    q_len: int                 # tokens in the chunk
+    ctx_len: int               # tokens of the sequence in the cache once the chunk is written
+    block_table: torch.Tensor  # (num_blocks,) long
+    mask: torch.Tensor | None  # (q_len, ctx_len) bool, None when the chunk starts the sequence
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor      # (num_tokens,) cache slot of each token
+    context_lens: torch.Tensor      # (num_seqs,) tokens in the cache once this step is written; decodes first
+    block_tables: torch.Tensor      # (num_seqs, max_blocks) long, rows padded with 0
+    num_decodes: int = 0
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    # ragged layout (Triton, flash-attn): cumulative query and context lengths, and their maxima (host ints)
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    decode_ctx: list[int] = field(default_factory=list)   # host-side: each decode's context length
+    derived: dict = field(default_factory=dict)   # per-step tensors a backend builds in its first layer
+
+
+_META: AttentionMetadata | None = None
+
+
+def set_metadata(meta: AttentionMetadata | None):
+    global _META
+    _META = meta
+
+
+def get_metadata() -> AttentionMetadata:
+    return _META
+
+
+def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor):
+    """k, v: (num_tokens, kv_heads, head_dim) -> their slots in (num_blocks, block_size, kv_heads, head_dim)."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+# CUDA SDPA kernels without cuDNN's: cuDNN builds an execution plan for every new (q_len, ctx) shape,
+# and a serving engine's prefill chunks bring a new shape nearly every step (on an H200 a 512-token
+# step took 60-100 ms with it, most of it planning)
+CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q, k, v, **kw) -> torch.Tensor:
+    """q: (b, heads, q_len, head_dim); k, v: (b, kv_heads, ctx, head_dim)."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+    if k.shape[1] != q.shape[1]:
+        # CUDA SDPA honours enable_gqa only in its flash kernel (16-bit, no mask); elsewhere it falls back
+        # to the math kernel and its (q_len, ctx) score matrix per head: expanding K/V is far cheaper
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    with sdpa_kernel(CUDA_SDPA):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+def gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache: (num_blocks, block_size, kv_heads, head_dim); blocks: (n,) long -> (n * block_size, kv_heads,
+    head_dim), the blocks' tokens in order. index_select copies whole blocks (rows of a 2-D view): on CPU
+    several times faster than indexing the 4-D cache with a tensor."""
+    return cache.view(cache.shape[0], -1).index_select(0, blocks).view(-1, *cache.shape[2:])
+
+
+def batched(t: torch.Tensor, m: int) -> torch.Tensor:
+    """(m * q_len, heads, head_dim) rows -> (m, heads, q_len, head_dim), a view."""
+    return t.view(m, -1, *t.shape[1:]).transpose(1, 2)
+
+
+def chunk_runs(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
+    """The step's prefill chunks (consecutive in the flat batch) cut into runs that share one attention
+    call: chunks that start their sequences (no mask) and have one length, side by side, are one causal
+    call over a (chunks, q_len) view; a chunk that reads earlier tokens from the cache is a run of its
+    own. Eight 256-token prompts are one call per layer instead of eight: 1.1x less time on one thread,
+    and on a busy 2-core machine far less waiting for a descheduled thread, once per call (docs/results.md)."""
+    runs: list[list[PrefillChunk]] = []
+    for c in chunks:
+        last = runs[-1][-1] if runs else None
+        if last is not None and c.mask is None and last.mask is None and c.q_len == last.q_len:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return runs
+
+
+def decode_groups(blocks: list[int]) -> list[list[int]]:
+    """Decodes (by their number of blocks) in groups that share one padded attention call: sorted longest
+    first, a new group starting where a decode has less than half the blocks of its group's longest.
+    Padding then costs less than 2x a decode's own context, in few calls (one when lengths are alike)."""
+    order = sorted(range(len(blocks)), key=lambda i: -blocks[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and 2 * blocks[i] >= blocks[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+class TorchAttention:
+    name = "torch-sdpa"
+    graphable = False                # decode shapes follow the longest context: no fixed shape to capture
+
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        # q: (num_tokens, heads, head_dim); k, v: (num_tokens, kv_heads, head_dim)
+        self.write(k, v, k_cache, v_cache, meta)
+        if not meta.prefills:
+            return self.decode(q, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self.decode(q[:nd], k_cache, v_cache, meta)
+        for run in chunk_runs(meta.prefills):
+            c, m = run[0], len(run)
+            rows = slice(c.q_start, c.q_start + m * c.q_len)
+
+            if c.mask is None:   # the chunks are their sequences' whole contexts so far: plain causal attention
+                out[rows] = self.causal(q[rows], k[rows], v[rows], m)
+            else:                # earlier chunks (or cached prefix) come from the paged cache (a run of one)
+                o = sdpa(batched(q[rows], m), *self.context(k_cache, v_cache, c), attn_mask=c.mask)
+                out[rows] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
+        return out
+
+    def causal(self, q, k, v, m: int) -> torch.Tensor:
+        """m fresh chunks of one length side by side, (m * q_len, heads, head_dim) rows -> their causal attention."""
+        return sdpa(batched(q, m), batched(k, m), batched(v, m), is_causal=True).transpose(1, 2).reshape(q.shape)
+
+    def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata):
+        write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def context(self, k_cache, v_cache, c: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's whole context from the cache: K and V as (1, kv_heads, ctx_len, head_dim)."""
+        kc = gather(k_cache, c.block_table)[:c.ctx_len].transpose(0, 1).unsqueeze(0)
+        vc = gather(v_cache, c.block_table)[:c.ctx_len].transpose(0, 1).unsqueeze(0)
+        return kc, vc
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """One SDPA call per group of decodes with similar contexts (decode_groups), over their blocks
+        gathered and padded to the group's longest, masked. Per-sequence calls over views of the cache
+        copy less but cost 2 x layers calls per sequence: one call per group was 2.0-2.1x faster at
+        batch 8 and 512 tokens of context (python -m demos.bench.ops; docs/results.md)."""
+        if "decode_groups" not in meta.derived:   # index tensors and masks, built in the first layer
+            meta.derived["decode_groups"] = self.plan(meta, k_cache.shape[1], q.device)
+        groups = meta.derived["decode_groups"]
+
+        def attend(qg, blocks, mask):
+            n, kvh, d = mask.shape[0], k_cache.shape[2], k_cache.shape[3]
+            kc = gather(k_cache, blocks).view(n, -1, kvh, d).transpose(1, 2)   # (n, kv_heads, padded ctx, head_dim)
+            vc = gather(v_cache, blocks).view(n, -1, kvh, d).transpose(1, 2)
+            return sdpa(qg.unsqueeze(2), kc, vc, attn_mask=mask).squeeze(2)
+        if len(groups) == 1 and groups[0][0] is None:      # one group, every decode in order
+            return attend(q, *groups[0][1:])
+        out = torch.empty_like(q)
+        for rows, blocks, mask in groups:
+            out.index_copy_(0, rows, attend(q.index_select(0, rows), blocks, mask))
+        return out
+
+    @staticmethod
+    def plan(meta: AttentionMetadata, block_size: int, device) -> list:
+        """Per decode group: (its rows, or None for all decodes in order; its blocks' ids, flat, each
+        sequence's table cut or padded to the group's longest; the mask of real tokens)."""
+        blocks = [-(-c // block_size) for c in meta.decode_ctx]
+        plan = []
+        for g in decode_groups(blocks):
+            width, rows = blocks[g[0]], torch.tensor(g, device=device)
+            mask = (torch.arange(width * block_size, device=device)[None]
+                    < meta.context_lens[rows][:, None])[:, None, None]   # (n, 1, 1, width * block_size)
+            plan.append((None if g == list(range(meta.num_decodes)) else rows,
+                         meta.block_tables[rows, :width].flatten(), mask))
+        return plan
+
+
+class CpuAttention(TorchAttention):
+    """CPU: decodes by the paged kernel (engine/kernels/cpu_kernels.cpp), which reads each sequence's blocks in
+    place: no gather, no padding, no mask; fresh fp32 prompt chunks by the causal kernel there too; other
+    prefill chunks as TorchAttention. The decode kernel sets how a block
+    holds its tokens, so this backend writes and reads the cache in that layout (the runner's cache
+    shape, block ids and block-level copies are the same; only the order inside a block differs):
+      key block   (kv_heads, head_dim, block_size)   keys transposed: a block's scores are vector FMAs
+      value block (kv_heads, block_size, head_dim)"""
+    name = "cpu-paged"
+
+    def __init__(self):
+        from engine.kernels import cpu_kernels
+        self.kernel, self.write_kv = cpu_kernels.paged_decode, cpu_kernels.write_kv
+
+    @staticmethod
+    def views(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        nb, bs, kvh, d = k_cache.shape
+        return k_cache.view(nb, kvh, d, bs), v_cache.view(nb, kvh, bs, d)
+
+    def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata):
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)     # each token into its block's layout
+
+    def context(self, k_cache, v_cache, c: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        kt, vt = self.views(k_cache, v_cache)
+        kvh, d = kt.shape[1], kt.shape[2]
+        kc = kt[c.block_table].permute(1, 0, 3, 2).reshape(kvh, -1, d)[:, :c.ctx_len].unsqueeze(0)
+        vc = vt[c.block_table].transpose(0, 1).reshape(kvh, -1, d)[:, :c.ctx_len].unsqueeze(0)
+        return kc, vc
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return self.kernel(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
+
+    def causal(self, q, k, v, m: int) -> torch.Tensor:
+        from engine.kernels import cpu_kernels  # fp32 on AVX-512: the kernel; otherwise SDPA
+        out = cpu_kernels.causal_prefill(q, k, v, m)
+        return super().causal(q, k, v, m) if out is None else out
+
+
+class TritonAttention:
+    """The whole ragged batch, decodes and chunks, in one launch of the unified kernel
+    (engine/execution/triton_attention.py); its grid follows only the batch's (padded) shapes, so a step
+    padded to a token bucket is captured once and replayed (engine/execution/cuda_graph.py)."""
+    name = "triton-unified"
+    graphable = True
+    ragged = True                    # reads cu_seqlens_q and block tables on the device: no PrefillChunk list
+
+    def __init__(self, num_sms: int):
+        from engine.execution import triton_attention
+        self.kernel = triton_attention
+        self.num_sms = num_sms
+
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        splits, block_m = self.launch(q.shape[0], *meta.block_tables.shape, q.shape[1] // k_cache.shape[2],
+                                      k_cache.shape[2])
+        return self.kernel.unified_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                             meta.context_lens, splits, block_m)
+
+    def launch(self, num_tokens: int, num_seqs: int, max_blocks: int, group: int, kv_heads: int) -> tuple[int, int]:
+        """(split-K ranges, rows per program) from shapes only (the same for every replay of a bucket).
+        Decode-like batches (about one token per sequence) take 16-row tiles and split-K when there are
+        few of them; batches with prefill chunks take 64-row tiles, so a chunk's K/V is re-read by fewer
+        programs, and have programs enough without splitting."""
+        if num_tokens > 2 * num_seqs:
+            return 1, 64
+        work = min(num_tokens, self.kernel.num_qblocks(num_tokens, num_seqs, self.kernel.block_q_for(group)))
+        return decode_splits(work, kv_heads, max_blocks, self.num_sms), 16
+
+
+def decode_splits(num_seqs: int, kv_heads: int, max_blocks: int, num_sms: int) -> int:
+    """Split-K for decode-like batches: ranges to cut each sequence's blocks into. Enough programs for
+    two waves over the GPU, at least 8 blocks per range, at most 16 ranges; host-known sizes only."""
+    want = -(-2 * num_sms // (num_seqs * kv_heads))
+    return max(1, min(want, max_blocks // 8, 16))
+
+
+class FlashAttention:
+    """flash-attn 2 with a paged KV cache (its paged kernels need block_size % 256 == 0). Eager only: it
+    reads host-side maxima (max_seqlen_q/k) and picks its kernel by whether the step has chunks."""
+    name = "flash-attn"
+    graphable = False
+
+    def __init__(self):
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
+
+    def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        write_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if "i32" not in meta.derived:   # flash-attn takes int32 indices
+            meta.derived["i32"] = meta.context_lens.int(), meta.block_tables.int()
+        ctx, tables = meta.derived["i32"]
+        if not meta.prefills:           # decode only, fixed shapes: the CUDA-graph path
+            return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx, block_table=tables,
+                                     causal=True).squeeze(1)
+        return self.varlen(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q.int(),
+                           cu_seqlens_k=meta.cu_seqlens_k.int(), max_seqlen_q=meta.max_seqlen_q,
+                           max_seqlen_k=meta.max_seqlen_k, causal=True, block_table=tables)
+
+
+def select_backend(name: str, device: torch.device, block_size: int, head_dim: int,
+                   dtype: torch.dtype = torch.float32):
+    """auto: on CUDA the Triton kernel where the tile sizes suit it (every step a CUDA graph), else
+    flash-attn where installed and the block size suits it (eager), else torch; on CPU the paged
+    decode kernel where it builds and has this dtype and shape (engine/kernels/cpu_kernels.py), else torch."""
+    cuda = device.type == "cuda"
+    if device.type == "cpu" and name in ("auto", "cpu"):
+        from engine.kernels import cpu_kernels
+        if cpu_kernels.supports(dtype, block_size, head_dim):
+            return CpuAttention()
+        if name == "cpu":
+            raise ValueError(f"attention_backend='cpu' needs a C++ compiler, float32 or bfloat16 and (block_size, "
+                             f"head_dim) in {sorted(cpu_kernels.SHAPES)}; got {dtype}, ({block_size}, {head_dim})")
+    flash_ok = cuda and block_size % 256 == 0 and _installed("flash_attn")
+    ampere = cuda and torch.cuda.get_device_capability(device) >= (8, 0)   # A10G, A100, L4, L40S, H100...
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"   # Triton runs the kernel on CPU tensors: tests
+    triton_ok = (ampere or interpreted) and kernel_supports(block_size, head_dim) and _installed("triton")
+    if name == "flash_attn" and not flash_ok:
+        raise ValueError("attention_backend='flash_attn' needs CUDA, the flash-attn package and block_size % 256 == 0")
+    if name == "triton" and not triton_ok:
+        raise ValueError("attention_backend='triton' needs a CUDA GPU of compute capability 8.0 or newer, the "
+                         "triton package, a power-of-two block_size and a power-of-two head_dim >= 16")
+    if name == "triton" or (name == "auto" and cuda and triton_ok):
+        return TritonAttention(torch.cuda.get_device_properties(device).multi_processor_count if cuda else 8)
+    if name == "flash_attn" or (name == "auto" and flash_ok):
+        return FlashAttention()
+    return TorchAttention()
+
+
+def kernel_supports(block_size: int, head_dim: int) -> bool:
+    """The Triton kernel's tiles need a power-of-two head_dim of at least 16 (tl.dot) and a power-of-two block."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and block_size & (block_size - 1) == 0
+
+
+def _installed(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except Exception:
+        return False

@@ -1,0 +1,148 @@
+"""RequestBook: an engine's requests, as LLMEngine and the disaggregated router both keep them.
+
+It checks and admits a request, holds the live ones and a bounded store of ended
+ones (so a reader can still ask about a reply just finished), counts what
+happened, hands records to the listeners, and says what each reply gained since
+its previous output (`take_outputs`). Which engine runs a request, and how, is
+the engine's business: the book never schedules.
+
+Pure Python: importing this module does not import torch.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable
+
+from engine.protocol import RequestInfo, RequestOutput, TokenLogprob
+from engine.outputs.records import Listeners, Record, RequestEvent
+from engine.sampling_params import SamplingParams
+from engine.scheduling.sequence import Sequence, Status
+
+COUNTERS = ("steps", "requests_finished", "requests_aborted", "requests_failed", "preemptions",
+            "prompt_tokens", "output_tokens")
+
+
+class StepCounter:
+    """The step numbers of one record stream: every step record takes the next one, so two engines
+    that share a counter (the single engine and the disaggregated pair behind one switch) number
+    their steps as one stream, each number given once."""
+
+    def __init__(self):
+        self.value = 0                # the number the next step record gets
+
+    def take(self) -> int:
+        self.value += 1
+        return self.value - 1
+
+
+class RequestBook:
+    def __init__(self, clock: Callable[[], float], decode_token: Callable[[int], str], id_prefix: str = "r",
+                 extra_counters: tuple[str, ...] = (), max_done: int = 4096):
+        """decode_token(id): one token's text alone (names the logprobs); id_prefix: `r` for r0, r1..."""
+        self.clock, self.decode_token, self.id_prefix = clock, decode_token, id_prefix
+        self.live: dict[str, Sequence] = {}
+        self.done: OrderedDict[str, Sequence] = OrderedDict()  # finished or aborted, newest last
+        self.max_done = max_done
+        self.listeners = Listeners()
+        self.counters = dict.fromkeys(COUNTERS + extra_counters, 0)
+        self._ids = itertools.count()
+        self._sent: dict[str, tuple[int, int, int]] = {}   # request -> (tokens, characters, logprobs) output
+
+    # ---- admission ----
+    def admit(self, ids: list[int], params: SamplingParams | None, label: str | None,
+              request_id: str | None) -> Sequence:
+        """A new live request (prompt ids already checked by engine.outputs.prompts.tokenize); ValueError or
+        TypeError name what is wrong. The caller hands it to whatever runs it, then calls arrived()."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        rid = request_id or f"{self.id_prefix}{next(self._ids)}"
+        if rid in self.live or rid in self.done:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seq = Sequence(rid, str(label) if label is not None else rid, ids, params, self.clock())
+        self.live[rid] = seq
+        self._sent[rid] = (0, 0, 0)
+        self.counters["prompt_tokens"] += len(ids)
+        return seq
+
+    def arrived(self, seq: Sequence):
+        self.emit_request(seq, "arrived", t=seq.arrival_time, prompt_len=seq.prompt_len,
+                          max_tokens=seq.params.max_tokens)
+
+    def get(self, request_id: str) -> Sequence:
+        seq = self.live.get(request_id) or self.done.get(request_id)
+        if seq is None:
+            raise KeyError(f"unknown request id {request_id!r}")
+        return seq
+
+    def info(self, request_id: str) -> RequestInfo:
+        seq = self.get(request_id)
+        return RequestInfo(seq.id, seq.label, seq.prompt_token_ids, seq.params, seq.arrival_time)
+
+    # ---- the end ----
+    def end(self, seq: Sequence, status: Status, finish_reason: str, error: str | None = None,
+            t: float | None = None) -> list[str]:
+        """seq has ended: stop | length (FINISHED), abort | error (ABORTED, error says why). Counts it and
+        moves it to the store of ended requests; returns the ids that store let go of."""
+        seq.status, seq.finish_reason = status, finish_reason
+        seq.finish_time = self.clock() if t is None else t
+        if error is not None:
+            seq.error = error
+        key = {Status.FINISHED: "requests_finished"}.get(status) or \
+            ("requests_failed" if finish_reason == "error" else "requests_aborted")
+        self.counters[key] += 1
+        self.live.pop(seq.id, None)
+        self.done[seq.id] = seq
+        evicted = []
+        while len(self.done) > self.max_done:
+            evicted.append(self.done.popitem(last=False)[0])
+        for rid in evicted:
+            self._sent.pop(rid, None)
+        return evicted
+
+    # ---- what the replies gained ----
+    def take_outputs(self) -> list[RequestOutput]:
+        """Each request whose text grew since its previous output, or that ended, with what it gained."""
+        outs = []
+        for rid, (n, c, k) in list(self._sent.items()):
+            seq = self.live.get(rid) or self.done.get(rid)
+            if seq is None:                          # forgotten by the store of ended requests
+                del self._sent[rid]
+                continue
+            text = seq.output_text
+            if len(text) == c and not seq.is_finished:
+                continue
+            out = RequestOutput(rid, text[c:], seq.output_token_ids[n:], seq.num_output_tokens)
+            if seq.params.logprobs is not None:
+                out.logprobs = [self._named(seq.output_token_ids[i], *seq.logprobs[i])
+                                for i in range(k, len(seq.logprobs))]
+            self._sent[rid] = (seq.num_output_tokens, len(text), len(seq.logprobs))
+            if seq.is_finished:
+                out.finish_reason, out.cached_tokens = seq.finish_reason, seq.num_cached_tokens
+                out.error = seq.error if seq.finish_reason in ("error", "abort") else None
+                del self._sent[rid]
+            outs.append(out)
+        return outs
+
+    # ---- a request moving between engines (the disaggregated pair's workers) ----
+    def hand_out(self, request_id: str):
+        """The request has left for another engine, which reports it from now on: forget it here."""
+        self.live.pop(request_id, None)
+        self._sent.pop(request_id, None)
+
+    def take_in(self, seq: Sequence):
+        """A request handed over from another engine: live here, its outputs from what it gains here."""
+        self.live[seq.id] = seq
+        self._sent[seq.id] = (seq.num_output_tokens, len(seq.output_text), len(seq.logprobs))
+
+    def _named(self, token: int, logprob: float, top: list[tuple[int, float]]) -> TokenLogprob:
+        return TokenLogprob(self.decode_token(token), logprob, [(self.decode_token(t), lp) for t, lp in top])
+
+    # ---- listeners: every record and event goes to each, as a dict of its own ----
+    def emit(self, record: Record | dict):
+        self.listeners.emit(record)
+
+    def emit_request(self, seq: Sequence, event: str, t: float | None = None, **extra):
+        if self.listeners:
+            self.listeners.emit(RequestEvent(event, seq.id, seq.label, self.clock() if t is None else t, **extra))
