@@ -5,7 +5,9 @@ POLICIES and check_budgets from here) stays free of it.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 SCHEDULER_POLICIES = ("static", "continuous", "chunked")     # one engine, one scheduler
 POLICIES = (*SCHEDULER_POLICIES, "disaggregated")             # + two engines (engine/disagg/router.py)
@@ -13,6 +15,14 @@ BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",   # accepted name -> torch dtype name
           "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
           "int8": "float32"}      # CPU: int8 linears (engine/weights/quant.py), fp32 activations and KV cache
+
+
+
+def cache_dir() -> Path:
+    """Where prepared models and built kernels live: $BATCHSCOPE_CACHE, else ~/.cache/batchscope."""
+    root = os.environ.get("BATCHSCOPE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batchscope")
+    return Path(root)
 
 
 @dataclass

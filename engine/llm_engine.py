@@ -32,6 +32,7 @@ from engine.protocol import RequestInfo, RequestOutput, StepOutputs
 from engine.outputs.records import KVState, PolicyEvent, read_batch, step_record
 from engine.outputs.requests import RequestBook, StepCounter
 from engine.sampling_params import SamplingParams
+from engine.scheduling.policies import resolve
 from engine.scheduling.scheduler import Batch, Scheduler
 from engine.scheduling.sequence import Sequence, Status
 
@@ -65,7 +66,7 @@ class LLMEngine:
         # ---- scheduling ----
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.block_manager.log = []            # block changes, sent with each step record (the KV map)
-        self.scheduler = Scheduler(self.block_manager, config.policy, config.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.block_manager, resolve(config.policy), config.max_num_batched_tokens,
                                    config.max_num_seqs, config.max_prefill_chunk, clock=lambda: self.clock())
         # ---- requests, records, counters ----
         self.t0 = time.perf_counter()
@@ -169,7 +170,7 @@ class LLMEngine:
         None (or leaving an argument out) keeps the current value; max_prefill_chunk=None removes the cap."""
         s = self.scheduler
         keep = lambda new, old: old if new is None else new
-        s.set_policy(keep(policy, s.policy), keep(max_num_batched_tokens, s.token_budget),
+        s.set_policy(resolve(keep(policy, s.policy_object)), keep(max_num_batched_tokens, s.token_budget),
                      keep(max_num_seqs, s.max_num_seqs),
                      s.max_prefill_chunk if max_prefill_chunk is _UNSET else max_prefill_chunk)
         self.book.emit(PolicyEvent(self.step_index, self.clock(), **self.settings()))

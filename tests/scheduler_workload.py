@@ -6,6 +6,7 @@ import random
 
 from engine.scheduling.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
+from engine.scheduling.policies import resolve
 from engine.scheduling.scheduler import Batch, Scheduler
 from engine.scheduling.sequence import Sequence, Status
 
@@ -26,7 +27,7 @@ class Case:
         # the engine's promise: any one request fits in the cache on its own
         need = -(-longest // self.bs)
         self.sched = Scheduler(BlockManager(need + rng.choice([0, 1, 3, need // 2, need, 2 * need]), self.bs),
-                               rng.choice(POLICIES), *self.budgets())
+                               resolve(rng.choice(POLICIES)), *self.budgets())
         self.seqs: dict[str, Sequence] = {}
         self.admitted = 0                  # admission counter: running order is admission order
         self.order: dict[str, int] = {}
@@ -58,7 +59,7 @@ class Case:
                 sched.remove(victim)
                 victim.status = Status.ABORTED
             if rng.random() < 0.04:
-                sched.set_policy(rng.choice(POLICIES), *self.budgets())
+                sched.set_policy(resolve(rng.choice(POLICIES)), *self.budgets())
                 self.left_out.clear()
                 self.peak_running = 0
                 self.static_formed = False

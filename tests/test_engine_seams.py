@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from engine.scheduling.block_manager import BlockManager
 from engine.outputs.records import KV_MAP_EVERY, Listeners, PolicyEvent, StepRecord, read_batch, record_fields, step_record
 from engine.sampling_params import SamplingParams
+from engine.scheduling.policies import resolve
 from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.sequence import Sequence
 
@@ -71,7 +72,7 @@ def test_step_records_from_a_model_free_run_say_what_the_scheduler_did():
     rng = random.Random(7)
     bm = BlockManager(12, 4)
     bm.log = []
-    sched = Scheduler(bm, "chunked", 6, 3)
+    sched = Scheduler(bm, resolve("chunked"), 6, 3)
     seqs = [Sequence(f"r{i}", f"u{i}", [rng.randrange(50) for _ in range(rng.randint(3, 14))],
                      SamplingParams(max_tokens=rng.randint(2, 6)), 0.0) for i in range(6)]
     for s in seqs:

@@ -53,3 +53,88 @@ def test_each_folder_of_app_imports_only_from_the_folders_below_it():
                 if used in LAYERS and LAYERS.index(used) > i:
                     wrong.append(f"{f.relative_to(ROOT)} imports app.{used}")
     assert not wrong, wrong
+
+
+# ---- import circles, read from the code's own ast ------------------------------------------------
+
+PACKAGES = ["engine", "app", "demos", "integrations"]
+
+
+def _module_files() -> dict[str, Path]:
+    out = {}
+    for top in PACKAGES:
+        for p in (ROOT / top).rglob("*.py"):
+            parts = p.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+def import_edges() -> dict[str, set[str]]:
+    """module -> the project's modules it imports, counting every import statement: at the top, inside
+    functions, under `if TYPE_CHECKING:` and in `try` blocks alike."""
+    import ast
+    files = _module_files()
+    edges: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            for t in targets:
+                while t and t not in files:          # `import a.b.c` names a.b.c; an attribute names its module
+                    t = t.rpartition(".")[0]
+                if t and t != mod:
+                    edges[mod].add(t)
+    return edges
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan)."""
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = n[0]; n[0] += 1
+        stack.append(v); on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w); low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop(); on.discard(w); group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    import sys as _sys
+    _sys.setrecursionlimit(10_000)
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_edges_count_imports_inside_functions_and_type_checking_blocks():
+    edges = import_edges()
+    assert "engine.outputs.records" in edges["integrations.vllm.recorder"]
+    assert "engine.scheduling.sequence" in edges["engine.scheduling.policy"]      # under TYPE_CHECKING
+
+
+def test_no_import_circle_in_engine_app_demos_or_integrations():
+    found = circles(import_edges())
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)

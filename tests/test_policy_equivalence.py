@@ -7,6 +7,7 @@ import pytest
 
 from engine.scheduling.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
+from engine.scheduling.policies import resolve
 from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.sequence import Sequence, Status
 from tests.reference_scheduler import ReferenceScheduler
@@ -35,7 +36,7 @@ def run_twins(seed: int) -> int:
     need = -(-max(len(p) + m for _, p, m in reqs) // bs)
     blocks = need + rng.choice([0, 1, 3, need // 2, need, 2 * need])
     policy, b = rng.choice(POLICIES), budgets(rng)
-    twins = [ReferenceScheduler(BlockManager(blocks, bs), policy, *b), Scheduler(BlockManager(blocks, bs), policy, *b)]
+    twins = [ReferenceScheduler(BlockManager(blocks, bs), policy, *b), Scheduler(BlockManager(blocks, bs), resolve(policy), *b)]
     seqs = [{}, {}]
     pending = list(reqs)
     for step in range(3000):
@@ -56,7 +57,7 @@ def run_twins(seed: int) -> int:
         if rng.random() < 0.04:
             p, b = rng.choice(POLICIES), budgets(rng)
             for t in twins:
-                t.set_policy(p, *b)
+                t.set_policy(p if isinstance(t, ReferenceScheduler) else resolve(p), *b)
         batches = [t.schedule() for t in twins]
         plans = [([(s.id, n) for s, n in bt.items], [s.id for s in bt.preempted], bt.left_out) for bt in batches]
         assert plans[0] == plans[1], f"case {seed} step {step} ({twins[0].policy}): {plans[0]} != {plans[1]}"

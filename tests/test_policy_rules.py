@@ -5,6 +5,7 @@ import pytest
 from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.policy import RULES, Policy, PolicyError
 from engine.sampling_params import SamplingParams
+from engine.scheduling.policies import resolve
 from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.sequence import Sequence, Status
 
@@ -23,7 +24,7 @@ def advance(sched, batch):
 
 def setup(blocks=64, budget=16, max_seqs=8):
     """Two replies under way (a, b) and two prompts waiting (c, d)."""
-    sched = Scheduler(BlockManager(blocks, 4), "chunked", budget, max_seqs)
+    sched = Scheduler(BlockManager(blocks, 4), resolve("chunked"), budget, max_seqs)
     seqs = [seq(4, "a"), seq(4, "b", 100)]
     for s in seqs:
         sched.add(s)
@@ -100,7 +101,7 @@ def test_a_broken_rule_is_named_and_undone(rule):
 
 
 def finish_under_chunked(sched, seqs):
-    sched.set_policy("chunked", 16, 8, None)
+    sched.set_policy(resolve("chunked"), 16, 8, None)
     for _ in range(100):
         if not sched.has_work():
             break
@@ -115,7 +116,7 @@ def test_kv_capacity_names_the_admission_that_does_not_fit():
         sched.schedule()
     assert "needs 2 more blocks, 0 are free" in str(e.value)
     check_blocks(sched, seqs)
-    sched.set_policy("chunked", 16, 8, None)
+    sched.set_policy(resolve("chunked"), 16, 8, None)
     for s in seqs[:2]:
         sched.remove(s)                         # room for the prompts: they finish
         s.status = Status.FINISHED
@@ -214,7 +215,7 @@ def test_random_policies_are_refused_cleanly_and_nothing_leaks():
     for seed in range(300):
         rng = random.Random(seed)
         bs = rng.choice([1, 2, 4])
-        sched = Scheduler(BlockManager(rng.randint(6, 24), bs), "chunked", rng.choice([2, 4, 8, 16]),
+        sched = Scheduler(BlockManager(rng.randint(6, 24), bs), resolve("chunked"), rng.choice([2, 4, 8, 16]),
                           rng.choice([1, 2, 4]))
         seqs = []
         for i in range(rng.randint(2, 6)):
@@ -239,7 +240,7 @@ def test_random_policies_are_refused_cleanly_and_nothing_leaks():
                 assert len(s.block_table) * bs >= s.num_computed_tokens + n
             check_blocks(sched, seqs)
             advance(sched, batch)
-        sched.set_policy("chunked", 16, 8, None)
+        sched.set_policy(resolve("chunked"), 16, 8, None)
         for _ in range(400):
             if not sched.has_work():
                 break

@@ -3,12 +3,13 @@ import pytest
 
 from engine.scheduling.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
+from engine.scheduling.policies import resolve
 from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.sequence import Sequence
 
 
 def make(policy, budget=16, max_seqs=8, blocks=64, block_size=4, chunk=None):
-    return Scheduler(BlockManager(blocks, block_size), policy, budget, max_seqs, chunk)
+    return Scheduler(BlockManager(blocks, block_size), resolve(policy), budget, max_seqs, chunk)
 
 
 def seq(n, sid):
@@ -115,7 +116,7 @@ def test_switching_policy_mid_flight_loses_nothing(policy):
     for s in seqs:
         sch.add(s)
     advance(sch, sch.schedule())
-    sch.set_policy(policy, 8, 8, None)
+    sch.set_policy(resolve(policy), 8, 8, None)
     for _ in range(40):
         batch = sch.schedule()
         advance(sch, batch)
@@ -130,11 +131,13 @@ def test_switching_policy_mid_flight_loses_nothing(policy):
 def test_bad_policy_and_budgets_are_rejected():
     sch = make("chunked")
     with pytest.raises(ValueError, match="policy"):
-        sch.set_policy("fastest", 8, 8, None)
+        sch.set_policy(resolve("fastest"), 8, 8, None)
+    with pytest.raises(TypeError, match="Policy object"):
+        sch.set_policy("chunked", 8, 8, None)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        sch.set_policy("chunked", 0, 8, None)
+        sch.set_policy(resolve("chunked"), 0, 8, None)
     with pytest.raises(ValueError, match="max_num_seqs"):
-        sch.set_policy("chunked", 8, -1, None)
+        sch.set_policy(resolve("chunked"), 8, -1, None)
 
 
 def test_readmitted_request_that_is_really_a_decode_goes_first():
@@ -160,7 +163,7 @@ def test_decodes_take_turns_when_the_budget_is_one_token():
     for sid in ("a", "bb", "ccc"):
         sch.add(seq(2, sid))
     advance(sch, sch.schedule())                   # three replies under way
-    sch.set_policy("chunked", 1, 8, None)          # the lecture's smallest budget
+    sch.set_policy(resolve("chunked"), 1, 8, None)          # the lecture's smallest budget
     served = []
     for _ in range(6):
         batch = sch.schedule()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from app.readers.analysis import CostFit, predict
 from demos.arena.workloads import FIRST_ID, Job, Workload
 from engine.scheduling.block_manager import BlockManager
+from engine.scheduling.policies import resolve
 from engine.scheduling.policy import Policy
 from engine.protocol import StepOutputs
 from engine.outputs.records import Listeners, RequestEvent, read_batch, step_record
@@ -35,7 +36,7 @@ class SimEngine:
     def __init__(self, workload: Workload, fit: CostFit, policy: Policy | str = "chunked"):
         self.fit, self.now = fit, 0.0
         self.block_manager = BlockManager(workload.num_kv_blocks, workload.block_size)
-        self.scheduler = Scheduler(self.block_manager, policy, workload.token_budget, workload.max_num_seqs,
+        self.scheduler = Scheduler(self.block_manager, resolve(policy), workload.token_budget, workload.max_num_seqs,
                                    clock=self.clock)
         self.requests: dict[str, Sequence] = {}
         self.done: dict[str, Sequence] = {}

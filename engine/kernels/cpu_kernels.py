@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from engine.config import cache_dir
+
 log = logging.getLogger("batchscope.engine")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -74,7 +76,6 @@ def library() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
         key = hashlib.sha256("\0".join([SOURCE.read_text(), *COMPILE, *LINK, version, cpu_flags()]).encode())
-        from engine.weights.loader import cache_dir
         out = cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
         if not out.exists():
             build(cxx, out)

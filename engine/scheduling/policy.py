@@ -36,7 +36,6 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.scheduling.scheduler import Batch, Scheduler
     from engine.scheduling.sequence import Sequence
 
 # rule -> what it says; a PolicyError names one of these
@@ -162,10 +161,12 @@ class StepView:
     """The step being built: the queues, the cache, the budgets, and the two actions (run, drop).
 
     Everything reads live: after step.run(...) the budget left, the free blocks and the
-    queues already show its effect.
+    queues already show its effect. `sched` is the scheduler building the step
+    (engine/scheduling/scheduler.py), read only through its public surface: its queues, budgets,
+    `bm`, `find`, `is_running`, `in_step`, `step_tokens`, `run` and `drop`; `batch` is the step so far.
     """
 
-    def __init__(self, sched: Scheduler, batch: Batch, index: int):
+    def __init__(self, sched, batch, index: int):
         self._sched, self._batch, self.index = sched, batch, index
         self._views: dict[int, RequestView] = {}
         self.open = True
@@ -191,8 +192,8 @@ class StepView:
     @property
     def decodes(self) -> list[RequestView]:
         """Running replies not yet in this step, the one left out longest first (ties: admission order)."""
-        inside = self._sched._in_batch
-        ready = [self._view(s) for s in self._sched.running if s.is_prefill_done and id(s) not in inside]
+        sched = self._sched
+        ready = [self._view(s) for s in sched.running if s.is_prefill_done and not sched.in_step(s)]
         return sorted(ready, key=lambda r: r.last_scheduled)
 
     @property
@@ -206,12 +207,12 @@ class StepView:
         return [self._view(s) for s in self._batch.preempted]
 
     def is_running(self, req) -> bool:
-        seq = self._sched._find(req)
-        return seq is not None and id(seq) in self._sched._running_ids
+        seq = self._sched.find(req)
+        return seq is not None and self._sched.is_running(seq)
 
     def in_step(self, req) -> bool:
-        seq = self._sched._find(req)
-        return seq is not None and id(seq) in self._sched._in_batch
+        seq = self._sched.find(req)
+        return seq is not None and self._sched.in_step(seq)
 
     # ---- the budgets ----
     @property
@@ -220,11 +221,11 @@ class StepView:
 
     @property
     def num_tokens(self) -> int:
-        return self._sched._batch_tokens
+        return self._sched.step_tokens
 
     @property
     def budget_left(self) -> int:
-        return self._sched.token_budget - self._sched._batch_tokens
+        return self._sched.token_budget - self._sched.step_tokens
 
     @property
     def max_num_seqs(self) -> int:
@@ -262,7 +263,7 @@ class StepView:
 
     def blocks_needed(self, req, num_tokens: int) -> int:
         """New blocks `req` needs so its KV covers num_tokens tokens (a waiting request holds none yet)."""
-        return self._sched.bm.blocks_needed(self._sched._find(req, must=True), num_tokens)
+        return self._sched.bm.blocks_needed(self._sched.find(req, must=True), num_tokens)
 
     # ---- the step cost ----
     @property
@@ -280,11 +281,11 @@ class StepView:
         """Put `num_tokens` of `req` in this step (admitting it if it waits). False when it did not run:
         it was preempted to make room (its own victim hook chose it), or this step already preempted
         and it waits. A broken rule raises PolicyError."""
-        return self._sched._run(self, req, num_tokens)
+        return self._sched.run(self, req, num_tokens)
 
     def drop(self, req):
         """Take `req` back out of this step; it keeps its place and its KV (continuous: decodes wait)."""
-        self._sched._drop(self, req)
+        self._sched.drop(self, req)
 
 
 class Policy:

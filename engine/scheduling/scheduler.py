@@ -56,8 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.scheduling.block_manager import BlockManager
-from engine.config import check_budgets, check_scheduler_policy
-from engine.scheduling.policies import builtin
+from engine.config import check_budgets
 from engine.scheduling.policy import Policy, PolicyError, RequestView, StepView, req_id
 from engine.scheduling.sequence import Sequence, Status
 
@@ -81,7 +80,7 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, policy: str | Policy, max_num_batched_tokens: int,
+    def __init__(self, block_manager: BlockManager, policy: Policy, max_num_batched_tokens: int,
                  max_num_seqs: int, max_prefill_chunk: int | None = None,
                  clock: Callable[[], float] | None = None):
         self.bm = block_manager
@@ -100,12 +99,12 @@ class Scheduler:
         self._batch_tokens = 0
         self.set_policy(policy, max_num_batched_tokens, max_num_seqs, max_prefill_chunk)
 
-    def set_policy(self, policy: str | Policy, max_num_batched_tokens: int, max_num_seqs: int,
+    def set_policy(self, policy: Policy, max_num_batched_tokens: int, max_num_seqs: int,
                    max_prefill_chunk: int | None):
-        """A built-in policy by name, or any Policy object (engine/scheduling/policy.py)."""
+        """Any Policy object (engine/scheduling/policy.py); policies.resolve("chunked") gives a built-in one."""
         if not isinstance(policy, Policy):
-            check_scheduler_policy(policy)
-            policy = builtin(policy)
+            raise TypeError(f"the scheduler takes a Policy object, not {policy!r}: "
+                            "engine.scheduling.policies.resolve(name) gives a built-in one")
         check_budgets(max_num_batched_tokens, max_num_seqs, max_prefill_chunk)
         self.policy_object = policy
         self.policy = policy.name
@@ -187,7 +186,8 @@ class Scheduler:
             raise self._error("policy_raised", step, None, f"{type(e).__name__}: {e}") from e
 
     # ---- the policy's actions, checked ----
-    def _run(self, step: StepView, req, n) -> bool:
+    def run(self, step: StepView, req, n) -> bool:
+        """StepView.run, checked against the rules."""
         seq = self._check_open(step, req)
         batch = step._batch
         if seq is None:
@@ -247,7 +247,8 @@ class Scheduler:
         self._place(step._batch, seq, n)
         return True
 
-    def _drop(self, step: StepView, req):
+    def drop(self, step: StepView, req):
+        """StepView.drop, checked."""
         seq = self._check_open(step, req)
         if seq is None or id(seq) not in self._in_batch:
             raise self._error("not_in_step", step, req_id(req), "drop() of a request this step does not hold")
@@ -258,7 +259,7 @@ class Scheduler:
         preempted (even if already in this step), until seq fits or is the victim itself."""
         while not self.bm.allocate(seq, seq.num_computed_tokens + n):
             choice = self.policy_object.victim(step, step._view(seq))
-            victim = self._find(choice)
+            victim = self.find(choice)
             if victim is None or id(victim) not in self._running_ids:
                 raise self._error("victim", step, seq.id, f"victim() chose {req_id(choice)!r}, "
                                   "which is not running")
@@ -280,8 +281,19 @@ class Scheduler:
         self._waiting_ids.add(id(seq))
         batch.preempted.append(seq)
 
-    # ---- bookkeeping ----
-    def _find(self, req, must: bool = False) -> Sequence | None:
+    # ---- what a StepView reads while the step is built ----
+    def is_running(self, seq: Sequence) -> bool:
+        return id(seq) in self._running_ids
+
+    def in_step(self, seq: Sequence) -> bool:
+        return id(seq) in self._in_batch
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens already in the step being built."""
+        return self._batch_tokens
+
+    def find(self, req, must: bool = False) -> Sequence | None:
         """The waiting or running sequence (of the step being built) a RequestView or id names."""
         seq = req._seq if isinstance(req, RequestView) else self._by_id.get(req) if isinstance(req, str) else None
         found = seq if seq is not None and (id(seq) in self._running_ids or id(seq) in self._waiting_ids) else None
@@ -292,7 +304,7 @@ class Scheduler:
     def _check_open(self, step: StepView, req) -> Sequence | None:
         if not step.open:
             raise self._error("stale_view", step, req_id(req), "this step was already handed to the engine")
-        return self._find(req)
+        return self.find(req)
 
     def _error(self, rule: str, step: StepView, req: str | None, detail: str) -> PolicyError:
         return PolicyError(rule, step.index, req, detail, self.policy)

