@@ -1,4 +1,5 @@
-// The CPU's own kernels (engine/kernels/cpu_kernels.py builds this file once per machine and loads it with ctypes):
+// The CPU's own kernels (engine/kernels/build.py builds this file once per machine; engine/kernels/ops.py checks
+// every argument before it calls these functions through ctypes, so nothing here checks bounds again):
 //   1. decode attention over the paged KV cache, read where it lies;
 //   2. the model's elementwise chains, each one pass over its rows (torch runs them as 2 to 9 ops,
 //      each a pass over memory), in bf16 rounding where torch's ops round, so the values are torch's
@@ -23,9 +24,17 @@
 //   block_tables: (n, bt_stride) int64; context_lens: (n,) int64, tokens in the cache, this one included
 //   out:          (n, heads, head_dim), contiguous
 //
-// Threads: OpenMP, the runtime torch has loaded (libgomp.so.1), so its threads are torch's threads.
+// Threads: OpenMP, the runtime torch has loaded (build.py links torch's own libgomp), so its threads are torch's.
 #include <algorithm>
 #include <cmath>
+#include <math.h>
+// engine/kernels/build.py compiles without -ffinite-math-only (NaN and inf must stay what they are: the
+// engine fails a request whose logits went non-finite), so __FAST_MATH__ is not defined and glibc does not
+// declare its vector expf (libmvec, which handles NaN and inf as expf does): declared here, so the loops
+// over exp still vectorise
+#if defined(__x86_64__) && defined(__GLIBC__) && !defined(__FAST_MATH__)
+extern "C" float expf(float) noexcept __attribute__((__simd__("notinbranch")));
+#endif
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -204,7 +213,7 @@ static inline void values(const T* vb, const float* p, int64_t p_stride, int val
 }
 
 // One (BS, D) pair per instantiation: a block's scores (BS lanes) and a head's accumulator (D lanes) live
-// in registers. engine/cpu_kernels.SHAPES lists the pairs; other shapes take the portable path.
+// in registers. engine/kernels/cpu_kernels.SHAPES lists the pairs; other shapes take the portable path.
 template <typename T, int BS, int D>
 static void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    int64_t bt_stride, const int64_t* context_lens, T* out, int n, int heads, int kv_heads,
@@ -256,7 +265,7 @@ static void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
     }
 }
 
-// (block_size, head_dim) -> its instantiation; 0 when there is none (engine/cpu_kernels.SHAPES)
+// (block_size, head_dim) -> its instantiation; 0 when there is none (engine/kernels/cpu_kernels.SHAPES)
 template <typename T>
 static int dispatch(const T* q, int64_t q_stride, const T* k, const T* v, const int64_t* tables, int64_t bt_stride,
                     const int64_t* lens, T* out, int n, int heads, int kv_heads, int head_dim, int block_size,
@@ -635,7 +644,7 @@ static void skinny_linear_f32(const float* x, int64_t M, int64_t K, const float*
 // the Python between them, about ten calls and their tensors per layer, which took a fifth of a
 // 32-sequence step while the other thread waited. x: the embeddings in, the last layer's output out;
 // residual: the residual stream out (the final norm adds it, in Python).
-struct LayerWeights {                 // models.llama.LlamaForCausalLM.layer_table: 8 pointers per layer
+struct LayerWeights {                 // engine/kernels/ops.py builds it per call from the layers' tensors
     const void *in_norm, *qkv, *o, *post_norm, *gate_up, *down;   // the linears in their kernel's layout
     void *k_cache, *v_cache;
 };
@@ -738,6 +747,14 @@ void write_kv_32(const uint32_t* k, int64_t k_stride, const uint32_t* v, int64_t
 int amx_bf16_ready() {
 #ifdef HAVE_AMX
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    return 0;
+#endif
+}
+// whether this build has the AVX-512 kernels (the fp32 linears, causal prefill, decode_layers in fp32)
+int has_avx512() {
+#ifdef __AVX512F__
+    return 1;
 #else
     return 0;
 #endif

@@ -1,53 +1,53 @@
-"""The CPU's own kernels (engine/kernels/cpu_kernels.cpp), built once per machine and loaded with ctypes.
+"""The CPU's own kernels (engine/kernels/cpu_kernels.cpp) as checked torch ops, `torch.ops.batchscope.*`.
 
-  causal_prefill fresh prompt chunks' causal attention in fp32 (CpuAttention.causal): 2-4x less time than SDPA.
-  paged_decode   decode attention. The portable path gathers every decode's K/V blocks into a padded
-                 copy and runs SDPA over it: each layer writes the context once more and reads it
-                 twice. The kernel reads the cache where it lies (engine/attention.CpuAttention).
-  rms_norm, silu_and_mul, rope
-                 the model's elementwise chains (bf16, fp32) in one pass each (models.llama.FusedOps):
-                 torch runs them op by op, 2 to 9 passes over memory, and a 2,048-token bf16 prefill
-                 step spent a quarter of its time there.
-  decode_layers  a decode step's layers in one call, the kernels above in the model's order (models.llama):
-                 the same values without the Python between them.
-  linear_amx     bf16 linears of 1 to 32 rows (a decode step) on AMX tiles, over weights laid out once
-                 for them (models.linears.Linear): they stream the weights 1.3-1.5x faster than oneDNN.
-  linear_f32     fp32 linears on AVX-512, over weights laid out once for them: 2.2-2.9x less time than
-                 MKL, as fast as oneDNN at 2,048 rows and faster below (docs/results.md).
+The core calls one function per op below; its torch reference is beside it in engine/kernels/reference.py
+(`REFERENCES`), and `BATCHSCOPE_CPU_KERNEL=0` runs the references alone (the plain path). Each op checks
+every shape, stride, dtype and index bound before a pointer reaches C++ (engine/kernels/checks.py): bad
+input is a ValueError naming the argument, never a write past a buffer.
 
-The library is built with the system's C++ compiler (g++, c++ or clang++; $CXX first) for this CPU
-(-march=native) in about a second, into the batchscope cache under a name that hashes the source,
-the flags, the compiler and the CPU's feature flags, so a cache folder shared by machines with other
-CPUs never loads code built for another. No compiler, or a failed build: `library()` is None and
-attention stays on the portable path (engine/attention.select_backend).
+  paged_decode   decode attention reading each sequence's blocks where they lie (engine/execution/attention.py
+                 CpuAttention), no gather copy, no padding
+  write_kv       a step's keys and values into their slots, in that kernel's layout inside a block
+  causal_prefill fresh prompt chunks' causal attention, fp32 or bf16 (AVX-512)
+  rms_norm, add_rms_norm, silu_and_mul, rope
+                 the model's elementwise chains (bf16, fp32) in one pass each (models.llama.FusedOps)
+  pack_amx, linear_amx
+                 bf16 linears of 1 to 32 rows on AMX tiles, over weights laid out once for them
+  pack_f32, linear_f32
+                 fp32 linears on AVX-512, over weights laid out once for them
+  decode_layers  a decode step's layers in one call of the kernels above, in the model's order, given the
+                 layers' weights and caches as tensors (models.llama.LlamaForCausalLM.decode_weights)
+
+Building, the child-process probe and the OpenMP runtime: engine/kernels/build.py. No compiler, a failed
+build or a probe that died: `library()` is None and the engine takes the plain path.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
 import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
 from engine.config import cache_dir
+from engine.kernels import build, reference
 
 log = logging.getLogger("batchscope.engine")
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-# -ffast-math lets the compiler vectorise exp (glibc's libmvec) and the reductions; it is given only
-# when compiling, not when linking, so the library does not switch the process to flush-to-zero
-COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
-LINK = ["-shared", "-fopenmp"]      # libgomp.so.1: the OpenMP runtime torch has loaded, so its threads
 FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 CHAINS = {torch.bfloat16: "bf16", torch.float32: "f32"}    # the suffix of the chains' and causal kernel's builds
 SHAPES = {(16, 64), (16, 128), (32, 64), (32, 128)}   # (block_size, head_dim) compiled in cpu_kernels.cpp
+AMX_ROWS = 32       # up to this many rows the tile kernel computes F.linear's values bit for bit (oneDNN
+                    # sums in another order above it; tests/test_cpu_kernels.py) and streams weights faster
+F32_ROWS = 128      # a fp32 decode step of up to this many sequences runs its layers in one call (decode_layers)
+REFERENCES = {"paged_decode": reference.paged_decode, "write_kv": reference.write_kv,
+              "causal_prefill": reference.causal_prefill, "rms_norm": reference.rms_norm,
+              "add_rms_norm": reference.add_rms_norm, "silu_and_mul": reference.silu_and_mul,
+              "rope": reference.apply_rope, "linear_amx": reference.linear, "linear_f32": reference.linear,
+              "decode_layers": reference.decode_layers}
 
 
 def compiler() -> str | None:
@@ -56,9 +56,10 @@ def compiler() -> str | None:
 
 def cpu_flags() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.strip()
     except OSError:
         pass
     return platform.processor() + platform.machine()
@@ -66,161 +67,60 @@ def cpu_flags() -> str:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built kernel, or None (no compiler, not Linux/x86 or ARM with OpenMP, a failed build)."""
+    """The built, probed library, or None (switched off, no compiler, a failed build, a probe that died).
+    BATCHSCOPE_CPU_KERNEL_PATH loads a given build as it is (the probe's child, the AddressSanitizer run)."""
     if os.environ.get("BATCHSCOPE_CPU_KERNEL", "1") == "0":
         return None
+    if os.environ.get("BATCHSCOPE_CPU_KERNEL_PATH"):
+        return bind(ctypes.CDLL(os.environ["BATCHSCOPE_CPU_KERNEL_PATH"]))
     cxx = compiler()
     if cxx is None:
         log.info("no C++ compiler found: CPU attention and elementwise ops run torch's")
         return None
     try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), *COMPILE, *LINK, version, cpu_flags()]).encode())
-        out = cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+        out = build.library_path(cxx, cpu_flags(), cache_dir())
         if not out.exists():
-            build(cxx, out)
-        lib = ctypes.CDLL(str(out))
-    except Exception as e:     # a broken compiler must not stop the engine: the portable path serves
-        log.warning("the CPU kernels did not build (%s): attention and elementwise ops run torch's", e)
-        return None
-    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    for name in FUNCTIONS.values():
+            build.build(cxx, out)
+        why = build.probe(out)
+        if why is None:
+            return bind(ctypes.CDLL(str(out)))
+    except Exception as e:     # a broken compiler must not stop the engine: the plain path serves
+        why = f"they did not build ({e})"
+    log.warning("the CPU kernels are off (%s): attention and elementwise ops run torch's", why)
+    return None
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The C functions' argument types (ctypes converts each Python int to its C type)."""
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    decode = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, f32, i32]
+    norm, silu, rope_ = [ptr, ptr, ptr, ptr, ptr, i64, i32, f32, i32], [ptr, ptr, i64, i32, i32], \
+        [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32]
+    kv = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32]
+    causal = [ptr, i64, ptr, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, f32, i32]
+    layers = [ptr, i32, ptr, ptr, i64, i32, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i64, ptr, f32, f32, i32]
+    signatures = {
+        "paged_decode_f32": (decode, i32), "paged_decode_bf16": (decode, i32),
+        "rms_norm_bf16": (norm, None), "rms_norm_f32": (norm, None), "silu_and_mul_bf16": (silu, None),
+        "silu_and_mul_f32": (silu, None), "rope_bf16": (rope_, None), "rope_f32": (rope_, None),
+        "write_kv_16": (kv, None), "write_kv_32": (kv, None),
+        "pack_amx_bf16": ([ptr, i64, i64, ptr], None), "pack_f32_weights": ([ptr, i64, i64, ptr], None),
+        "linear_amx_bf16": ([ptr, i64, i64, ptr, i64, ptr, i32], i32),
+        "linear_f32": ([ptr, i64, i64, ptr, ptr, i64, ptr, i32], i32), "amx_bf16_ready": ([], i32),
+        "has_avx512": ([], i32), "causal_prefill_f32": (causal, i32), "causal_prefill_bf16": (causal, i32),
+        "decode_layers_bf16": (layers, i32), "decode_layers_f32": (layers, i32)}
+    for name, (args, res) in signatures.items():
         fn = getattr(lib, name)
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
-        fn.restype = ctypes.c_int
-    i64p = [ptr, ptr, ptr, ptr, ptr, i64, i32, ctypes.c_float, i32]
-    for name, args in {"rms_norm_bf16": i64p, "silu_and_mul_bf16": [ptr, ptr, i64, i32, i32],
-                       "rope_bf16": [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32],
-                       "rms_norm_f32": i64p, "silu_and_mul_f32": [ptr, ptr, i64, i32, i32],
-                       "rope_f32": [ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32],
-                       "write_kv_16": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32],
-                       "write_kv_32": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i32, i32, i32, i32],
-                       "pack_amx_bf16": [ptr, i64, i64, ptr], "pack_f32_weights": [ptr, i64, i64, ptr]}.items():
-        getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
-    lib.linear_amx_bf16.argtypes, lib.linear_amx_bf16.restype = [ptr, i64, i64, ptr, i64, ptr, i32], ctypes.c_int
-    lib.linear_f32.argtypes, lib.linear_f32.restype = [ptr, i64, i64, ptr, ptr, i64, ptr, i32], ctypes.c_int
-    lib.amx_bf16_ready.argtypes, lib.amx_bf16_ready.restype = [], ctypes.c_int
-    for name in ("causal_prefill_f32", "causal_prefill_bf16"):
-        getattr(lib, name).argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
-        getattr(lib, name).restype = ctypes.c_int
-    for name in ("decode_layers_bf16", "decode_layers_f32"):
-        getattr(lib, name).argtypes = [ptr, i32, ptr, ptr, i64, i32, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i64,
-                                       ptr, ctypes.c_float, ctypes.c_float, i32]
-        getattr(lib, name).restype = ctypes.c_int
+        fn.argtypes, fn.restype = args, res
     return lib
-
-
-def build(cxx: str, out: Path):
-    """Compile, then link, into a temporary name beside `out`, then rename: processes building at once
-    (a test run's servers) each finish their own file and the last rename wins, whole."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, lib = Path(tmp) / "cpu_kernels.o", Path(tmp) / out.name
-        for cmd in ([cxx, *COMPILE, "-c", str(SOURCE), "-o", str(obj)], [cxx, *LINK, str(obj), "-o", str(lib)]):
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if r.returncode:
-                raise RuntimeError(f"{' '.join(cmd[:2])} ... exited {r.returncode}: {r.stderr.strip()[-500:]}")
-        os.replace(lib, out)
 
 
 def supports(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
     return dtype in FUNCTIONS and (block_size, head_dim) in SHAPES and library() is not None
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor) -> torch.Tensor:
-    """q: (n, heads, head_dim), rows may be strided; caches: (num_blocks, block_size, kv_heads, head_dim);
-    block_tables: (>= n, max_blocks) long; context_lens: (>= n,) long -> (n, heads, head_dim)."""
-    n, heads, d = q.shape
-    assert q.stride(2) == 1 and q.stride(1) == d and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert block_tables.dtype == torch.long and context_lens.dtype == torch.long and block_tables.stride(1) == 1
-    assert context_lens.is_contiguous()
-    out = torch.empty(n, heads, d, dtype=q.dtype)
-    done = getattr(library(), FUNCTIONS[q.dtype])(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), n, heads, k_cache.shape[2], d,
-        k_cache.shape[1], d ** -0.5, torch.get_num_threads())
-    if not done:
-        raise ValueError(f"paged_decode has no kernel for block_size {k_cache.shape[1]} and head_dim {d}")
-    return out
-
-
-def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: int) -> torch.Tensor | None:
-    """m fresh prompt chunks of one length side by side: q (m * q_len, heads, head_dim), k and v (m * q_len,
-    kv_heads, head_dim), fp32 or bf16 (computed in fp32), rows may be strided -> their causal attention,
-    (m * q_len, heads, head_dim); None where this build has no kernel for them (no AVX-512, another head_dim)."""
-    rows, heads, d = q.shape
-    if q.dtype not in CHAINS or library() is None or any(t.stride()[1:] != (d, 1) for t in (q, k, v)):
-        return None
-    out = q.new_empty(rows, heads, d)
-    if not getattr(library(), f"causal_prefill_{CHAINS[q.dtype]}")(
-            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(), m,
-            rows // m, heads, k.shape[1], d, d ** -0.5, torch.get_num_threads()):
-        return None
-    return out
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor):
-    """k, v: (tokens, kv_heads, head_dim), rows may be strided -> their slots, in paged_decode's block layout."""
-    _, kvh, d = k.shape
-    assert k.stride()[1:] == (d, 1) and v.stride()[1:] == (d, 1) and slot_mapping.dtype == torch.long
-    assert k.dtype == v.dtype == k_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
-    fn = {2: "write_kv_16", 4: "write_kv_32"}[k.element_size()]
-    getattr(library(), fn)(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
-                           v_cache.data_ptr(), slot_mapping.contiguous().data_ptr(), k.shape[0], kvh, d,
-                           k_cache.shape[1], torch.get_num_threads())
-
-
-# ---- elementwise chains: the same values as models.llama's torch versions (tests/test_cpu_kernels.py) ----
-
-
 def fused_chains() -> bool:
     return library() is not None
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """norm(x), or with residual (norm(x + residual), x + residual), over the last dim; bf16 or fp32."""
-    shape = x.shape
-    x = x.reshape(-1, shape[-1]).contiguous()           # a view where it already is (the hidden states)
-    if residual is not None:
-        residual = residual.reshape(-1, shape[-1]).contiguous()
-    out = torch.empty_like(x)
-    total = None if residual is None else torch.empty_like(x)
-    getattr(library(), f"rms_norm_{CHAINS[x.dtype]}")(
-        x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-        0 if total is None else total.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
-    return out.view(shape) if total is None else (out.view(shape), total.view(shape))
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    return rms_norm(x, weight, eps, residual)
-
-
-def silu_and_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-    """(rows, 2 * inter) = [gate | up], contiguous -> silu(gate) * up, (rows, inter)."""
-    gate_up = gate_up.contiguous()
-    out = gate_up.new_empty(gate_up.shape[0], inter)
-    getattr(library(), f"silu_and_mul_{CHAINS[gate_up.dtype]}")(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0],
-                                                               inter, torch.get_num_threads())
-    return out
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (rows, heads, head_dim), rows may be strided; cos, sin: (rows, 1, head_dim) -> a new contiguous x."""
-    rows, heads, d = x.shape
-    if x.stride(2) != 1 or x.stride(1) != d:
-        x = x.contiguous()
-    cos, sin = cos.contiguous(), sin.contiguous()
-    out = x.new_empty(rows, heads, d)
-    getattr(library(), f"rope_{CHAINS[x.dtype]}")(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
-                                                  out.data_ptr(), rows, heads, d, torch.get_num_threads())
-    return out
-
-
-# ---- bf16 linears on AMX tiles ----
-AMX_ROWS = 32       # up to this many rows the tile kernel computes F.linear's values bit for bit (oneDNN
-                    # sums in another order above it; tests/test_cpu_kernels.py) and streams weights faster
 
 
 @functools.cache
@@ -230,76 +130,93 @@ def amx_bf16() -> bool:
     return lib is not None and os.environ.get("BATCHSCOPE_AMX", "1") != "0" and bool(lib.amx_bf16_ready())
 
 
-def amx_shape_ok(out_features: int, in_features: int) -> bool:
-    return out_features % 16 == 0 and in_features % 32 == 0
-
-
-def pack_amx(w: torch.Tensor) -> torch.Tensor:
-    """w: (out, in) bf16, out a multiple of 16 and in of 32 -> the same values in the tile layout (flat)."""
-    assert w.dtype == torch.bfloat16 and amx_shape_ok(*w.shape), (w.dtype, tuple(w.shape))
-    w = w.contiguous()
-    out = torch.empty(w.numel(), dtype=torch.bfloat16)
-    library().pack_amx_bf16(w.data_ptr(), w.shape[0], w.shape[1], out.data_ptr())
-    return out
-
-
-def linear_amx(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x: (rows, in) bf16 -> x w^T, (rows, out_features), for pack_amx's packed w (made where amx_bf16(),
-    which also asked the OS for the tiles)."""
-    x = x.contiguous()
-    y = x.new_empty(x.shape[0], out_features)
-    if not library().linear_amx_bf16(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), out_features,
-                                     y.data_ptr(), torch.get_num_threads()):
-        raise RuntimeError("the CPU kernels were built without AMX")
-    return y
-
-
-# ---- fp32 linears of a decode step's few rows (AVX-512) ----
-F32_ROWS = 128      # a fp32 decode step of up to this many sequences runs its layers in one call (decode_layers)
-
-
 @functools.cache
 def f32_linears() -> bool:
     """Whether the library was built with AVX-512, which the fp32 kernel needs; `BATCHSCOPE_F32_KERNEL=0` keeps MKL."""
     lib = library()
-    if lib is None or os.environ.get("BATCHSCOPE_F32_KERNEL", "1") == "0":
-        return False
-    x, w, y = torch.ones(1, 16), torch.ones(16 * 16), torch.empty(1, 16)
-    return bool(lib.linear_f32(x.data_ptr(), 1, 16, w.data_ptr(), 0, 16, y.data_ptr(), 1))
+    return lib is not None and os.environ.get("BATCHSCOPE_F32_KERNEL", "1") != "0" and bool(lib.has_avx512())
 
 
-def pack_f32(w: torch.Tensor) -> torch.Tensor:
-    """w: (out, in) fp32, out a multiple of 16 -> the same values in linear_f32's layout (flat)."""
-    assert w.dtype == torch.float32 and w.shape[0] % 16 == 0, (w.dtype, tuple(w.shape))
-    w = w.contiguous()
-    out = torch.empty(w.numel(), dtype=torch.float32)
-    library().pack_f32_weights(w.data_ptr(), w.shape[0], w.shape[1], out.data_ptr())
-    return out
+def avx512() -> bool:
+    lib = library()
+    return lib is not None and bool(lib.has_avx512())
 
 
-def linear_f32(x: torch.Tensor, packed: torch.Tensor, out_features: int, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x: (rows, in) fp32, pack_f32's w, b: (out,) or None -> x w^T + b, (rows, out_features); a row's
-    values do not depend on the other rows (made where f32_linears())."""
-    x, b = x.contiguous(), None if b is None else b.contiguous()
-    y = x.new_empty(x.shape[0], out_features)
-    library().linear_f32(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), 0 if b is None else b.data_ptr(),
-                         out_features, y.data_ptr(), torch.get_num_threads())
-    return y
+def amx_shape_ok(out_features: int, in_features: int) -> bool:
+    return out_features % 16 == 0 and in_features % 32 == 0
 
 
-def decode_layers(table: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, *, heads: int,
-                  kv_heads: int, head_dim: int, inter: int, block_size: int, eps: float) -> torch.Tensor:
-    """A decode-only step's layers (models.llama.LlamaForCausalLM.layer_table's weights and caches) over x, the
-    step's embeddings (rows, hidden), bf16 or fp32, which it overwrites with the last layer's output; returns
-    the residual stream. meta: the step's AttentionMetadata (slots, block tables, context lengths)."""
-    assert x.dtype in CHAINS and x.is_contiguous() and table.dtype == torch.int64 and table.is_contiguous()
-    tables, lens, slots = meta.block_tables, meta.context_lens.contiguous(), meta.slot_mapping.contiguous()
-    assert tables.dtype == lens.dtype == slots.dtype == torch.long and tables.stride(1) == 1
-    cos, sin = cos.contiguous(), sin.contiguous()
-    residual = torch.empty_like(x)
-    if not getattr(library(), f"decode_layers_{CHAINS[x.dtype]}")(
-            table.data_ptr(), table.shape[0], x.data_ptr(), residual.data_ptr(), x.shape[0], x.shape[1], heads,
-            kv_heads, head_dim, inter, block_size, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
-            tables.stride(0), lens.data_ptr(), eps, head_dim ** -0.5, torch.get_num_threads()):
-        raise ValueError("decode_layers has no kernel for these shapes (or this build has not the linears' kernel)")
-    return residual
+def threads() -> int:
+    return torch.get_num_threads()
+
+
+def lib_or_fail(op: str) -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"{op}: the CPU kernels are not built here (see the warning logged at start)")
+    return lib
+
+
+# ---- the ops the core calls (their checked bodies: engine/kernels/ops.py) ----
+def paged_decode(q, k_cache, v_cache, block_tables, context_lens) -> torch.Tensor:
+    return torch.ops.batchscope.paged_decode(q, k_cache, v_cache, block_tables, context_lens)
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping):
+    torch.ops.batchscope.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def causal_prefill(q, k, v, m: int) -> torch.Tensor | None:
+    """Their causal attention, or None where this build has no kernel for them (no AVX-512, a dtype or
+    head_dim without one, rows whose heads are not packed): the caller runs SDPA then."""
+    d = q.shape[-1]
+    if (q.dtype not in CHAINS or not avx512() or d not in (64, 128)
+            or any(t.dim() != 3 or t.stride()[1:] != (d, 1) for t in (q, k, v))):
+        return None
+    return torch.ops.batchscope.causal_prefill(q, k, v, m)
+
+
+def rms_norm(x, weight, eps: float) -> torch.Tensor:
+    return torch.ops.batchscope.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps: float):
+    return torch.ops.batchscope.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up, inter: int) -> torch.Tensor:
+    return torch.ops.batchscope.silu_and_mul(gate_up, inter)
+
+
+def rope(x, cos, sin) -> torch.Tensor:
+    return torch.ops.batchscope.rope(x, cos, sin)
+
+
+def pack_amx(w) -> torch.Tensor:
+    return torch.ops.batchscope.pack_amx(w)
+
+
+def linear_amx(x, packed, out_features: int) -> torch.Tensor:
+    return torch.ops.batchscope.linear_amx(x, packed, out_features)
+
+
+def pack_f32(w) -> torch.Tensor:
+    return torch.ops.batchscope.pack_f32(w)
+
+
+def linear_f32(x, packed, out_features: int, b=None) -> torch.Tensor:
+    return torch.ops.batchscope.linear_f32(x, packed, out_features, b)
+
+
+LAYER_WEIGHTS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache")
+
+
+def decode_layers(x, cos, sin, meta, weights: dict, *, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
+    """A decode-only step's layers over x, the step's embeddings (rows, hidden), bf16 or fp32, which it
+    overwrites with the last layer's output; returns the residual stream. meta: the step's AttentionMetadata;
+    weights: LAYER_WEIGHTS -> one tensor per layer (the linears in their kernel's layout)."""
+    return torch.ops.batchscope.decode_layers(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                                              *(weights[k] for k in LAYER_WEIGHTS), heads, kv_heads, eps)
+
+
+from engine.kernels import ops  # noqa: E402,F401  (registers torch.ops.batchscope.*)

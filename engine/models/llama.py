@@ -12,9 +12,9 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-import torch.nn.functional as F
 
 from engine.kernels import cpu_kernels
+from engine.kernels.reference import add_rms_norm, apply_rope, rms_norm, silu_and_mul  # noqa: F401 (the plain path)
 from engine.execution.attention import CpuAttention, get_metadata
 from engine.models.linears import (Linear, amx_linears_work, f32_linears_work, linear, pack, packed_linear,
                                    packed_weights_work)
@@ -64,30 +64,6 @@ class Fused:
         return self.compiled(x, *args)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:        # one op, bit for bit the formula below
-        return F.rms_norm(x, weight.shape, weight, eps)
-    # 16-bit: computed in fp32 and rounded before the weight, like the reference implementation;
-    # in place on the fp32 copy (a new tensor): two temporaries fewer, the same values
-    dtype = x.dtype
-    x = x.float()
-    x.mul_(x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_())
-    return weight * x.to(dtype)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """The residual add fused into the next norm: returns (norm(x + residual), x + residual)."""
-    x = x + residual
-    return rms_norm(x, weight, eps), x
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (num_tokens, heads, head_dim), q's and k's heads together; cos, sin: (num_tokens, 1, head_dim),
-    sin with its first half negated, so rotate_half(x) * sin is roll(x) * sin: four ops, not seven, two
-    of them in place on the temporaries (the same values as x * cos + roll(x) * sin)."""
-    return (x * cos).add_(x.roll(x.shape[-1] // 2, -1).mul_(sin))
-
-
 def rope_table(hf_config, head_dim: int, max_len: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: (max_len, head_dim), with the config's theta and scaling (transformers computes the latter).
     sin's first half is negated: models.llama.apply_rope rotates by a roll, not by rotate_half."""
@@ -103,11 +79,6 @@ def rope_table(hf_config, head_dim: int, max_len: int, dtype, device) -> tuple[t
     freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq[None]
     cos, sin = freqs.cos() * scale, freqs.sin() * scale
     return torch.cat((cos, cos), -1).to(device, dtype), torch.cat((-sin, sin), -1).to(device, dtype)
-
-
-def silu_and_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-    gate, up = gate_up.split(inter, dim=-1)
-    return F.silu(gate).mul_(up)          # into silu's output: one temporary fewer
 
 
 class FusedOps:
@@ -240,9 +211,8 @@ class LlamaForCausalLM(nn.Module):
         x, residual, meta = self.embed_tokens(input_ids), None, get_metadata()
         if self.fused_decode and x.shape[0] <= self.fused_rows and not meta.prefills:
             a = self.layers[0].self_attn
-            residual = cpu_kernels.decode_layers(
-                self.layer_table(), x, cos, sin, meta, heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_dim,
-                inter=self.cfg.intermediate_size, block_size=a.k_cache.shape[1], eps=self.cfg.rms_norm_eps)
+            residual = cpu_kernels.decode_layers(x, cos, sin, meta, self.decode_weights(), heads=a.num_heads,
+                                                 kv_heads=a.num_kv_heads, eps=self.cfg.rms_norm_eps)
             return self.norm.add_forward(x, residual)[0]
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin)
@@ -265,24 +235,22 @@ class LlamaForCausalLM(nn.Module):
     packed_head: torch.Tensor | None = None
     amx_head: torch.Tensor | None = None
     f32_head: torch.Tensor | None = None
-    # a decode step's layers in one call of the CPU kernels (engine/cpu_kernels.decode_layers): set by
+    # a decode step's layers in one call of the CPU kernels (engine/kernels/cpu_kernels.decode_layers): set by
     # pack_weights where every piece of a layer has its kernel; demos/profile_serving turns it off to time
     # the pieces one by one
     fused_decode = False
     fused_rows = 0                  # up to this many sequences (the linears' kernel's rows)
-    _table: tuple[int, torch.Tensor] | None = None
 
-    def layer_table(self) -> torch.Tensor:
-        """Each layer's weights and KV cache as 8 pointers (cpu_kernels.cpp's LayerWeights), made again
-        when the runner has given the layers other caches."""
-        key = self.layers[0].self_attn.k_cache.data_ptr()
-        if self._table is None or self._table[0] != key:
-            kernel = lambda m: (m.amx if m.amx is not None else m.f32).data_ptr()       # noqa: E731
-            rows = [[l.input_layernorm.weight.data_ptr(), kernel(l.self_attn.qkv_proj), kernel(l.self_attn.o_proj),
-                     l.post_attention_layernorm.weight.data_ptr(), kernel(l.mlp.gate_up_proj), kernel(l.mlp.down_proj),
-                     l.self_attn.k_cache.data_ptr(), l.self_attn.v_cache.data_ptr()] for l in self.layers]
-            self._table = key, torch.tensor(rows, dtype=torch.int64)
-        return self._table[1]
+    def decode_weights(self) -> dict[str, list[torch.Tensor]]:
+        """Each layer's weights (the linears in their kernel's layout) and KV cache, as cpu_kernels.decode_layers
+        takes them: the tensors themselves, read at every call, so a cache the runner gave the layers later is
+        the one used."""
+        kernel = lambda m: m.amx if m.amx is not None else m.f32       # noqa: E731
+        parts = {"input_norm": lambda l: l.input_layernorm.weight, "qkv": lambda l: kernel(l.self_attn.qkv_proj),
+                 "o": lambda l: kernel(l.self_attn.o_proj), "post_norm": lambda l: l.post_attention_layernorm.weight,
+                 "gate_up": lambda l: kernel(l.mlp.gate_up_proj), "down": lambda l: kernel(l.mlp.down_proj),
+                 "k_cache": lambda l: l.self_attn.k_cache, "v_cache": lambda l: l.self_attn.v_cache}
+        return {name: [part(l) for l in self.layers] for name, part in parts.items()}
 
     def pack_weights(self):
         """Every Linear and the logits matrix in oneDNN's layout, and for a decode step's few rows also in a

@@ -1,0 +1,97 @@
+"""Building, probing and loading the CPU library (cpu_kernels.cpp), once per machine.
+
+build   the system's C++ compiler (g++, c++ or clang++; $CXX first) for this CPU (-march=native), into
+        the batchscope cache under a name that hashes the source, the flags, the compiler, torch's OpenMP
+        runtime and the CPU's feature flags, so a cache folder shared by machines with other CPUs never
+        loads code built for another.
+probe   the new library is first loaded and each of its ops called on small inputs in a child process
+        (engine/kernels/probe.py): a CPU that reports AVX-512 while its hypervisor disables it dies of
+        SIGILL there, not in the server. A probe that passed leaves a stamp beside the library, so it runs
+        once per build; one that died is logged with its signal and the op it was in, and the engine
+        takes the plain path.
+OpenMP  the library links the OpenMP runtime torch ships (torch/lib/libgomp*.so*) by its path, so one
+        process has one OpenMP pool: pip's torch may rename its copy (libgomp-<hash>.so.1), and a library
+        linked with plain -fopenmp would then load the system's libgomp beside it, a second pool of threads
+        on the same cores. Where torch ships none, -fopenmp (the system's).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("batchscope.engine")
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+# -ffast-math without -ffinite-math-only: the compiler still vectorises exp (glibc's libmvec, declared at the
+# top of cpu_kernels.cpp) and reorders the sums, but may not assume that no value is NaN or infinite, which
+# the engine relies on to fail a request whose logits went non-finite (tests/test_kernel_ops.py). Given only
+# when compiling, not when linking, so the library does not switch the process to flush-to-zero.
+COMPILE = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+           "-fassociative-math", "-freciprocal-math", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-std=c++17"]
+ASAN = ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]   # the build variant the fuzz runs under once
+
+
+def torch_openmp() -> Path | None:
+    """The OpenMP runtime torch itself loads (its libgomp in torch/lib), or None where it ships none."""
+    lib = Path(torch.__file__).parent / "lib"
+    found = sorted(p for p in lib.glob("libgomp*.so*") if p.is_file())
+    return found[0] if found else None
+
+
+def link_flags(sanitize: bool = False) -> list[str]:
+    gomp = torch_openmp()
+    omp = ["-fopenmp"] if gomp is None else [str(gomp), f"-Wl,-rpath,{gomp.parent}"]
+    return ["-shared", *(ASAN if sanitize else []), *omp]
+
+
+def compile_flags(sanitize: bool = False) -> list[str]:
+    return COMPILE + (ASAN if sanitize else [])
+
+
+def library_path(cxx: str, cpu_flags: str, root: Path, sanitize: bool = False) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    parts = [SOURCE.read_text(), *compile_flags(sanitize), *link_flags(sanitize), version, cpu_flags]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return root / "kernels" / f"cpu_kernels-{'asan-' if sanitize else ''}{key}.so"
+
+
+def build(cxx: str, out: Path, sanitize: bool = False):
+    """Compile, then link, into a temporary name beside `out`, then rename: processes building at once
+    (a test run's servers) each finish their own file and the last rename wins, whole."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        obj, lib = Path(tmp) / "cpu_kernels.o", Path(tmp) / out.name
+        for cmd in ([cxx, *compile_flags(sanitize), "-c", str(SOURCE), "-o", str(obj)],
+                    [cxx, str(obj), *link_flags(sanitize), "-o", str(lib)]):
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if r.returncode:
+                raise RuntimeError(f"{' '.join(cmd[:2])} ... exited {r.returncode}: {r.stderr.strip()[-500:]}")
+        os.replace(lib, out)
+
+
+def probe(path: Path) -> str | None:
+    """Load `path` and call each op in a child process; None if it passed, else why it did not."""
+    stamp = path.with_suffix(".probed")
+    if stamp.exists():
+        return None
+    env = {k: v for k, v in os.environ.items() if k != "BATCHSCOPE_CPU_KERNEL"}
+    try:
+        r = subprocess.run([sys.executable, "-m", "engine.kernels.probe", str(path)], capture_output=True, text=True,
+                           timeout=300, env=env, cwd=Path(__file__).resolve().parents[2])
+    except subprocess.TimeoutExpired:
+        return "the probe did not finish in 300 s"
+    last = (r.stdout.strip().splitlines() or ["loading the library"])[-1]
+    if r.returncode < 0:
+        return f"the probe child died of {signal.Signals(-r.returncode).name} in {last}"
+    if r.returncode:
+        return f"the probe child exited {r.returncode} in {last}: {r.stderr.strip()[-300:]}"
+    stamp.write_text(r.stdout)
+    return None
