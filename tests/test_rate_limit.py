@@ -221,9 +221,9 @@ def check_api_keys(app):
 def test_the_serving_preset_is_one_flag_and_explicit_settings_win():
     from app.__main__ import parse_args, server_config
     teaching, serving = parse_args([], env={}), parse_args(["--serving"], env={})
-    assert (teaching.max_num_batched_tokens, teaching.max_num_seqs, teaching.rate_limit_per_minute) == (256, 16, 120)
+    assert (teaching.max_num_batched_tokens, teaching.max_num_seqs, teaching.rate_limit_per_minute) == (256, 64, 120)
     assert (serving.max_num_batched_tokens, serving.max_num_seqs, serving.rate_limit_per_minute) == (2048, 64, 0)
     assert server_config(serving, env={}).rate_limit_per_minute == 0
     mixed = parse_args(["--serving", "--max-num-seqs", "32"], env={"BATCHSCOPE_RATE_LIMIT_PER_MINUTE": "600"})
     assert (mixed.max_num_seqs, mixed.max_num_batched_tokens, mixed.rate_limit_per_minute) == (32, 2048, 600)
-    assert parse_args([], env={"BATCHSCOPE_SERVING": "1"}).max_num_seqs == 64
+    assert parse_args([], env={"BATCHSCOPE_SERVING": "1"}).max_num_batched_tokens == 2048
