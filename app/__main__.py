@@ -61,7 +61,7 @@ FLAGS = {
                             "'*' for any peer, '' for none (env FORWARDED_ALLOW_IPS too)"),
 }
 # --serving: throughput settings instead of the teaching ones (a 256-token budget, so that chunks show on
-# the chart; 16 sequences; a rate limit for a public room). Flags and environment variables still win.
+# the chart; a rate limit for a public room). Flags and environment variables still win.
 SERVING = {"max_num_batched_tokens": 2048, "max_num_seqs": 64, "rate_limit_per_minute": 0}
 PLAIN_ENV = {"host": "HOST", "port": "PORT", "forwarded-allow-ips": "FORWARDED_ALLOW_IPS"}   # as platforms set them
 def _bool(text: str) -> bool:

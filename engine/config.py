@@ -32,7 +32,8 @@ class EngineConfig:
     dtype: str = "auto"                 # "auto" -> bf16 on CUDA and on CPUs with AMX, else fp32
     policy: str = "chunked"             # static | continuous | chunked | disaggregated (engine/disagg/router.py)
     max_num_batched_tokens: int = 256   # token budget of one step
-    max_num_seqs: int = 16              # most sequences in one step
+    max_num_seqs: int = 64              # most sequences in one step: a room of 60 all in the batch at once
+                                        # (docs/server.md, "A room at its peak"); lessons set their own
     max_prefill_chunk: int | None = None  # optional cap on one request's chunk (chunked policy)
     block_size: int = 16                # tokens per KV block
     kv_cache_gb: float = 1.0            # KV cache size on CPU

@@ -55,15 +55,42 @@ def test_forwarded_for_from_a_named_proxy_gives_the_client():
     # '*' trusts whoever connects (a platform whose proxy is the only way in), still only its last hop
     assert key({"x-forwarded-for": "1.1.1.1, 198.51.100.7"}, "172.16.0.9",
                forwarded_allow_ips="*") == "addr:198.51.100.7"
-    assert key({"x-forwarded-for": "198.51.100.7"}, "127.0.0.1", forwarded_allow_ips="") == "addr:127.0.0.1"
+    assert key({"x-forwarded-for": "198.51.100.7"}, "10.1.2.3", forwarded_allow_ips="") == "addr:10.1.2.3"
     # a proxy that forwards garbage: the proxy's own address, not the garbage
-    assert key({"x-forwarded-for": "not-an-ip"}, "127.0.0.1") == "addr:127.0.0.1"
+    assert key({"x-forwarded-for": "not-an-ip"}, "10.1.2.3", **ten) == "addr:10.1.2.3"
+
+
+@given(peer=st.sampled_from(["127.0.0.1", "127.8.9.10", "::1", "::ffff:127.0.0.1"]),
+       forwarded=st.lists(st.sampled_from(["", "127.0.0.1", "::1", "not-an-ip"]), max_size=3),
+       proxies=st.sampled_from(["127.0.0.1", "", "127.0.0.0/8, ::1", "10.0.0.0/8"]))
+def test_a_caller_on_loopback_is_not_limited_by_address(peer, forwarded, proxies):
+    """The machine's own user, however many of them send at once, and whatever loopback hops they name."""
+    assert key({"x-forwarded-for": ", ".join(forwarded)}, peer, forwarded_allow_ips=proxies) is None
+
+
+@given(client=st.ip_addresses().filter(lambda ip: not ip.is_loopback and not getattr(ip, "ipv4_mapped", None)),
+       proxies=st.sampled_from(["127.0.0.1", "127.0.0.0/8, ::1"]))
+def test_a_public_caller_behind_a_local_proxy_keeps_its_bucket(client, proxies):
+    """A reverse proxy on the machine (loopback) names the caller in X-Forwarded-For: that address is limited."""
+    assert key({"x-forwarded-for": str(client)}, "127.0.0.1", forwarded_allow_ips=proxies) == f"addr:{client}"
+
+
+@given(peer=st.sampled_from(["127.0.0.1", "::1"]))
+def test_behind_a_platform_proxy_loopback_is_the_proxy_not_a_caller(peer):
+    """With '*' every connection is the platform's proxy: one that sends no header keeps a bucket."""
+    assert key({}, peer, forwarded_allow_ips="*") == f"addr:{peer}"
+
+
+def test_identities_on_loopback_keep_their_buckets():
+    assert key({}, "127.0.0.1", identity="room:Ana") == "room:Ana"
+    assert key({"x-presenter-key": "secret"}, "127.0.0.1", presenter_key="secret") == "presenter"
+    assert key({"authorization": "Bearer k1"}, "::1", api_keys=("k1",)) == "api-key:1"
 
 
 @given(peer=st.ip_addresses(), forwarded=st.text(max_size=80))
 def test_an_untrusted_peer_cannot_choose_its_key(peer, forwarded):
-    if peer.is_loopback:
-        return
+    if (getattr(peer, "ipv4_mapped", None) or peer).is_loopback:
+        return                                       # the machine's own user: not limited (below)
     assert key({"x-forwarded-for": forwarded}, str(peer)) == f"addr:{peer}"
 
 
@@ -194,9 +221,9 @@ def check_api_keys(app):
 def test_the_serving_preset_is_one_flag_and_explicit_settings_win():
     from app.__main__ import parse_args, server_config
     teaching, serving = parse_args([], env={}), parse_args(["--serving"], env={})
-    assert (teaching.max_num_batched_tokens, teaching.max_num_seqs, teaching.rate_limit_per_minute) == (256, 16, 120)
+    assert (teaching.max_num_batched_tokens, teaching.max_num_seqs, teaching.rate_limit_per_minute) == (256, 64, 120)
     assert (serving.max_num_batched_tokens, serving.max_num_seqs, serving.rate_limit_per_minute) == (2048, 64, 0)
     assert server_config(serving, env={}).rate_limit_per_minute == 0
     mixed = parse_args(["--serving", "--max-num-seqs", "32"], env={"BATCHSCOPE_RATE_LIMIT_PER_MINUTE": "600"})
     assert (mixed.max_num_seqs, mixed.max_num_batched_tokens, mixed.rate_limit_per_minute) == (32, 2048, 600)
-    assert parse_args([], env={"BATCHSCOPE_SERVING": "1"}).max_num_seqs == 64
+    assert parse_args([], env={"BATCHSCOPE_SERVING": "1"}).max_num_batched_tokens == 2048

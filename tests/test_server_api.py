@@ -170,6 +170,7 @@ def test_bad_input_through_the_official_client_and_server_keeps_serving(live_ser
 def test_full_queue_answers_429_with_retry_after(live_server, monkeypatch):
     """One request runs, one waits (max_num_seqs=1); with max_waiting=1 the third is turned away."""
     monkeypatch.setattr(live_server.service.config, "max_waiting", 1)
+    before = live_server.engine()["max_num_seqs"]
     assert live_server.set_engine(max_num_seqs=1).status_code == 200
     body = {"messages": [{"role": "user", "content": "Count."}], "max_tokens": 200, "ignore_eos": True,
             "stream": True}
@@ -187,7 +188,7 @@ def test_full_queue_answers_429_with_retry_after(live_server, monkeypatch):
                 assert third.status_code == 429 and third.headers["retry-after"] == "2"
                 assert third.json()["error"]["type"] == "rate_limit_error"
     finally:
-        assert live_server.set_engine(max_num_seqs=16).status_code == 200
+        assert live_server.set_engine(max_num_seqs=before).status_code == 200
     deadline = time.monotonic() + 60
     while live_server.engine()["live_requests"]:
         assert time.monotonic() < deadline, "closing the streams did not abort their requests"

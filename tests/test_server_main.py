@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_flags_environment_and_defaults():
     d = parse_args([], env={})
     assert (d.host, d.port, d.policy, d.max_num_batched_tokens, d.max_num_seqs, d.step_delay, d.model) == \
-        ("127.0.0.1", 7860, "chunked", 256, 16, 0.0, None)
+        ("127.0.0.1", 7860, "chunked", 256, 64, 0.0, None)
     a = parse_args([], env={"BATCHSCOPE_MODEL": "some/model", "PORT": "8000", "BATCHSCOPE_STEP_DELAY": "0.5",
                             "BATCHSCOPE_POLICY": "static", "BATCHSCOPE_MAX_NUM_SEQS": "4", "HOST": "0.0.0.0"})
     assert (a.model, a.port, a.step_delay, a.policy, a.max_num_seqs, a.host) == \

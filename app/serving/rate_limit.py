@@ -7,6 +7,14 @@ never limited by it: each spends their own token's bucket. The address is the
 peer's, unless the peer is a proxy the operator named (`--forwarded-allow-ips`,
 as uvicorn's flag of that name); only then does X-Forwarded-For count, read
 from the right, so a client cannot pick its own key by sending the header.
+
+An anonymous caller whose address is loopback is not limited: every caller on
+127.0.0.1 or ::1 is the machine's own user (a lecturer's benchmark, a room
+simulated on one laptop), and one bucket for all of them turned away half of a
+60-student burst. Where every connection comes through a proxy (`"*"`), a
+loopback peer is that proxy, not a caller, and keeps its bucket. A tunnel that
+forwards public traffic to loopback without X-Forwarded-For makes every caller
+look local: name its address in `--forwarded-allow-ips` and make it send the header.
 """
 from __future__ import annotations
 
@@ -68,7 +76,8 @@ def bearer(headers) -> str | None:
 
 
 class ClientKeys:
-    """Caller -> the key of the bucket it spends: "room:<label>", "presenter", "api-key:<n>" or "addr:<ip>".
+    """Caller -> the key of the bucket it spends: "room:<label>", "presenter", "api-key:<n>" or "addr:<ip>";
+    None (not limited) for in-process callers and anonymous ones on loopback.
 
     forwarded_allow_ips: comma-separated addresses or networks of trusted proxies, or "*" for whoever
     connects (only where every connection comes through a proxy, as on a hosting platform); "" for none.
@@ -88,7 +97,16 @@ class ClientKeys:
             return "presenter"
         if (n := self.api_key_number(caller.api_key)) is not None:
             return f"api-key:{n}"
-        return f"addr:{self.address(caller)}"
+        address = self.address(caller)
+        if self.is_local(address):
+            return None                              # the machine's own user (see the module's docstring)
+        return f"addr:{address}"
+
+    def is_local(self, address: str | None) -> bool:
+        """A loopback address, believed as the caller's own only when not every peer is a proxy."""
+        ip = _ip(address) if address else None
+        ip = getattr(ip, "ipv4_mapped", None) or ip      # ::ffff:127.0.0.1, as a dual-stack socket gives it
+        return ip is not None and ip.is_loopback and not self.trust_any_peer
 
     def api_key_number(self, given: str | None) -> int | None:
         """1-based index of the configured key given (compared in constant time), else None."""

@@ -2,6 +2,7 @@
 
     python -m demos.load.room                          # 60 students (3 of them real browser tabs) for 60 s
     python -m demos.load.room --students 30 --tabs 2 --seconds 30 --screenshots docs/
+    python -m demos.load.room --burst                  # the room at its peak: 60 send at once, on the defaults
 
 It starts `python -m app` on a free 127.0.0.1 port, then:
   - students minus tabs API clients (the official openai client, `user` = their name, each from its own
@@ -12,6 +13,11 @@ It reports, side by side: the browsers' frame rate (frames per second, share of 
 30 fps, chart redraw time), the server's step rate and output tokens per second, and time to first
 token measured by the clients (p50/p90/p99, percentile as in app/readers/metrics.py). Not a test: a
 measurement, printed with the CPU it ran on.
+
+--burst is the room at its peak: the server on its own defaults (no engine flag unless given), the
+projector page open in Chromium, and every student sending one chat at the same moment through the
+official openai client, all from 127.0.0.1 without an identity (as a room simulated on one machine is).
+It reports how many were answered, refused (429) or failed, and TTFT p50/p99/max over all of them.
 """
 from __future__ import annotations
 
@@ -53,11 +59,11 @@ def cpu_line() -> str:
 
 
 def start_server(port: int, args) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning",
-           "--max-num-seqs", str(args.max_num_seqs), "--max-waiting", str(args.max_waiting),
-           "--max-viewers", str(args.max_viewers), "--kv-cache-gb", str(args.kv_cache_gb)]
-    if args.cpu_threads:
-        cmd += ["--cpu-threads", str(args.cpu_threads)]
+    """`python -m app` on the server's defaults, but for the flags given here."""
+    cmd = [sys.executable, "-m", "app", "--port", str(port), "--log-level", "warning"]
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_viewers", "kv_cache_gb", "cpu_threads"):
+        if getattr(args, flag) is not None:
+            cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -139,6 +145,7 @@ async def run(args) -> dict:
                 server.terminate()
                 raise RuntimeError("the server did not start: " + server.stderr.read()[-800:]) from None
             model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            max_num_seqs = (await http.get("/api/engine")).json()["max_num_seqs"]
             async with async_playwright() as p:
                 browser = await p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
                 projector = await (await browser.new_context(viewport={"width": 1920, "height": 1080})).new_page()
@@ -174,7 +181,7 @@ async def run(args) -> dict:
         ttft = stats["ttft"][ttft0:]
         return {
             "cpu": cpu_line(), "students": args.students, "tabs": args.tabs, "seconds": round(t1 - t0, 1),
-            "max_num_seqs": args.max_num_seqs, "max_tokens": args.max_tokens,
+            "max_num_seqs": max_num_seqs, "max_tokens": args.max_tokens,
             "steps_per_s": (step1 - step0) / (t1 - t0), "api_tokens_per_s": (stats["tokens"] - tok0) / (t1 - t0),
             "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_p99": percentile(ttft, 99),
             "ttft_n": len(ttft), "waiting_peak": waiting_peak, "replies": stats["done"], "refused_429": stats["refused"], "errors": stats["errors"],
@@ -187,6 +194,100 @@ async def run(args) -> dict:
             server.wait(30)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+async def burst_student(client, model: str, i: int, go: asyncio.Event, max_tokens: int) -> dict:
+    """One student of the burst: wait for the moment everyone presses Enter, ask once, read the reply."""
+    from openai import APIStatusError
+    await go.wait()
+    t0, first, tokens = time.monotonic(), None, 0
+    try:
+        stream = await client.chat.completions.create(
+            model=model, stream=True, max_tokens=max_tokens, user=f"Student {i + 1}",
+            messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                tokens += 1
+                first = first or time.monotonic()
+        return {"status": 200, "ttft": None if first is None else first - t0, "tokens": tokens,
+                "seconds": time.monotonic() - t0}
+    except APIStatusError as e:
+        return {"status": e.status_code, "message": str(e)[:200]}
+    except Exception as e:                              # a dropped connection is a failure too
+        return {"status": "error", "message": f"{type(e).__name__}: {e}"[:200]}
+
+
+async def run_burst(args) -> dict:
+    """The room at its peak (--burst): every student sends at once, the projector page open."""
+    from openai import AsyncOpenAI
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = start_server(port, args)
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=60, trust_env=False) as http:
+            try:
+                await wait_healthy(http)
+            except RuntimeError:
+                server.terminate()
+                raise RuntimeError("the server did not start: " + server.stderr.read()[-800:]) from None
+            model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            settings = (await http.get("/api/engine")).json()
+            # one HTTP client for the room, with a connection for each student: all on 127.0.0.1
+            pool = httpx.AsyncClient(trust_env=False, timeout=600,
+                                     limits=httpx.Limits(max_connections=args.students + 4))
+            client = AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, http_client=pool)
+            browser = playwright = None
+            if args.page:
+                from playwright.async_api import async_playwright
+                playwright = await async_playwright().start()
+                browser = await playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+                page = await (await browser.new_context(viewport={"width": 1920, "height": 1080})).new_page()
+                await page.goto(base + "/?view=projector")
+                await page.wait_for_selector("canvas")
+            try:
+                go = asyncio.Event()
+                tasks = [asyncio.ensure_future(burst_student(client, model, i, go, args.max_tokens))
+                         for i in range(args.students)]
+                await asyncio.sleep(0.2)
+                step0, t0 = (await http.get("/api/engine")).json()["step"], time.monotonic()
+                go.set()
+                results = await asyncio.gather(*tasks)
+                seconds = time.monotonic() - t0
+                step1 = (await http.get("/api/engine")).json()["step"]
+            finally:
+                await client.close()
+                if browser:
+                    await browser.close()
+                    await playwright.stop()
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    ttft = [r["ttft"] for r in results if r.get("ttft") is not None]
+    return {"cpu": cpu_line(), "students": args.students, "max_tokens": args.max_tokens, "page_open": args.page,
+            "max_num_seqs": settings["max_num_seqs"], "max_num_batched_tokens": settings["max_num_batched_tokens"],
+            "answered": sum(r["status"] == 200 for r in results),
+            "refused_429": sum(r["status"] == 429 for r in results),
+            "failed": sum(r["status"] not in (200, 429) for r in results),
+            "messages": sorted({r["message"] for r in results if "message" in r})[:3],
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "ttft_max": max(ttft, default=None),
+            "seconds": round(seconds, 1), "steps": step1 - step0,
+            "output_tokens_per_s": sum(r.get("tokens", 0) for r in results) / seconds}
+
+
+def burst_report(r: dict) -> str:
+    s = lambda v: "–" if v is None else f"{v:.2f} s"
+    return "\n".join([
+        f"CPU: {r['cpu']}",
+        f"{r['students']} students at once, replies of up to {r['max_tokens']} tokens, projector page "
+        f"{'open' if r['page_open'] else 'closed'}; server: {r['max_num_seqs']} sequences, budget "
+        f"{r['max_num_batched_tokens']}",
+        f"answered {r['answered']}, refused (429) {r['refused_429']}, failed {r['failed']}",
+        *[f"  {m}" for m in r["messages"]],
+        f"time to first token: p50 {s(r['ttft_p50'])}, p99 {s(r['ttft_p99'])}, max {s(r['ttft_max'])}; "
+        f"all done in {r['seconds']} s, {r['steps']} steps, {r['output_tokens_per_s']:.1f} output tokens/s"])
 
 
 def report(r: dict) -> str:
@@ -212,11 +313,15 @@ def main(argv=None):
     p.add_argument("--tabs", type=int, default=3, help="of the students, how many are real browser tabs")
     p.add_argument("--seconds", type=float, default=60, help="measured time, after the warm-up")
     p.add_argument("--warmup", type=float, default=15)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-waiting", type=int, default=128)
-    p.add_argument("--max-viewers", type=int, default=128)
-    p.add_argument("--kv-cache-gb", type=float, default=1.0)
+    p.add_argument("--burst", action="store_true", help="every student sends one chat at once (the room at its peak)")
+    p.add_argument("--no-page", dest="page", action="store_false", help="--burst: no projector page in Chromium")
+    p.add_argument("--max-tokens", type=int, default=None, help="reply length (default 32; --burst: 64)")
+    # the server's own defaults unless given
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-waiting", type=int, default=None)
+    p.add_argument("--max-viewers", type=int, default=None)
+    p.add_argument("--kv-cache-gb", type=float, default=None)
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--screenshots", help="folder for ui_student.png and ui_projector.png")
@@ -224,8 +329,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not 0 <= args.tabs <= args.students:
         p.error("--tabs must be between 0 and --students")
-    result = asyncio.run(run(args))
-    print(report(result))
+    if args.max_tokens is None:
+        args.max_tokens = 64 if args.burst else 32
+    if args.students < 1 or args.max_tokens < 1:
+        p.error("--students and --max-tokens must be at least 1")
+    result = asyncio.run(run_burst(args) if args.burst else run(args))
+    print(burst_report(result) if args.burst else report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
