@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.scheduling.ngram import SpeculativeConfig
+
 SCHEDULER_POLICIES = ("static", "continuous", "chunked")     # one engine, one scheduler
 POLICIES = (*SCHEDULER_POLICIES, "disaggregated")             # + two engines (engine/disagg/router.py)
 BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
@@ -45,6 +47,9 @@ class EngineConfig:
     enforce_eager: bool = False         # CUDA: no CUDA graphs for decode steps
     seed: int = 0
     cpu_threads: int | None = None      # torch intra-op threads on CPU; None = torch's choice (one per core)
+    # speculative decoding, vLLM's form: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N}
+    # (engine/scheduling/ngram.py); None: off. Checked into a SpeculativeConfig.
+    speculative_config: dict | SpeculativeConfig | None = None
 
     def __post_init__(self):
         import torch
@@ -67,6 +72,7 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 2")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
 
     @property
     def torch_dtype(self):

@@ -33,6 +33,7 @@ from engine.outputs.records import KVState, PolicyEvent, read_batch, step_record
 from engine.outputs.requests import RequestBook, StepCounter
 from engine.sampling_params import SamplingParams
 from engine.scheduling.policies import resolve
+from engine.scheduling.ngram import SpeculativeConfig, propose
 from engine.scheduling.scheduler import Batch, Scheduler
 from engine.scheduling.sequence import Sequence, Status
 
@@ -75,6 +76,7 @@ class LLMEngine:
         self.counters = self.book.counters
         self.steps = steps or StepCounter()
         self._rng = torch.Generator().manual_seed(config.seed)
+        self.speculative = config.speculative_config      # engine/scheduling/ngram.py; None: off
 
     def clock(self) -> float:
         return time.perf_counter() - self.t0
@@ -175,6 +177,10 @@ class LLMEngine:
                      s.max_prefill_chunk if max_prefill_chunk is _UNSET else max_prefill_chunk)
         self.book.emit(PolicyEvent(self.step_index, self.clock(), **self.settings()))
 
+    def set_speculative(self, speculative_config: dict | SpeculativeConfig | None):
+        """Speculative decoding on (vLLM's dict form, checked) or off (None), from the next step."""
+        self.speculative = SpeculativeConfig.of(speculative_config)
+
     def settings(self) -> dict:
         return self.scheduler.settings()
 
@@ -203,6 +209,7 @@ class LLMEngine:
         if not self.scheduler.has_work():
             return None
         t_start = self.clock()
+        self._draft()
         batch = self.scheduler.schedule()
         t_sched = self.clock()
         before = read_batch(batch, self.scheduler.running)
@@ -218,6 +225,18 @@ class LLMEngine:
         self.book.emit(record)
         return StepOutputs(record.to_dict(), self.book.take_outputs())
 
+    def _draft(self):
+        """Speculative decoding: each running reply's guess of its next tokens (engine/scheduling/ngram.py),
+        never past its max_tokens or the model's context; the scheduler decides how many run."""
+        spec = self.speculative
+        for seq in self.scheduler.running:
+            k = 0
+            if spec is not None and seq.is_prefill_done:
+                k = min(spec.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
+                        self.max_model_len - seq.num_tokens)
+            seq.draft_token_ids = (propose(seq.all_token_ids, k, spec.prompt_lookup_max, spec.prompt_lookup_min)
+                                   if k > 0 else [])
+
     def _run(self, batch: Batch) -> tuple[list[str], str | None]:
         """The forward pass and what follows it. Returns the finished request ids and, if the pass
         raised, the error's class name (the step's requests then fail; the engine goes on)."""
@@ -229,12 +248,16 @@ class LLMEngine:
                 self._abort(seq, "error", f"forward pass failed: {type(e).__name__}: {e}")
             return [], type(e).__name__
         finished = []
-        for seq, token in self.scheduler.update(batch, tokens, self.clock()):
+
+        def ended(seq: Sequence) -> bool:          # after each token appended (a verified decode appends several)
+            if self._after_token(seq):
+                finished.append(seq.id)
+                return True
+            return False
+        for seq, token in self.scheduler.update(batch, tokens, self.clock(), ended):
             if token is None:      # its KV may hold NaN: zeroed, or attention's masked padding would pass it on
                 self.runner.clear_blocks(self.block_manager.unpublished_blocks(seq))
                 self._abort(seq, "error", "the model produced non-finite logits")
-            elif self._after_token(seq):
-                finished.append(seq.id)
         return finished, None
 
     def _after_token(self, seq: Sequence) -> bool:

@@ -22,7 +22,7 @@ from engine.execution.cuda_graph import StepGraphs
 from engine.weights.loader import load_model
 from engine.models.llama import rope_table
 from engine.models.llama import head_dim_of
-from engine.execution.sampler import sample
+from engine.execution.sampler import sample, sample_runs
 from engine.sampling_params import SamplingParams
 from engine.scheduling.scheduler import Batch
 from engine.scheduling.sequence import Sequence
@@ -63,8 +63,10 @@ class StepInputs:
     query_lens: list[int]            # per sequence: tokens in this step
     context_lens: list[int]          # per sequence: tokens in the cache once this step is written
     block_tables: list[list[int]]    # per sequence
-    rows: list[int]                  # flat row whose logits give a sequence's next token
-    num_decodes: int
+    rows: list[int]                  # flat rows whose logits give a sequence's next token (a decode
+                                     # verifying k drafts: its k + 1 rows, one per position)
+    num_decodes: int                 # one-token decodes (the rows before any chunk or verifying decode)
+    num_rows: list[int] = None       # per sequence that samples: its rows (1, or k + 1 when verifying)
 
 
 def token_slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -196,12 +198,19 @@ class ModelRunner:
         bs = self.block_size
         decodes = [(s, n) for s, n in batch.items if s.is_prefill_done]
         assert batch.items[:len(decodes)] == decodes, "decodes must come first in the batch"
-        step = StepInputs([], [], [], [], [], [], [], len(decodes))
+        single = sum(1 for _, n in decodes if n == 1)
+        assert all(n == 1 for _, n in decodes[:single]), "one-token decodes come before those verifying drafts"
+        # a decode verifying drafts is laid out like a chunk: its queries attend to the cache with a causal offset
+        step = StepInputs([], [], [], [], [], [], [], single, [])
         for seq, n in batch.items:
             start, table = seq.num_computed_tokens, seq.block_table
-            if seq.is_prefill_done:
+            if seq.is_prefill_done and n == 1:
                 step.input_ids.append(seq.output_token_ids[-1])
                 step.slots.append(table[start // bs] * bs + start % bs)
+            elif seq.is_prefill_done:       # its last token, then the drafts it verifies
+                step.input_ids.append(seq.output_token_ids[-1])
+                step.input_ids.extend(seq.draft_token_ids[:n - 1])
+                step.slots.extend(token_slots(table, start, start + n, bs))
             else:
                 p = seq.prompt_len
                 step.input_ids.extend(seq.prompt_token_ids[start:start + n] if start + n <= p
@@ -211,8 +220,12 @@ class ModelRunner:
             step.query_lens.append(n)
             step.context_lens.append(start + n)
             step.block_tables.append(table)
-            if start + n == seq.num_tokens:
+            if seq.is_prefill_done and n > 1:
+                step.rows.extend(range(len(step.input_ids) - n, len(step.input_ids)))
+                step.num_rows.append(n)
+            elif start + n == seq.num_tokens:
                 step.rows.append(len(step.input_ids) - 1)
+                step.num_rows.append(1)
         return step
 
     def upload(self, step: StepInputs):
@@ -251,7 +264,8 @@ class ModelRunner:
         """One forward pass. Returns the sampled token of each sequence that completed its known tokens,
         in batch order (decodes, then prefills whose chunk finishes the prompt); None for bad logits."""
         step = self.prepare(batch)
-        size = self.graphs.bucket(len(step.input_ids), len(batch.items)) if self.graphs else None
+        # a bucket's sample rows are its sequence slots: a verifying decode takes one per position
+        size = self.graphs.bucket(len(step.input_ids), max(len(batch.items), len(step.rows))) if self.graphs else None
         if size:
             logits = self.graphs.run(step, size)
         else:                 # eager: CPU, the torch backend, or a step above the largest bucket
@@ -262,5 +276,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows]) if step.rows else None
         if not step.rows:
             return []
-        seqs = [s for s, n in batch.items if s.num_computed_tokens + n == s.num_tokens]
-        return sample(logits, seqs, self.eos_token_ids)
+        seqs = [s for s, n in batch.items if s.num_computed_tokens + n == s.num_tokens
+                or (s.is_prefill_done and n > 1)]
+        if len(step.rows) == len(seqs):     # no drafts to verify: one row per sequence
+            return sample(logits, seqs, self.eos_token_ids)
+        return sample_runs(logits, seqs, step.num_rows, self.eos_token_ids)

@@ -60,8 +60,8 @@ def _plain(value):
 class StepItem(Record):
     req: str = doc("request id")
     label: str = doc("the request's display label")
-    kind: str = doc("`decode` (one new token of a running reply) or `prefill` (a chunk of prompt, "
-                    "or a recompute after preemption)")
+    kind: str = doc("`decode` (one new token of a running reply, with any drafted tokens it verifies) or "
+                    "`prefill` (a chunk of prompt, or a recompute after preemption)")
     tokens: int = doc("tokens this sequence contributed to the pass")
     start: int = doc("position of the first of those tokens in the sequence")
     prompt_len: int | None = doc("prefill only: tokens to prefill in all (prompt, or prompt + output "
@@ -70,13 +70,18 @@ class StepItem(Record):
                                         "samples this request's first token", optional=True)
     cached: int | None = doc("prefill only, first chunk: prompt tokens served from the prefix cache "
                              "instead of computed", optional=True)
+    drafted: int | None = doc("speculative decoding, a decode verifying drafts only: drafted tokens it ran "
+                              "after its own (`tokens` = 1 + `drafted`)", optional=True)
+    accepted: int | None = doc("with `drafted`: of those, the ones the model agreed with, kept in the reply "
+                               "(the step gave it `accepted` + 1 tokens; the KV of the other "
+                               "`drafted - accepted` was rolled back)", optional=True)
 
     @classmethod
     def of(cls, seq: Sequence, n: int) -> StepItem:
         """seq's part in a step about to run n of its tokens (read before the step changes it)."""
         start = seq.num_computed_tokens
         if seq.is_prefill_done:
-            return cls(seq.id, seq.label, "decode", n, start)
+            return cls(seq.id, seq.label, "decode", n, start, drafted=n - 1 if n > 1 else None)
         first_chunk = seq.num_cached_tokens and start == seq.num_cached_tokens
         return cls(seq.id, seq.label, "prefill", n, start, prompt_len=seq.num_tokens,
                    completes_prompt=start + n == seq.num_tokens,
@@ -313,6 +318,8 @@ def step_record(step: int, sched: Scheduler, batch: Batch, before: Before, finis
     """The record of a step that has run. before: read_batch's reading; times: (start, scheduled,
     items read, end) on `clock`, which also times this assembly (`timing.record`)."""
     items, stalled, causes = before
+    items = tuple(dataclasses.replace(it, accepted=batch.accepted.get(it.req, 0)) if it.drafted else it
+                  for it in items)                 # what verification kept, known only now
     t_start, t_sched, t_items, t_end = times
     bm = sched.bm
     fields = dict(step=step, t_start=t_start, t_end=t_end, policy=sched.policy, token_budget=sched.token_budget,

@@ -99,6 +99,18 @@ class BlockManager:
             self._note("alloc", seq.block_table[-1], seq)
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int):
+        """Shrink seq's table to the blocks that cover num_tokens tokens (rejected draft tokens' KV is
+        rolled back: the blocks taken for them alone go back; they were never published, so never shared)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            assert block.hash is None and block.ref_count == 1, "a draft's block is the request's own"
+            self._note("free", block_id, seq)
+            block.ref_count = 0
+            self.free_ids[block_id] = None
+
     def free(self, seq: Sequence):
         for block_id in reversed(seq.block_table):        # tail first: the prefix stays cached longest
             block = self.blocks[block_id]
@@ -163,14 +175,15 @@ class BlockManager:
     def _hash(prev: int | None, chunk: tuple[int, ...]) -> int:
         return hash((prev, chunk))
 
-    def commit_full_blocks(self, seq: Sequence):
-        """After a step: publish the hashes of blocks that became full."""
+    def commit_full_blocks(self, seq: Sequence, upcoming: list[int] = ()):
+        """After a step: publish the hashes of blocks that became full. upcoming: tokens about to join
+        the sequence whose KV this step computed (a verified decode's accepted drafts)."""
         if not self.enable_prefix_caching:
             return
         bs, num_full = self.block_size, seq.num_computed_tokens // self.block_size
         if len(seq.block_hashes) >= num_full:
             return
-        tokens = seq.all_token_ids
+        tokens = seq.all_token_ids + list(upcoming)
         for i in range(len(seq.block_hashes), num_full):
             block = self.blocks[seq.block_table[i]]
             prev = seq.block_hashes[-1] if seq.block_hashes else None

@@ -43,7 +43,8 @@ RULES = {
     "unknown_request": "a step may only name requests that are waiting or running (not finished, aborted or unknown)",
     "duplicate": "a request appears at most once in a step",
     "tokens": "a request runs a whole number of tokens, at least 1 and at most those it has left to compute",
-    "decode_one_token": "a request with its prompt done (a decode) runs exactly one token",
+    "decode_one_token": "a request with its prompt done (a decode) runs its one token plus at most its "
+                        "drafted tokens (none without speculative decoding: exactly one)",
     "budget": "a step's tokens stay within the token budget (one prompt alone may pass it: it runs on its own)",
     "max_num_seqs": "at most max_num_seqs requests in a step, and none admitted while max_num_seqs are running",
     "kv_capacity": "a request admitted must fit in the free KV blocks (the scheduler preempts only for running ones)",
@@ -115,6 +116,13 @@ class RequestView:
     @property
     def generated(self) -> int:
         return self._seq.num_output_tokens
+
+    @property
+    def drafts(self) -> int:
+        """Running decodes under speculative decoding: tokens drafted for it (engine/scheduling/ngram.py),
+        of which a step may verify up to all: run(r, 1 + k) with k <= drafts. 0 otherwise."""
+        s = self._seq
+        return len(s.draft_token_ids) if s.is_prefill_done and self._step.is_running(self) else 0
 
     @property
     def max_tokens(self) -> int:

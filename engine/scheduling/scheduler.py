@@ -2,8 +2,8 @@
 
 Pure Python, no tensors. schedule() asks the policy in force (engine/scheduling/policy.py) to build
 the step through a StepView, checks every action against the rules below, and returns a
-Batch: a list of (sequence, num_tokens), where num_tokens is 1 for a decode and a chunk
-length for a prefill. The three generations of LLM serving are built-in policies
+Batch: a list of (sequence, num_tokens), where num_tokens is 1 for a decode (1 + k when it
+verifies k drafted tokens, engine/scheduling/ngram.py) and a chunk length for a prefill. The three generations of LLM serving are built-in policies
 (engine/scheduling/policies/), written on the same interface as any other:
 
   static      a batch is formed (the whole prompts the budget holds), prefilled in
@@ -24,7 +24,9 @@ the rule, the step and the request; the step is undone: admissions go back to th
 queue, so no block is held by a request that is not running):
   - unknown_request, duplicate: a step names waiting or running requests, each once;
   - tokens, decode_one_token: a request runs 1 to its remaining tokens (after the prefix
-    cache's share); a decode runs exactly one;
+    cache's share); a decode runs its one token plus at most its drafted ones: 1 + k tokens,
+    k <= len(draft_token_ids) (speculative decoding, engine/scheduling/ngram.py; without
+    speculation a decode has no drafts and runs exactly one);
   - budget: the step's tokens stay within max_num_batched_tokens, except one prompt
     alone, which may pass it;
   - max_num_seqs: at most max_num_seqs items, and no admission while that many run;
@@ -33,9 +35,12 @@ queue, so no block is held by a request that is not running):
     running request to preempt (default, vLLM's rule: the newest admitted, even one
     already placed in this step), until they fit or the request itself is chosen.
 Rules the scheduler keeps itself:
-  - a batch is laid out decodes first, then prefill chunks, whatever order the policy
-    ran them in (a request re-admitted after preemption whose prefix cache covers all
-    but its newest token is a decode);
+  - a batch is laid out decodes first (those of one token, then those verifying drafts),
+    then prefill chunks, whatever order the policy ran them in (a request re-admitted after
+    preemption whose prefix cache covers all but its newest token is a decode);
+  - a decode that verified k drafts keeps the a <= k its sampler accepted: its KV covers
+    its last token and those a, and the blocks taken for the rejected k - a alone go back
+    (update(); BlockManager.trim), so a rejected guess leaks no block;
   - a step that preempted admits nobody new (run() on a waiting request returns False):
     the memory freed belongs to those already running;
   - every running reply left out of the step gets a cause: `prefill` (the policy's
@@ -65,6 +70,8 @@ from engine.scheduling.sequence import Sequence, Status
 class Batch:
     items: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # speculative decoding, filled by update(): seq id -> drafted tokens it kept (of items[].tokens - 1)
+    accepted: dict[str, int] = field(default_factory=dict)
     # why each running decode was left out: seq id -> (cause, by, by_tokens)
     left_out: dict[str, tuple[str, str | None, int | None]] = field(default_factory=dict)
 
@@ -148,31 +155,52 @@ class Scheduler:
         finally:
             step.open = False
         self._left_out(batch)
-        # decodes first: the runner lays out one token per decode, then the chunks (stable: order kept)
-        batch.items.sort(key=lambda item: not item[0].is_prefill_done)
+        # decodes first: the runner lays out one token per decode, then decodes verifying drafts, then
+        # the chunks (stable: order kept)
+        batch.items.sort(key=lambda item: 2 if not item[0].is_prefill_done else 0 if item[1] == 1 else 1)
         for seq, _ in batch.items:
             seq.last_scheduled = self.num_steps
         self.num_steps += 1
         return batch
 
-    def update(self, batch: Batch, tokens: list[int | None], now: float) -> list[tuple[Sequence, int | None]]:
+    def update(self, batch: Batch, tokens: list[int | list[int] | None], now: float,
+               ended: Callable[[Sequence], bool] | None = None) -> list[tuple[Sequence, int | None]]:
         """After the forward pass: count the computed tokens, publish full blocks, append the sampled tokens.
 
-        tokens: one per sequence whose step completed its known tokens, in batch order; None where the
-        logits were non-finite (that sequence publishes nothing to the prefix cache: its KV is suspect).
-        Returns (sequence, token) for each of those; ending a request is the engine's call.
+        tokens: one entry per sequence whose step completed its known tokens, in batch order: its next
+        token; for a decode that verified drafts, the list of drafts it accepted followed by the token
+        sampled after them; None where the logits were non-finite (that sequence publishes nothing to
+        the prefix cache: its KV is suspect). ended(seq), called after each token appended (the engine's
+        stop checks), says the reply is over: the rest of a verified run is dropped.
+        Returns (sequence, token) for each token appended (and each None); ending a request is the engine's call.
         """
         sampled, out = iter(tokens), []
         for seq, n in batch.items:
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens < seq.num_tokens:      # a chunk that did not finish the prompt
+            drafted = n - 1 if seq.is_prefill_done else 0   # read before the step moves it on
+            seq.draft_token_ids = []
+            if seq.num_computed_tokens + n - drafted < seq.num_tokens:   # a chunk that did not finish the prompt
+                seq.num_computed_tokens += n
                 self.bm.commit_full_blocks(seq)
                 continue
             token = next(sampled)
-            if token is not None:
-                self.bm.commit_full_blocks(seq)
-                seq.append_token(token, now)
-            out.append((seq, token))
+            if token is None:
+                seq.num_computed_tokens += n - drafted
+                out.append((seq, None))
+                continue
+            run = token if isinstance(token, list) else [token]
+            accepted = len(run) - 1
+            # the KV of the last token and of the accepted drafts stays; the rejected drafts' is rolled back
+            seq.num_computed_tokens += n - (drafted - accepted)
+            if drafted:
+                batch.accepted[seq.id] = accepted
+                self.bm.trim(seq, seq.num_computed_tokens)
+            self.bm.commit_full_blocks(seq, run[:accepted])
+            for t in run:
+                seq.append_token(t, now)
+                out.append((seq, t))
+                if ended is not None and ended(seq):
+                    del seq.logprobs[seq.num_output_tokens:]     # those of the tokens dropped after the end
+                    break
         return out
 
     def _build(self, step: StepView):
@@ -200,9 +228,11 @@ class Scheduler:
             return False                        # a step that preempted admits nobody new
         hit = self.bm.cached_prefix_tokens(seq) if waiting else 0
         left = seq.num_uncomputed_tokens - hit
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= left:
+        drafts = len(seq.draft_token_ids) if not waiting and seq.is_prefill_done else 0
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= left + drafts:
             if seq.num_output_tokens and left == 1:
-                raise self._error("decode_one_token", step, seq.id, f"it is decoding, asked for {n!r} tokens")
+                raise self._error("decode_one_token", step, seq.id, f"it is decoding with {drafts} drafted "
+                                  f"tokens (1 to {1 + drafts} tokens), asked for {n!r}")
             raise self._error("tokens", step, seq.id, f"asked for {n!r} tokens; it has {left} left to compute")
         if batch.items and self._batch_tokens + n > self.token_budget:
             raise self._error("budget", step, seq.id, f"{n} more tokens would make {self._batch_tokens + n}, "
@@ -275,6 +305,7 @@ class Scheduler:
         self._unplace(batch, seq)
         self.bm.free(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.draft_token_ids = []
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -40,6 +40,9 @@ class Sequence:
     error: str | None = None
     num_preemptions: int = 0
     last_scheduled: int = -1          # scheduler step that last ran it: decodes rotate by it
+    # speculative decoding (engine/scheduling/ngram.py): tokens guessed to follow, to be verified by the
+    # next step (a decode running 1 + k tokens checks the first k of them); never part of the reply itself
+    draft_token_ids: list[int] = field(default_factory=list)
     # incremental detokenisation (see Detokenizer)
     output_text: str = ""
     prefix_offset: int = 0

@@ -6,12 +6,15 @@ from engine.scheduling.policy import RequestView, StepView
 
 def run_decodes(step: StepView):
     """Every running reply its token while the step has room; the one left out longest goes first,
-    so with fewer slots than replies they take turns."""
-    for r in step.decodes:
+    so with fewer slots than replies they take turns. Under speculative decoding a reply also runs
+    its drafted tokens, on budget no later reply's own token needs."""
+    decodes = step.decodes
+    for i, r in enumerate(decodes):
         if step.full:
             return
         if step.is_running(r):          # an earlier decode's blocks may have preempted it
-            step.run(r, 1)
+            later = min(len(decodes) - i - 1, step.max_num_seqs - len(step.items) - 1)
+            step.run(r, 1 + max(0, min(r.drafts, step.budget_left - 1 - later)))
 
 
 def run_whole_prompts(step: StepView):
