@@ -1,7 +1,8 @@
-"""The two CPU decode kernels of the engine against the plain torch calls they replace, side by side.
+"""The CPU kernels of the engine (engine/kernels/cpu_kernels.py) against what torch offers for the same op,
+side by side: a kernel stays only where it wins here.
 
     python -m demos.bench.ops                  # torch's thread count
-    python -m demos.bench.ops --threads 1
+    python -m demos.bench.ops --threads 1 --only chains,kv_write
 
 linears     the default model's 30 layers of linears and its logits head at 1 to 512 rows, fp32:
             F.linear against engine.models.linears.linear (output features cut into one slice
@@ -13,7 +14,13 @@ prefill     fresh prompt chunks' causal attention, 30 layers, fp32: SDPA (one ca
 attention   one layer's decode attention over a paged cache with scattered block tables:
             one SDPA call per sequence and one batched call over blocks gathered by tensor
             indexing (the two earlier engine paths) against TorchAttention.decode (one call
-            per group of similar contexts, blocks gathered by index_select).
+            per group of similar contexts, blocks gathered by index_select) and the engine's
+            paged kernel (cpu_kernels.paged_decode, in its own layout inside a block).
+chains      the elementwise chains (RMSNorm with the residual add, SiLU-and-multiply, RoPE) of 30
+            layers, fp32 and bf16: torch eager (the plain path), torch.compile (Inductor's fused
+            C++; its compile time is printed apart: it delays the first reply) and the kernels.
+kv_write    a step's keys and values into the paged cache, 30 layers: one index_put_ per cache in
+            the kernel's layout (engine/kernels/reference.write_kv) against cpu_kernels.write_kv.
 
 The variants take turns in each round; the table gives medians and the median of the
 per-round ratios. Shapes are SmolLM2-135M's; the weights are random (time does not depend
@@ -92,8 +99,10 @@ def prefill(rounds: int, cases=((8, 256), (1, 2048), (4, 100))):
 def attention(rounds: int, cases=((1, 512), (8, 512), (32, 512), (8, 64), (32, 128), (8, 1500))):
     num_blocks = 4096
     k_cache, v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM), torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    kernel = cpu_kernels.supports(torch.float32, BLOCK, HEAD_DIM)
     print("\n| decodes x context | per sequence ms | gathered by indexing ms | vs per sequence | engine ms "
-          "| vs per sequence |\n|---|---:|---:|---:|---:|---:|")
+          "| vs per sequence |" + (" kernel ms | vs per sequence |" if kernel else "")
+          + "\n|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if kernel else ""))
     rng = random.Random(0)
     for n, ctx0 in cases:
         ctxs = [max(1, ctx0 - rng.randrange(40)) for _ in range(n)]
@@ -117,15 +126,71 @@ def attention(rounds: int, cases=((1, 512), (8, 512), (32, 512), (8, 64), (32, 1
         def engine():
             meta.derived.clear()                      # the engine plans once per step, in its first layer
             TorchAttention().decode(q, k_cache, v_cache, meta)
-        times = rounds_of({"each": each, "indexed": indexed, "engine": engine}, rounds)
+        variants = {"each": each, "indexed": indexed, "engine": engine}
+        if cpu_kernels.supports(torch.float32, BLOCK, HEAD_DIM):   # the cache's layout differs; not its time
+            variants["kernel"] = lambda: cpu_kernels.paged_decode(q, k_cache, v_cache, tables, meta.context_lens)
+        times = rounds_of(variants, rounds)
         print(f"| {n} x {ctx0} | " + " | ".join(row(times, "each")) + " |")
+
+
+def chains(rounds: int, rows=(8, 512, 2048)):
+    from engine.kernels import reference as ref
+
+    def layers(norm, silu, rope, x, res, w, gu, qk, cos, sin):
+        for _ in range(LAYERS):
+            norm(x, res, w, 1e-5)
+            norm(x, res, w, 1e-5)
+            silu(gu, INTER)
+            rope(qk, cos, sin)
+    kernels = (cpu_kernels.add_rms_norm, cpu_kernels.silu_and_mul, cpu_kernels.rope)
+    print("\n| dtype, rows | eager ms | compiled ms | eager / compiled | kernel ms | eager / kernel | compile s |"
+          "\n|---|---:|---:|---:|---:|---:|---:|")
+    for dtype in (torch.float32, torch.bfloat16):
+        torch._dynamo.reset()
+        compiled = [torch.compile(f, dynamic=True) for f in (ref.add_rms_norm, ref.silu_and_mul, ref.apply_rope)]
+        for m in rows:
+            r = lambda *shape: torch.randn(*shape).to(dtype)                   # noqa: E731
+            args = (r(m, HIDDEN), r(m, HIDDEN), r(HIDDEN), r(m, 2 * INTER),
+                    r(m, HEADS + 2 * KV_HEADS, HEAD_DIM)[:, :HEADS + KV_HEADS], r(m, 1, HEAD_DIM), r(m, 1, HEAD_DIM))
+            t = time.perf_counter()
+            layers(*compiled, *args)                   # the first call compiles (dynamic shapes: once per dtype)
+            first = time.perf_counter() - t
+            variants = {"eager": lambda: layers(ref.add_rms_norm, ref.silu_and_mul, ref.apply_rope, *args),
+                        "compiled": lambda: layers(*compiled, *args)}
+            if cpu_kernels.fused_chains():
+                variants["kernel"] = lambda: layers(*kernels, *args)
+            times = rounds_of(variants, rounds if m < 2048 else 3)
+            print(f"| {str(dtype).removeprefix('torch.')}, {m} | " + " | ".join(row(times, "eager"))
+                  + f" | {first:.1f} |")
+
+
+def kv_write(rounds: int, tokens=(8, 32, 2048)):
+    from engine.kernels import reference as ref
+    print("\n| tokens | index_put_ ms | kernel ms | index_put_ / kernel |\n|---:|---:|---:|---:|")
+    for dtype in (torch.float32,):
+        k_cache, v_cache = (torch.zeros(4096, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2))
+        for n in tokens:
+            qkv = torch.randn(n, HEADS + 2 * KV_HEADS, HEAD_DIM).to(dtype)
+            k, v = qkv[:, HEADS:HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS:]
+            slots = torch.randperm(4096 * BLOCK)[:n]
+            times = rounds_of({"index_put": lambda: [ref.write_kv(k, v, k_cache, v_cache, slots) for _ in range(LAYERS)],
+                               "kernel": lambda: [cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
+                                                  for _ in range(LAYERS)]}, rounds)
+            print(f"| {n} | " + " | ".join(row(times, "index_put")) + " |")
+
+
+SECTIONS = ("linears", "attention", "prefill", "chains", "kv_write")
 
 
 def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(prog="python -m demos.bench.ops", description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     args = ap.parse_args(argv)
+    only = set(args.only.split(","))
+    if only - set(SECTIONS):
+        ap.error(f"--only: unknown section(s) {sorted(only - set(SECTIONS))}; choose from {', '.join(SECTIONS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     m, facts = machine(), cpu_facts()
@@ -134,10 +199,11 @@ def main(argv: list[str] | None = None):
           f"medians of {args.rounds} rounds")
     keep_freed_memory()                 # freed buffers stay mapped: no page faults timed
     with torch.inference_mode():
-        linears(args.rounds)
-        attention(args.rounds)
-        if cpu_kernels.f32_linears():   # the causal kernel is built where AVX-512 is
-            prefill(args.rounds)
+        for name in SECTIONS:
+            if name in only and (name != "prefill" or cpu_kernels.avx512()):   # the causal kernel needs AVX-512
+                if name == "kv_write" and not cpu_kernels.fused_chains():
+                    continue
+                globals()[name](args.rounds)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ def cache_pair(k_cache, v_cache, dtype) -> tuple[int, int, int, int]:
 
 
 def index_tables(n: int, block_tables, context_lens, num_blocks: int, block_size: int):
-    """The first n rows of block_tables (int64, (>= n, width), each row packed) name blocks of the cache, and
-    context_lens[:n] (int64, contiguous) fit their rows: 1 .. width * block_size tokens."""
+    """block_tables (int64, (>= n, width), each row packed) names blocks of the cache, and context_lens
+    (int64, (>= n,), contiguous) fit their rows: 1 .. width * block_size tokens."""
     c.tensor("block_tables", block_tables, 2, torch.long)
     c.tensor("context_lens", context_lens, 1, torch.long)
     c.contiguous("context_lens", context_lens)
@@ -46,8 +46,9 @@ def index_tables(n: int, block_tables, context_lens, num_blocks: int, block_size
                f"has {min(block_tables.shape[0], context_lens.shape[0])} rows for {n} sequences")
     if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
         c.fail("block_tables", f"each row must be packed (strides {block_tables.stride()})")
-    c.ids("block_tables", block_tables[:n], 0, num_blocks, f"the cache has {num_blocks} blocks")
-    c.ids("context_lens", context_lens[:n], 1, block_tables.shape[1] * block_size + 1,
+    # the whole tensors (the runner's rows beyond the decodes are valid too): the same objects in every layer
+    c.ids("block_tables", block_tables, 0, num_blocks, f"the cache has {num_blocks} blocks")
+    c.ids("context_lens", context_lens, 1, block_tables.shape[1] * block_size + 1,
           f"a row of {block_tables.shape[1]} blocks of {block_size} holds that many tokens, and at least one")
 
 
@@ -55,7 +56,8 @@ def index_tables(n: int, block_tables, context_lens, num_blocks: int, block_size
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens):
     """q: (n, heads, head_dim), rows may be strided; caches: (num_blocks, block_size, kv_heads, head_dim) in
     the kernel's layout; block_tables: (>= n, width) int64; context_lens: (>= n,) int64 -> (n, heads, head_dim).
-    Block ids and context lengths are checked against the cache on every call (two min/max, ~8 us)."""
+    Block ids and context lengths are checked against the cache (two min/max, ~8 us), once per tensor
+    and bound (checks.ids): a step's layers share them."""
     c.tensor("q", q, 3, FLOAT)
     nb, bs, kvh, d = cache_pair(k_cache, v_cache, q.dtype)
     n, heads, _ = q.shape
@@ -77,7 +79,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens):
 @op("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()")
 def write_kv(key, value, k_cache, v_cache, slot_mapping):
     """k, v: (tokens, kv_heads, head_dim), rows may be strided -> their slots (tokens,) int64, in paged_decode's
-    block layout. Slots are checked against the cache's num_blocks * block_size on every call (~4 us)."""
+    block layout. Slots are checked against the cache's num_blocks * block_size, once per tensor (checks.ids)."""
     c.tensor("k", key, 3, FLOAT)
     nb, bs, kvh, d = cache_pair(k_cache, v_cache, key.dtype)
     c.tensor("v", value, 3, key.dtype)
