@@ -7,7 +7,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from engine.kernels import cpu_kernels
+from engine.kernels import cpu_kernels, loading
 from engine.execution.attention import AttentionMetadata, CpuAttention, PrefillChunk, TorchAttention, select_backend
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler: the kernel cannot be built")
@@ -176,7 +176,7 @@ def test_a_build_is_reused_and_named_by_what_it_was_built_from(tmp_path, monkeyp
         stamp = built[0].stat().st_mtime_ns
         cpu_kernels.library.cache_clear()
         assert cpu_kernels.library() is not None and built[0].stat().st_mtime_ns == stamp   # loaded, not rebuilt
-        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags : another cpu")
+        monkeypatch.setattr(loading, "cpu_flags", lambda: "flags : another cpu")
         cpu_kernels.library.cache_clear()
         assert cpu_kernels.library() is not None and len(list((tmp_path / "kernels").glob("*.so"))) == 2
     finally:

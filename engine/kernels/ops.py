@@ -10,7 +10,7 @@ import torch
 from torch.library import Library
 
 from engine.kernels import checks as c
-from engine.kernels import cpu_kernels as k
+from engine.kernels import loading as k
 
 FLOAT = (torch.float32, torch.bfloat16)
 LIB = Library("batchscope", "DEF")
