@@ -10,18 +10,18 @@ when set, /v1 needs `Authorization: Bearer <key>` and each key has its own rate 
 from __future__ import annotations
 
 import argparse
-import importlib
 import dataclasses
+import importlib
 import logging
 import os
 import sys
 
 import uvicorn
 
-from app.config import ServerConfig
-from app.ui.plain_page import gradio_installed, mount_plain
 from app.api.server import create_app
+from app.config import ServerConfig
 from app.serving.service import EngineService
+from app.ui.plain_page import gradio_installed, mount_plain
 from engine import EngineConfig
 from engine.config import POLICIES
 

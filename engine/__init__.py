@@ -12,7 +12,8 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {"EngineConfig": "engine.config", "LLMEngine": "engine.llm_engine",
-            "SamplingParams": "engine.sampling_params", "Sequence": "engine.scheduling.sequence", "Status": "engine.scheduling.sequence"}
+            "SamplingParams": "engine.sampling_params",
+            "Sequence": "engine.scheduling.sequence", "Status": "engine.scheduling.sequence"}
 __all__ = list(_EXPORTS)
 
 

@@ -22,20 +22,20 @@ from dataclasses import replace
 
 import torch
 
-from engine.scheduling.block_manager import BlockManager
 from engine.config import DTYPES, EngineConfig
-from engine.outputs.detokenizer import Detokenizer
-from engine.weights.loader import check_architecture, resolve_model
 from engine.execution.model_runner import ModelRunner
+from engine.outputs.detokenizer import Detokenizer
 from engine.outputs.prompts import eos_ids, tokenize
-from engine.protocol import RequestInfo, RequestOutput, StepOutputs
 from engine.outputs.records import KVState, PolicyEvent, read_batch, step_record
 from engine.outputs.requests import RequestBook, StepCounter
+from engine.protocol import RequestInfo, RequestOutput, StepOutputs
 from engine.sampling_params import SamplingParams
-from engine.scheduling.policies import resolve
+from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.ngram import SpeculativeConfig, propose
+from engine.scheduling.policies import resolve
 from engine.scheduling.scheduler import Batch, Scheduler
 from engine.scheduling.sequence import Sequence, Status
+from engine.weights.loader import check_architecture, resolve_model
 
 log = logging.getLogger("batchscope.engine")
 _UNSET = object()

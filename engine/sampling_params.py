@@ -40,7 +40,8 @@ class SamplingParams:
                f"seed must be an integer or None, got {self.seed!r}")
         _check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
                f"stop must be a list of non-empty strings, got {self.stop!r}")
-        _check(isinstance(self.stop_token_ids, list) and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        ids = self.stop_token_ids
+        _check(isinstance(ids, list) and all(isinstance(t, int) and t >= 0 for t in ids),
                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
 
         _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)

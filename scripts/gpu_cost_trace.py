@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from app.readers.analysis import fit_stream, regime  # noqa: E402  (pure Python: no web stack)
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,

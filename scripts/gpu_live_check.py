@@ -27,8 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from app.readers import metrics  # noqa: E402
 from gpu_check import build_model  # noqa: E402
+
+from app.readers import metrics  # noqa: E402
 
 FULL = dict(model="qwen2.5-0.5b", vocab=151936, chats=8, chat_prompt=64, chat_tokens=200, docs=6, doc_prompt=4000,
             doc_every_s=0.4, budget=256, max_num_seqs=16, max_model_len=8192)

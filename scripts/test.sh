@@ -18,6 +18,8 @@ python3 -m pip install --quiet -e ".[dev]"
 cores=$(nproc); mem_gb=$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 64)
 by_cores=$(( cores < 5 ? cores + 1 : 6 )); by_mem=$(( mem_gb / 9 > 1 ? mem_gb / 9 : 1 ))
 workers="${BATCHSCOPE_TEST_WORKERS:-$(( by_cores < by_mem ? by_cores : by_mem ))}"
+# lint and import order first (pyproject.toml's [tool.ruff]): a lint error fails the run before the tests
+python3 -m ruff check .
 set +e
 if [ "$workers" -gt 0 ]; then
     OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" python3 -m pytest -q -n "$workers" --dist worksteal --durations=15 "$@"

@@ -53,8 +53,8 @@ def served_ui(engine_config, server_options: dict | None = None, **mount_options
     uvicorn in a thread. Yields (url, service); the server stops when the block ends."""
     import uvicorn
 
-    from app.config import ServerConfig
     from app.api.server import create_app
+    from app.config import ServerConfig
     from app.serving.service import EngineService
     from app.ui.page import mount_ui
 

@@ -24,6 +24,7 @@ def pytest_configure(config):
     if not ready(cache_dir() / DEFAULT_MODEL_NAME):
         import subprocess
         import tempfile
+
         from tests.helpers import FRESH_PREPARE, fresh_prepare_command
         # the fresh-machine path itself: test_prepare checks this run's record instead of preparing again
         record = Path(tempfile.mkdtemp(prefix="batchscope-prepare-"))
@@ -38,6 +39,7 @@ def pytest_unconfigure(config):
     if proc is not None:
         proc.wait()
         import shutil
+
         from tests.helpers import FRESH_PREPARE
         shutil.rmtree(os.environ.pop(FRESH_PREPARE), ignore_errors=True)
 
@@ -52,6 +54,7 @@ def default_engine_fp32():
 def hf_default_model():
     import torch
     from transformers import AutoModelForCausalLM
+
     from tests.helpers import default_model_folder
     return AutoModelForCausalLM.from_pretrained(default_model_folder(), dtype=torch.float32).eval()
 

@@ -15,9 +15,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from app.serving.attach import AttachConfig, AttachedService
-from app.config import ServerConfig
 from app.api.server import create_app
+from app.config import ServerConfig
+from app.serving.attach import AttachConfig, AttachedService
 from integrations.vllm.publisher import Publisher
 
 SETTINGS = {"policy": "chunked", "max_num_batched_tokens": 64, "max_num_seqs": 8, "max_prefill_chunk": None,

@@ -6,8 +6,8 @@ import queue
 import re
 import shutil
 import subprocess
-import threading
 import sys
+import threading
 import time
 from pathlib import Path
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from app.readers import metrics
+from app.replay.scenarios import get_scenario
 from demos.compare import trace
 from demos.compare.runner import engine_meta, run_scenario
-from app.replay.scenarios import get_scenario
-from app.readers import metrics
 from engine import EngineConfig, LLMEngine
 
 OUT = Path(__file__).parent / "data" / "page_trace.json"

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from app.readers import analysis
 from app.replay.scenarios import Arrival, Scenario
 from demos.compare import trace
 from demos.compare.runner import engine_meta, run_scenario
-from app.readers import analysis
 from engine import EngineConfig, LLMEngine
 
 OUT = Path(__file__).parent / "data" / "why_trace.json"

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.scheduling.block_manager import BlockManager
 from engine.config import check_budgets, check_scheduler_policy
+from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.sequence import Sequence, Status
 
 

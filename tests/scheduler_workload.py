@@ -4,8 +4,8 @@ the KV-map test of app/readers/analysis.py extends one (tests/test_analysis.py).
 import math
 import random
 
-from engine.scheduling.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
+from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.policies import resolve
 from engine.scheduling.scheduler import Batch, Scheduler
 from engine.scheduling.sequence import Sequence, Status

@@ -6,12 +6,11 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from app.readers import analysis
+from app.readers import analysis, metrics
 from demos.compare import trace
-from app.readers import metrics
 from engine.outputs.records import KV_MAP_EVERY, kv_map, kv_ops
-from tests.scheduler_workload import Case
 from tests.factories import arrived, cost_step, dec, linear_stream, pre, step
+from tests.scheduler_workload import Case
 
 WHY_TRACE = Path(__file__).parent / "data" / "why_trace.json"
 GPU_TRACE = Path(__file__).resolve().parent.parent / "static" / "data" / "gpu_cost_trace.json"

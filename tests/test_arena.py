@@ -5,9 +5,9 @@ import textwrap
 
 import pytest
 
+from app.cli import main as cli
 from app.readers import metrics
 from app.readers.analysis import CostFit
-from app.cli import main as cli
 from demos.arena.score import SIM_TOLERANCE, PolicyFileError, load_policy, run_one, sim_gap
 from demos.arena.workloads import WORKLOADS, Job, Workload, get_workload, tau_of
 from engine.scheduling.policy import Policy

@@ -9,8 +9,8 @@ import time
 import pytest
 import uvicorn
 
-from app.serving.attach import AttachConfig, AttachedService
 from app.config import ServerConfig
+from app.serving.attach import AttachConfig, AttachedService
 from integrations.vllm.publisher import Publisher
 from tests.fake_vllm import SETTINGS, Thread, attached, fake_vllm, free_port, step  # noqa: F401 (attached: the fixture)
 

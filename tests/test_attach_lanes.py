@@ -121,7 +121,8 @@ def test_the_page_draws_one_lane_per_vllm_engine():
 
     from app.__main__ import build, parse_args
     from tests.browser import CHROMIUM, chromium, live_page
-    from tests.fake_vllm import Thread, fake_vllm, free_port as free
+    from tests.fake_vllm import Thread, fake_vllm
+    from tests.fake_vllm import free_port as free
     if not CHROMIUM.exists():
         pytest.skip("Debian's Chromium (/usr/bin/chromium) is not installed; browser tests need it")
     base = free_run(2)

@@ -1,6 +1,6 @@
 """Paged KV bookkeeping without a model: allocation, freeing, prefix reuse and eviction."""
-from engine.scheduling.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
+from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.sequence import Sequence
 
 

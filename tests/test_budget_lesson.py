@@ -1,7 +1,7 @@
 """The budget lesson on the real engine: a budget of 16 tokens filled three ways, each shape in some step."""
+from app.readers import metrics
 from app.replay.scenarios import get_scenario
 from demos.compare.runner import run_scenario
-from app.readers import metrics
 from engine import EngineConfig, LLMEngine
 
 

@@ -7,8 +7,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from engine.kernels import cpu_kernels, loading
 from engine.execution.attention import AttentionMetadata, CpuAttention, PrefillChunk, TorchAttention, select_backend
+from engine.kernels import cpu_kernels, loading
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler: the kernel cannot be built")
 
@@ -297,9 +297,10 @@ def test_amx_linears_compute_what_f_linear_does(rows, out_blocks, in_blocks, see
 
 @needs_amx
 def test_a_bf16_model_takes_the_amx_linears_for_few_rows_only(monkeypatch):
+    from transformers import LlamaConfig
+
     from engine.models.linears import Linear, amx_linears_work
     from engine.models.llama import LlamaForCausalLM
-    from transformers import LlamaConfig
     assert amx_linears_work()
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
@@ -324,9 +325,10 @@ def test_a_bf16_model_takes_the_amx_linears_for_few_rows_only(monkeypatch):
 
 
 def test_amx_can_be_switched_off_and_fp32_never_takes_it(monkeypatch):
+    from transformers import LlamaConfig
+
     from engine.models.linears import Linear
     from engine.models.llama import LlamaForCausalLM
-    from transformers import LlamaConfig
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2)
     fp32 = LlamaForCausalLM(cfg, backend=None)
@@ -370,9 +372,10 @@ def test_f32_linears_compute_what_f_linear_does_whatever_shares_the_step(rows, o
 
 @needs_f32
 def test_an_fp32_model_takes_the_f32_linears_at_every_row_count(monkeypatch):
+    from transformers import Qwen2Config
+
     from engine.models.linears import Linear, close_to_f_linear, f32_linears_work
     from engine.models.llama import LlamaForCausalLM
-    from transformers import Qwen2Config
     assert f32_linears_work()
     cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)   # q/k/v biases
@@ -398,9 +401,10 @@ def test_an_fp32_model_takes_the_f32_linears_at_every_row_count(monkeypatch):
 
 
 def test_the_f32_kernel_can_be_switched_off(monkeypatch):
+    from transformers import LlamaConfig
+
     from engine.models.linears import Linear
     from engine.models.llama import LlamaForCausalLM
-    from transformers import LlamaConfig
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2)
     monkeypatch.setenv("BATCHSCOPE_F32_KERNEL", "0")

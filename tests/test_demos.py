@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.readers import metrics
 from app.replay.scenarios import SCENARIOS, Arrival, Scenario, get_scenario, load_text
 from demos.compare import trace
 from demos.compare.runner import Feeder, run_scenario
-from app.readers import metrics
 from engine import EngineConfig, LLMEngine
 from engine.weights.loader import resolve_model
 
@@ -132,7 +132,8 @@ def test_feeder_for_a_loop_it_does_not_own(tiny_model):
     assert [engine.get_request(r).label for r in f.request_ids] == ["a", "b", "c"]
 
 
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st
 
 
 @given(st.lists(st.integers(0, 30), min_size=1, max_size=8), st.lists(st.integers(1, 4), min_size=1, max_size=60),

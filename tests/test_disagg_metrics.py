@@ -1,7 +1,8 @@
 """The KV-transfer line of app.readers.metrics (disaggregated): per run and per stretch, on streams whose
 answers are known by construction, and on random ones against a direct count."""
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from app.readers import metrics
 from tests.factories import arrived, dec, pre, step
@@ -82,6 +83,7 @@ def test_recorded_disaggregated_trace():
     and decode steps overlap in time on their two workers, one hand-over per request that decoded,
     each stretch's transfers within its time span, steps numbered as one stream."""
     from pathlib import Path
+
     from demos.compare import trace
     objs = trace.load(Path(__file__).parent / "data" / "disagg_trace.json")
     steps = metrics.steps(objs)

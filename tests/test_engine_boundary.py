@@ -7,8 +7,8 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ShuttingDown
-from engine.protocol import Engine, RequestOutput
 from engine.outputs.requests import RequestBook, StepCounter
+from engine.protocol import Engine, RequestOutput
 from engine.scheduling.sequence import Status
 from tests.helpers import save_tiny_model
 

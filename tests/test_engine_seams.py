@@ -7,9 +7,17 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.scheduling.block_manager import BlockManager
-from engine.outputs.records import KV_MAP_EVERY, Listeners, PolicyEvent, StepRecord, read_batch, record_fields, step_record
+from engine.outputs.records import (
+    KV_MAP_EVERY,
+    Listeners,
+    PolicyEvent,
+    StepRecord,
+    read_batch,
+    record_fields,
+    step_record,
+)
 from engine.sampling_params import SamplingParams
+from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.policies import resolve
 from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.sequence import Sequence

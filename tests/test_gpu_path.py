@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.execution.attention import TorchAttention, decode_splits, kernel_supports, select_backend
@@ -123,8 +124,9 @@ def test_backend_selection_on_cpu(monkeypatch):
 def test_backend_selection_on_cuda(interpreted, monkeypatch):
     """The CUDA branch of the choice, with the device's answers faked (the kernel module is loaded
     first, by the fixture, so that dropping TRITON_INTERPRET here does not change how it runs later)."""
-    import engine.execution.attention as attention
     from types import SimpleNamespace
+
+    import engine.execution.attention as attention
     cap = [(8, 9)]
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
@@ -311,6 +313,7 @@ def test_fused_elementwise_chains_trace_with_dynamic_shapes():
 def test_fused_dispatch_and_fallback(monkeypatch):
     """CPU fp16 tensors (no C++ chain) take the plain function; on CUDA a first compile that fails leaves it unfused."""
     from types import SimpleNamespace
+
     from engine.models.llama import Fused
 
     def FuseOnCuda(fn):

@@ -89,7 +89,9 @@ def test_one_openmp_runtime_in_the_process():
 def save_kernel_sized_model(folder: Path) -> Path:
     """A random 2-layer Llama with head_dim 64, so that every kernel serves it (tests/helpers' has 16)."""
     import shutil
+
     import transformers as tf
+
     from tests.helpers import default_model_folder
     cfg = tf.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1, vocab_size=49152, max_position_embeddings=2048,

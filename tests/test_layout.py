@@ -100,17 +100,22 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
     index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
 
     def visit(v):
-        index[v] = low[v] = n[0]; n[0] += 1
-        stack.append(v); on.add(v)
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
         for w in sorted(edges.get(v, ())):
             if w not in index:
-                visit(w); low[v] = min(low[v], low[w])
+                visit(w)
+                low[v] = min(low[v], low[w])
             elif w in on:
                 low[v] = min(low[v], index[w])
         if low[v] == index[v]:
             group = []
             while True:
-                w = stack.pop(); on.discard(w); group.append(w)
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
                 if w == v:
                     break
             if len(group) > 1:
@@ -138,3 +143,13 @@ def test_the_edges_count_imports_inside_functions_and_type_checking_blocks():
 def test_no_import_circle_in_engine_app_demos_or_integrations():
     found = circles(import_edges())
     assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_core_line_count_in_the_docs_is_the_codes():
+    import re
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from core_lines import core_lines
+    said = re.search(r"\*\*([\d,]+) lines of code\*\*", (ROOT / "docs" / "architecture.md").read_text())
+    assert said, "docs/architecture.md no longer quotes the core's size"
+    quoted, counted = int(said.group(1).replace(",", "")), sum(core_lines().values())
+    assert abs(quoted - counted) <= 0.05 * counted, f"docs say {quoted} lines, the core has {counted}: update the docs"

@@ -151,7 +151,8 @@ def test_stretches_split_at_each_setting_change():
 
 
 # ---- searched: many random cases ----
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 
 @given(st.lists(st.floats(-1e6, 1e6, allow_nan=False), max_size=60), st.floats(0, 100))

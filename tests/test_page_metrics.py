@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import MARKS, chromium, load_stage
-
-from demos.compare import trace
 from app.readers import metrics
+from demos.compare import trace
+from tests.browser import MARKS, chromium, load_stage
 from tests.factories import random_streams
 from tests.page_table import TABLE_JS, check
 

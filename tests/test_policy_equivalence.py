@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from engine.scheduling.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
+from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.policies import resolve
 from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.sequence import Sequence, Status

@@ -2,10 +2,10 @@
 and the request; the step is undone, no block leaks, and the requests finish under a good policy."""
 import pytest
 
-from engine.scheduling.block_manager import BlockManager
-from engine.scheduling.policy import RULES, Policy, PolicyError
 from engine.sampling_params import SamplingParams
+from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.policies import resolve
+from engine.scheduling.policy import RULES, Policy, PolicyError
 from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.sequence import Sequence, Status
 

@@ -6,8 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from engine.outputs.records import (PolicyEvent, RequestEvent, StepItem, StepRecord, KVState, record_fields,
-                            schema_markdown)
+from engine.outputs.records import (
+    KVState,
+    PolicyEvent,
+    RequestEvent,
+    StepItem,
+    StepRecord,
+    record_fields,
+    schema_markdown,
+)
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "step_record.md"
 

@@ -106,8 +106,8 @@ def test_join_url_prefers_the_public_url_then_the_lan_address_then_the_page_addr
 def client():
     from fastapi.testclient import TestClient
 
-    from app.config import ServerConfig
     from app.api.server import create_app
+    from app.config import ServerConfig
     from app.serving.service import EngineService
     from app.ui.page import mount_ui
     from engine import EngineConfig

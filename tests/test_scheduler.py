@@ -1,8 +1,8 @@
 """Scheduling policies without a model: what each step contains, in milliseconds."""
 import pytest
 
-from engine.scheduling.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
+from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.policies import resolve
 from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.sequence import Sequence

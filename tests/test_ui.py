@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from app.replay.scenarios import SCENARIOS, get_scenario
 from app.ui.lessons import assign_panels, shorten
 from app.ui.sessions import MAX_CHARS, Panel, Session, Sessions, Turn, check_message, fresh
 from app.ui.text import LANGS, SCENARIO_BUTTONS, SHORT, STRINGS, TEXT, USERS
-from app.replay.scenarios import SCENARIOS, get_scenario
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 
@@ -171,8 +171,8 @@ def test_long_scripted_prompts_are_shortened_for_display():
 def mounted():
     from fastapi.testclient import TestClient
 
-    from app.config import ServerConfig
     from app.api.server import create_app
+    from app.config import ServerConfig
     from app.serving.service import EngineService
     from app.ui.page import mount_ui
     from engine import EngineConfig

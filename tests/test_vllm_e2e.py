@@ -57,6 +57,7 @@ def vllm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def app_url(vllm):
     import uvicorn
+
     from app.__main__ import build, parse_args
     from demos.vllm.server import free_port
     url, records, _ = vllm

@@ -17,15 +17,16 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (scripts/install_vllm.sh makes a venv)")
 
-from hypothesis import HealthCheck, example, given, settings, strategies as st  # noqa: E402
-
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from integrations.vllm import RecordingAsyncScheduler  # noqa: E402
-from integrations.vllm import reading  # noqa: E402
+from integrations.vllm import (
+    RecordingAsyncScheduler,  # noqa: E402
+    reading,  # noqa: E402
+)
 from integrations.vllm.reading import label_of  # noqa: E402
-
 from tests.vllm_driver import BLOCK, MAX_LEN, NAMES, Driver, kv_cache, make_scheduler, shared_config  # noqa: E402
 
 

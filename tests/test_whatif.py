@@ -7,12 +7,13 @@ import threading
 import time
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
+from app.readers import metrics
 from app.replay.arrival_log import ArrivalLog, from_saved
 from app.replay.scenarios import Arrival, Scenario, _chat
 from app.replay.whatif import Stopwatch, WhatIfError, check_settings, to_scenario
-from app.readers import metrics
 from engine import SamplingParams
 
 SECRET = "zebra marmalade quartz"          # a prompt that must never leave the server but to the presenter

@@ -10,14 +10,12 @@ import math
 from pathlib import Path
 
 import pytest
-
-from tests.browser import MARKS, chromium, load_stage, screenshot_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.readers import analysis
+from app.readers import analysis, metrics
 from demos.compare import trace
-from app.readers import metrics
+from tests.browser import MARKS, chromium, load_stage, screenshot_dir
 from tests.factories import linear_stream
 
 ROOT = Path(__file__).resolve().parent.parent

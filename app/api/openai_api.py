@@ -19,8 +19,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from app.api.errors import APIError, admission_error, failure_status, from_validation, read_json
-from app.api.openai_requests import (ChatRequest, CompletionRequest, Sampling, chat_params, completion_params, message,
-                                 prompt_input)
+from app.api.openai_requests import (
+    ChatRequest,
+    CompletionRequest,
+    Sampling,
+    chat_params,
+    completion_params,
+    message,
+    prompt_input,
+)
 from app.serving.rate_limit import bearer, client_of
 from app.serving.request_stream import TokenLogprob
 from app.serving.service import EngineService

@@ -19,10 +19,10 @@ from starlette.exceptions import HTTPException
 
 from app.api import openai_api, whatif_api
 from app.api.auth import require_presenter
-from app.serving.broadcast import Entry, Subscription, TooManySubscribers
 from app.api.errors import APIError, from_validation, read_json
-from app.serving.service import EngineService, ServiceUnavailable
 from app.readers.trace import chrome_trace
+from app.serving.broadcast import Entry, Subscription, TooManySubscribers
+from app.serving.service import EngineService, ServiceUnavailable
 
 log = logging.getLogger("batchscope.server")
 MAX_WS_MESSAGE = 4096       # viewers only send small control messages

@@ -138,7 +138,7 @@ def _window(service, since_step: int):
 
 def _report_html(job: WhatIfJob) -> str:
     """The same self-contained report demos.compare writes (app/readers/report.py), one column per run."""
-    from app.readers.report import write_report     # plotly: imported only when a report is asked for
+    from app.readers.report import write_report  # plotly: imported only when a report is asked for
     runs = job.report_runs()
     summaries = {"actual": job.result["actual"]["metrics"]} | {
         n: w["metrics"] for n, w in zip(list(runs)[1:], job.result["whatif"])}

@@ -18,8 +18,8 @@ import secrets
 import threading
 from dataclasses import dataclass, replace
 
-from engine import SamplingParams
 from app.readers.metrics import produces_token
+from engine import SamplingParams
 
 
 @dataclass(frozen=True)

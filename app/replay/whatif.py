@@ -30,9 +30,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from app.readers import metrics
 from app.replay.arrival_log import Logged
 from app.replay.scenarios import Arrival, Scenario, engine_meta, longest_prompt, play, warm_up_steps
-from app.readers import metrics
 from engine import EngineConfig, LLMEngine
 
 log = logging.getLogger("batchscope.whatif")

@@ -25,10 +25,10 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from app.config import ServerConfig
 from app.replay.arrival_log import ArrivalLog
 from app.serving.attach_records import Lanes, RecordsUnavailable
 from app.serving.broadcast import Broadcaster, RecordRing
-from app.config import ServerConfig
 from app.serving.prometheus import Metrics
 from app.serving.rate_limit import Caller, ClientKeys, RateLimiter
 from app.serving.request_stream import Delta, QueueFull, RequestStream, ServiceUnavailable, reply_text

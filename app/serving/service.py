@@ -20,9 +20,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from app.config import ServerConfig, check_step_delay
 from app.replay.arrival_log import ArrivalLog
 from app.serving.broadcast import Broadcaster, RecordRing
-from app.config import ServerConfig, check_step_delay
 from app.serving.engine_loop import EngineLoop
 from app.serving.prometheus import Metrics
 from app.serving.rate_limit import Caller, ClientKeys, RateLimiter

@@ -19,16 +19,16 @@ import gradio as gr
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from app.ui import lessons
-from app.ui.assets import STATIC, STATIC_URL, head_html, stage_html
 from app.api.auth import key_matches
+from app.replay.scenarios import LESSONS, SCENARIOS, Lesson, get_scenario, load_text
 from app.serving.rate_limit import client_of
 from app.serving.room import Room
+from app.ui import lessons
+from app.ui.assets import STATIC, STATIC_URL, head_html, stage_html
 from app.ui.leaderboard import mount_leaderboard
 from app.ui.room_pages import mount_room
 from app.ui.sessions import Session, Sessions, Turn, check_message, drive, fresh, stream_all
 from app.ui.text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, setting_line, t
-from app.replay.scenarios import LESSONS, SCENARIOS, Lesson, get_scenario, load_text
 from engine import SamplingParams
 
 MAX_PANELS = len(USERS)

@@ -14,8 +14,8 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-from app.ui.assets import STATIC, STATIC_URL, head_html
 from app.serving.room import Room
+from app.ui.assets import STATIC, STATIC_URL, head_html
 from app.ui.room_pages import mount_room
 from app.ui.text import USERS
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import html
 import json
 from pathlib import Path
-from urllib.parse import parse_qs
 from string import Template
+from urllib.parse import parse_qs
 
 import segno
 from fastapi import FastAPI, Request

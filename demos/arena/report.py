@@ -12,7 +12,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from app.readers.report import CSS, _LAYOUT, _color, gantt_figure, tbt_figure
+from app.readers.report import _LAYOUT, CSS, _color, gantt_figure, tbt_figure
 
 ROWS = [("goodput", "goodput: both SLOs met", 100, "%"), ("ttft_met", "TTFT SLO met", 100, "%"),
         ("tbt_met", "TBT SLO met", 100, "%"), ("output_tokens_per_s", "output tokens/s", 1, ""),

@@ -28,7 +28,7 @@ from pathlib import Path
 from app.readers import metrics
 from app.readers.analysis import CostFit, cost_points, fit_cost
 from demos.arena.sim import Played, PolicyStuck, SimEngine, play, play_real, real_engine
-from demos.arena.workloads import Job, WORKLOADS, Workload, class_log, get_workload, tau_of
+from demos.arena.workloads import WORKLOADS, Job, Workload, class_log, get_workload, tau_of
 from engine.scheduling.policies import BUILTINS
 from engine.scheduling.policy import Policy, PolicyError
 

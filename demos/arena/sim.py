@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 from app.readers.analysis import CostFit, predict
 from demos.arena.workloads import FIRST_ID, Job, Workload
+from engine.outputs.records import Listeners, RequestEvent, read_batch, step_record
+from engine.protocol import StepOutputs
+from engine.sampling_params import SamplingParams
 from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.policies import resolve
 from engine.scheduling.policy import Policy
-from engine.protocol import StepOutputs
-from engine.outputs.records import Listeners, RequestEvent, read_batch, step_record
-from engine.sampling_params import SamplingParams
 from engine.scheduling.scheduler import Scheduler
 from engine.scheduling.sequence import Sequence, Status
 

@@ -44,9 +44,9 @@ from tqdm import tqdm
 
 from app.readers import metrics
 from demos.bench.baselines import hf_decode_stepper, hf_has_cb, load_hf, run_hf_cb, run_hf_static
-from demos.vllm import side as vllm_side
-from demos.compare.scenario import machine
 from demos.compare.runner import warm_up
+from demos.compare.scenario import machine
+from demos.vllm import side as vllm_side
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.weights.loader import resolve_model
 
@@ -161,6 +161,7 @@ def decode_part(args, cfg: dict, folder, hf, skip: set, log) -> dict:
     machine whose speed drifts over minutes weighs on each alike; a ratio is the median of the
     per-round ratios."""
     from transformers import AutoConfig
+
     from engine.weights.quant import int8_available
     hf_config = AutoConfig.from_pretrained(folder)
     bw, ctx, rounds = copy_bandwidth(), args.decode_context, args.decode_repeats
@@ -171,9 +172,10 @@ def decode_part(args, cfg: dict, folder, hf, skip: set, log) -> dict:
     llama = None
     if "llamacpp" not in skip and args.model is None:
         try:
+            import llama_cpp
+
             from demos.bench.baselines import llamacpp_decode_stepper
             from engine.weights.loader import default_gguf
-            import llama_cpp
             d["llamacpp_version"] = llama_cpp.__version__
             llama = lambda: llamacpp_decode_stepper(default_gguf(), ctx, 2 * (rounds + 1), hf_config.vocab_size,
                                                    torch.get_num_threads())

@@ -37,9 +37,9 @@ import torch.nn.functional as F
 
 from demos.bench.against_hf import cpu_facts
 from demos.compare.scenario import machine
-from engine.kernels import cpu_kernels
 from engine.execution.attention import AttentionMetadata, TorchAttention, sdpa
 from engine.execution.model_runner import keep_freed_memory
+from engine.kernels import cpu_kernels
 from engine.models.linears import linear, pack, packed_linear, packed_weights_work
 
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30

@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent.parent.parent
 def worker(root: str, dtype: str, threads: int | None):
     sys.path.insert(0, root)
     import torch
+
     from engine import EngineConfig, LLMEngine
     from engine.execution.attention import set_metadata
     from engine.sampling_params import SamplingParams

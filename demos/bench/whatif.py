@@ -16,11 +16,11 @@ import statistics
 import time
 
 from app.config import ServerConfig
-from app.replay.scenarios import static_vs_continuous
-from app.serving.service import EngineService
-from app.replay.whatif import WhatIfJob, to_scenario
-from demos.compare.scenario import machine
 from app.readers import metrics
+from app.replay.scenarios import static_vs_continuous
+from app.replay.whatif import WhatIfJob, to_scenario
+from app.serving.service import EngineService
+from demos.compare.scenario import machine
 from engine import EngineConfig, SamplingParams
 
 

@@ -13,8 +13,8 @@ import html
 import math
 from pathlib import Path
 
-from demos.compare import trace
 from app.readers import metrics
+from demos.compare import trace
 
 PALETTE = ["#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 W, PANEL_H, LEFT, RIGHT, TOP, GAP = 820, 190, 70, 20, 40, 70

@@ -40,14 +40,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from demos.compare import trace
-from demos.vllm import side as vllm_side
 from app.readers import metrics
 from app.readers.report import fmt, write_report
-from demos.compare.runner import Run, longest_prompt, run_scenario, warm_up
 from app.replay.arrival_log import from_saved
 from app.replay.scenarios import SCENARIOS, Scenario, get_scenario
 from app.replay.whatif import Replayed, to_scenario
+from demos.compare import trace
+from demos.compare.runner import Run, longest_prompt, run_scenario, warm_up
+from demos.vllm import side as vllm_side
 from engine import EngineConfig, LLMEngine
 from engine.disagg.router import DisaggregatedEngine
 

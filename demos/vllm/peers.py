@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import socket
 import statistics
 import subprocess

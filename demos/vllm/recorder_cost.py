@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 
-
 # vLLM's CPU build: 2 GiB of KV cache, loopback only, compute on every core (docs/vllm.md); the
 # environment's own values win
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}

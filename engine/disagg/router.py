@@ -44,13 +44,29 @@ from multiprocessing.connection import wait
 from multiprocessing.shared_memory import SharedMemory
 
 from engine.config import DTYPES, EngineConfig, check_budgets
-from engine.disagg.messages import (Abort, AbortDone, Add, Adopt, Ask, Budgets, Dropped, Exported, Imported, Out, Pause,
-                                    Progress, Ready, Release, Reply, Stop)
+from engine.disagg.messages import (
+    Abort,
+    AbortDone,
+    Add,
+    Adopt,
+    Ask,
+    Budgets,
+    Dropped,
+    Exported,
+    Imported,
+    Out,
+    Pause,
+    Progress,
+    Ready,
+    Release,
+    Reply,
+    Stop,
+)
 from engine.disagg.worker import Staging, worker_main
 from engine.llm_engine import LLMEngine
-from engine.protocol import RequestInfo, RequestOutput, StepOutputs
 from engine.outputs.records import KVState, PolicyEvent, RequestEvent
 from engine.outputs.requests import RequestBook, StepCounter
+from engine.protocol import RequestInfo, RequestOutput, StepOutputs
 from engine.sampling_params import SamplingParams
 from engine.scheduling.sequence import Sequence, Status
 
@@ -110,8 +126,9 @@ class DisaggregatedEngine:
         config = replace(config, **overrides) if config else EngineConfig(**overrides)
         self.config = config = replace(config, policy="disaggregated")
         from transformers import AutoConfig, AutoTokenizer
-        from engine.weights.loader import resolve_model
+
         from engine.models.llama import head_dim_of
+        from engine.weights.loader import resolve_model
         folder = resolve_model(config.model)
         hf = AutoConfig.from_pretrained(folder)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -416,7 +433,8 @@ class DisaggregatedEngine:
                 "attention_backend": (self.workers["decode"].info or {}).get("attention_backend"),
                 "max_model_len": self.max_model_len,
                 "kv": KVState(kv[0], kv[1], kv[2], self.config.block_size).to_dict(),
-                "waiting": last("prefill", "waiting"), "running": last("prefill", "running") + last("decode", "running"),
+                "waiting": last("prefill", "waiting"),
+                "running": last("prefill", "running") + last("decode", "running"),
                 "live_requests": len(self.book.live), "step": self.step_index,
                 "workers": workers, "in_transfer": len(self.router.transfers), **self.counters}
 

@@ -21,8 +21,24 @@ from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 
 from engine.config import EngineConfig
-from engine.disagg.messages import (Abort, AbortDone, Add, Adopt, Ask, Budgets, Dropped, Exported, Imported, Out, Pause,
-                                    Progress, Ready, Release, Reply, Stop)
+from engine.disagg.messages import (
+    Abort,
+    AbortDone,
+    Add,
+    Adopt,
+    Ask,
+    Budgets,
+    Dropped,
+    Exported,
+    Imported,
+    Out,
+    Pause,
+    Progress,
+    Ready,
+    Release,
+    Reply,
+    Stop,
+)
 from engine.llm_engine import LLMEngine
 from engine.outputs.records import kv_ops
 from engine.scheduling.sequence import Sequence

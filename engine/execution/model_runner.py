@@ -16,16 +16,15 @@ from pathlib import Path
 
 import torch
 
-from engine.execution.attention import AttentionMetadata, PrefillChunk, select_backend, set_metadata
 from engine.config import EngineConfig
+from engine.execution.attention import AttentionMetadata, PrefillChunk, select_backend, set_metadata
 from engine.execution.cuda_graph import StepGraphs
-from engine.weights.loader import load_model
-from engine.models.llama import rope_table
-from engine.models.llama import head_dim_of
 from engine.execution.sampler import sample, sample_runs
+from engine.models.llama import head_dim_of, rope_table
 from engine.sampling_params import SamplingParams
 from engine.scheduling.scheduler import Batch
 from engine.scheduling.sequence import Sequence
+from engine.weights.loader import load_model
 
 
 def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -138,7 +137,8 @@ class ModelRunner:
         m = self.model
         head = 0 if m.int8_head is not None else m.head_weight().nbytes    # an int8 head is one of the linears
         linears = sum(getattr(mod, "nbytes", 0) for mod in m.modules())          # engine.weights.quant.Int8Linear
-        params = sum(p.nbytes for name, p in m.named_parameters() if name not in ("embed_tokens.weight", "lm_head.weight"))
+        tied = ("embed_tokens.weight", "lm_head.weight")
+        params = sum(p.nbytes for name, p in m.named_parameters() if name not in tied)
         return head + linears + params
 
     def _allocate_cache(self, num_blocks: int):
@@ -244,7 +244,8 @@ class ModelRunner:
         ids, pos, slots, rows, ctx, cu_q, cu_k, tables_t = flat.split([len(p) for p in parts])
         nd = step.num_decodes
         meta = AttentionMetadata(slot_mapping=slots, context_lens=ctx, block_tables=tables_t.view(len(tables), width),
-                                 num_decodes=nd, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(step.query_lens),
+                                 num_decodes=nd, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                 max_seqlen_q=max(step.query_lens),
                                  max_seqlen_k=max(step.context_lens), decode_ctx=step.context_lens[:nd])
         if getattr(self.backend, "ragged", False):   # it reads the layout on the device: no per-chunk masks
             return ids, pos, rows, meta

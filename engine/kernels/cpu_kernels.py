@@ -26,9 +26,25 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.loading import (  # noqa: F401  (the interface the core calls reads them here)
-    FUNCTIONS, CHAINS, SHAPES, AMX_ROWS, F32_ROWS, REFERENCES,
-    compiler, cpu_flags, library, bind, supports, fused_chains,
-    amx_bf16, f32_linears, avx512, amx_shape_ok, threads, lib_or_fail, LAYER_WEIGHTS,
+    AMX_ROWS,
+    CHAINS,
+    F32_ROWS,
+    FUNCTIONS,
+    LAYER_WEIGHTS,
+    REFERENCES,
+    SHAPES,
+    amx_bf16,
+    amx_shape_ok,
+    avx512,
+    bind,
+    compiler,
+    cpu_flags,
+    f32_linears,
+    fused_chains,
+    lib_or_fail,
+    library,
+    supports,
+    threads,
 )
 
 

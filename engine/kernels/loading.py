@@ -22,7 +22,8 @@ CHAINS = {torch.bfloat16: "bf16", torch.float32: "f32"}    # the suffix of the c
 SHAPES = {(16, 64), (16, 128), (32, 64), (32, 128)}   # (block_size, head_dim) compiled in cpu_kernels.cpp
 AMX_ROWS = 32       # up to this many rows the tile kernel computes F.linear's values bit for bit (oneDNN
                     # sums in another order above it; tests/test_cpu_kernels.py) and streams weights faster
-LAYER_WEIGHTS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache")   # decode_layers: one tensor of each per layer
+# decode_layers: one tensor of each per layer
+LAYER_WEIGHTS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache")
 F32_ROWS = 128      # a fp32 decode step of up to this many sequences runs its layers in one call (decode_layers)
 REFERENCES = {"paged_decode": reference.paged_decode, "write_kv": reference.write_kv,
               "causal_prefill": reference.causal_prefill, "rms_norm": reference.rms_norm,

@@ -20,7 +20,8 @@ def close(name: str, got, want, tol: float):
 
 def main(path: str):
     os.environ["BATCHSCOPE_CPU_KERNEL_PATH"] = path
-    from engine.kernels import cpu_kernels as k, reference as ref
+    from engine.kernels import cpu_kernels as k
+    from engine.kernels import reference as ref
     if k.library() is None:
         sys.exit("the library did not load")
     g = torch.Generator().manual_seed(0)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from engine.kernels import cpu_kernels
 

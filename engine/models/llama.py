@@ -13,11 +13,18 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from engine.execution.attention import CpuAttention, get_metadata
 from engine.kernels import cpu_kernels
 from engine.kernels.reference import add_rms_norm, apply_rope, rms_norm, silu_and_mul  # noqa: F401 (the plain path)
-from engine.execution.attention import CpuAttention, get_metadata
-from engine.models.linears import (Linear, amx_linears_work, f32_linears_work, linear, pack, packed_linear,
-                                   packed_weights_work)
+from engine.models.linears import (
+    Linear,
+    amx_linears_work,
+    f32_linears_work,
+    linear,
+    pack,
+    packed_linear,
+    packed_weights_work,
+)
 
 log = logging.getLogger("batchscope.engine")
 
@@ -87,7 +94,8 @@ class FusedOps:
     def __init__(self, enabled: bool = True):
         self.rms_norm = Fused(rms_norm, "rms_norm", enabled)
         self.add_rms_norm = Fused(add_rms_norm, "add_rms_norm", enabled)
-        self.apply_rope, self.silu_and_mul = Fused(apply_rope, "rope", enabled), Fused(silu_and_mul, "silu_and_mul", enabled)
+        self.apply_rope = Fused(apply_rope, "rope", enabled)
+        self.silu_and_mul = Fused(silu_and_mul, "silu_and_mul", enabled)
 
     @contextmanager
     def fusing(self):
@@ -256,7 +264,8 @@ class LlamaForCausalLM(nn.Module):
         """Every Linear and the logits matrix in oneDNN's layout, and for a decode step's few rows also in a
         kernel's of engine/kernels/cpu_kernels.cpp: bf16 where the CPU has AMX (bias-free linears whose sizes the
         tiles take); fp32 where it has AVX-512 in that kernel's layout alone, for every row count; each where
-        it computes what F.linear does (packed_weights_work, amx_linears_work, f32_linears_work). The plain weights stay: the embedding shares the head's, and
+        it computes what F.linear does (packed_weights_work, amx_linears_work, f32_linears_work).
+        The plain weights stay: the embedding shares the head's, and
         readers of the weights (weight_bytes, the int8 path, tests) see the usual tensors; each packed copy
         costs the linears' memory once more (270 MB for the default model in bf16, 540 MB in fp32)."""
         dtype = self.embed_tokens.weight.dtype

@@ -14,8 +14,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -270,7 +270,8 @@ class PolicyEvent(Record):
 
 # ---- the schema, for tests and docs ----
 RECORD_TYPES: dict[str, type[Record]] = {
-    "step": StepRecord, "item": StepItem, "stall": StallCause, "kv": KVState, "kv_op": KVOp, "kv_block": KVBlock, "timing": StepTiming,
+    "step": StepRecord, "item": StepItem, "stall": StallCause, "kv": KVState, "kv_op": KVOp, "kv_block": KVBlock,
+    "timing": StepTiming,
     "request": RequestEvent, "policy": PolicyEvent,
 }
 

@@ -14,8 +14,8 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 
-from engine.protocol import RequestInfo, RequestOutput, TokenLogprob
 from engine.outputs.records import Listeners, Record, RequestEvent
+from engine.protocol import RequestInfo, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.scheduling.sequence import Sequence, Status
 

@@ -3,7 +3,8 @@
 Pure Python, no tensors. schedule() asks the policy in force (engine/scheduling/policy.py) to build
 the step through a StepView, checks every action against the rules below, and returns a
 Batch: a list of (sequence, num_tokens), where num_tokens is 1 for a decode (1 + k when it
-verifies k drafted tokens, engine/scheduling/ngram.py) and a chunk length for a prefill. The three generations of LLM serving are built-in policies
+verifies k drafted tokens, engine/scheduling/ngram.py) and a chunk length for a prefill.
+The three generations of LLM serving are built-in policies
 (engine/scheduling/policies/), written on the same interface as any other:
 
   static      a batch is formed (the whole prompts the budget holds), prefilled in
@@ -60,8 +61,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.scheduling.block_manager import BlockManager
 from engine.config import check_budgets
+from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.policy import Policy, PolicyError, RequestView, StepView, req_id
 from engine.scheduling.sequence import Sequence, Status
 

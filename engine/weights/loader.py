@@ -55,7 +55,7 @@ def resolve_model(model: str | None) -> Path:
         return path
     if path.exists() or model.startswith((".", "/")):
         raise ValueError(f"model {model!r} is not a folder")
-    from huggingface_hub import snapshot_download   # a Hub id such as Qwen/Qwen2.5-0.5B-Instruct
+    from huggingface_hub import snapshot_download  # a Hub id such as Qwen/Qwen2.5-0.5B-Instruct
     try:
         return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model",
                                                              "*.txt", "tokenizer*"]))
@@ -146,6 +146,7 @@ def standardise(folder: Path) -> bool:
 def _fresh_int8(folder: Path) -> Path | None:
     """The folder's int8 cache if it was made from the weights as they are now."""
     from safetensors import safe_open
+
     from engine.weights.quant import INT8_FILE, _stamp
     path = folder / INT8_FILE
     if not path.exists():
@@ -208,9 +209,10 @@ def reading_gguf_once():
     preparation went from 31.5 s to 16-18 s on a 2-core CPU, to the same files (docs/results.md). Both are
     looked up on the gguf module when called, so a transformers or gguf that no longer does so just
     runs as it would."""
-    import gguf
     from functools import lru_cache
     from unittest import mock
+
+    import gguf
     parse, readers = gguf.GGUFReader, {}
 
     def reader(path, *args, **kwargs):
@@ -247,7 +249,8 @@ def default_gguf() -> Path:
 # ---- loading ----
 def check_architecture(hf_config):
     archs = getattr(hf_config, "architectures", None) or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and hf_config.model_type not in SUPPORTED_ARCHITECTURES.values():
+    known = any(a in SUPPORTED_ARCHITECTURES for a in archs)
+    if not known and hf_config.model_type not in SUPPORTED_ARCHITECTURES.values():
         raise ValueError(f"unsupported model architecture {archs or hf_config.model_type!r}; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 

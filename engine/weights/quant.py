@@ -85,7 +85,8 @@ def smoothed(model: nn.Module) -> list[tuple[str, str]]:
     pairs = [("norm", "head")]
     for i in range(len(model.layers)):
         p = f"layers.{i}."
-        pairs += [(p + "input_layernorm", p + "self_attn.qkv_proj"), (p + "self_attn.qkv_proj:v", p + "self_attn.o_proj"),
+        pairs += [(p + "input_layernorm", p + "self_attn.qkv_proj"),
+                  (p + "self_attn.qkv_proj:v", p + "self_attn.o_proj"),
                   (p + "post_attention_layernorm", p + "mlp.gate_up_proj")]
     return pairs
 
@@ -217,5 +218,6 @@ def load_or_make_int8(model: nn.Module, folder: Path) -> Path | None:
 
 def _stamp(folder: Path) -> str:
     """Sizes and mtimes of the fp32 weight files the int8 cache was made from."""
-    files = ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(folder.glob("*.safetensors")))
+    files = ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}"
+                     for f in sorted(folder.glob("*.safetensors")))
     return f"{SCHEME};alpha={ALPHA};{files}"

@@ -2,7 +2,12 @@
 now, whole, and every running reply waits for it."""
 from __future__ import annotations
 
-from engine.scheduling.policies.common import prompts_wait_for_prefill, room_for_whole_prompt, run_decodes, run_whole_prompts
+from engine.scheduling.policies.common import (
+    prompts_wait_for_prefill,
+    room_for_whole_prompt,
+    run_decodes,
+    run_whole_prompts,
+)
 from engine.scheduling.policy import Policy, StepView
 
 
