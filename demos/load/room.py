@@ -67,6 +67,16 @@ def start_server(port: int, args) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
+async def served_model(http, server) -> str:
+    """Wait until the server answers; the model it serves. A server that did not start is stopped, its log said."""
+    try:
+        await wait_healthy(http)
+    except RuntimeError:
+        server.terminate()
+        raise RuntimeError("the server did not start: " + server.stderr.read()[-800:]) from None
+    return (await http.get("/v1/models")).json()["data"][0]["id"]
+
+
 async def api_student(base: str, model: str, i: int, stop: asyncio.Event, stats: dict, max_tokens: int,
                       rng: random.Random):
     """One student on the OpenAI API: ask, read the whole reply, think, ask again."""
@@ -139,12 +149,7 @@ async def run(args) -> dict:
     stop = asyncio.Event()
     try:
         async with httpx.AsyncClient(base_url=base, timeout=60) as http:
-            try:
-                await wait_healthy(http)
-            except RuntimeError:
-                server.terminate()
-                raise RuntimeError("the server did not start: " + server.stderr.read()[-800:]) from None
-            model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            model = await served_model(http, server)
             max_num_seqs = (await http.get("/api/engine")).json()["max_num_seqs"]
             async with async_playwright() as p:
                 browser = await p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
@@ -225,12 +230,7 @@ async def run_burst(args) -> dict:
     server = start_server(port, args)
     try:
         async with httpx.AsyncClient(base_url=base, timeout=60, trust_env=False) as http:
-            try:
-                await wait_healthy(http)
-            except RuntimeError:
-                server.terminate()
-                raise RuntimeError("the server did not start: " + server.stderr.read()[-800:]) from None
-            model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            model = await served_model(http, server)
             settings = (await http.get("/api/engine")).json()
             # one HTTP client for the room, with a connection for each student: all on 127.0.0.1
             pool = httpx.AsyncClient(trust_env=False, timeout=600,
