@@ -99,8 +99,8 @@ def check_budgets(max_num_batched_tokens: int, max_num_seqs: int, max_prefill_ch
 
 
 def _cpu_has_amx() -> bool:
-    """With AMX, bf16 matmuls beat fp32 at every batch size. With only AVX512-BF16 they win at
-    batch >= 32 but a batch-1 decode (a matrix-vector product) runs far slower, so fp32 stays."""
+    """Whether the CPU has AMX tiles: only then does "auto" pick bf16 on a CPU. Without them a bf16
+    decode step (a matrix-vector product per linear) is slower than fp32, so fp32 stays (docs/results.md)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()

@@ -72,8 +72,8 @@ def write_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
 
 
 # CUDA SDPA kernels without cuDNN's: cuDNN builds an execution plan for every new (q_len, ctx) shape,
-# and a serving engine's prefill chunks bring a new shape nearly every step (on an H200 a 512-token
-# step took 60-100 ms with it, most of it planning)
+# and a serving engine's prefill chunks bring a new shape nearly every step, so planning would cost
+# more than the attention itself (docs/gpu.md)
 CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -92,8 +92,8 @@ def sdpa(q, k, v, **kw) -> torch.Tensor:
 
 def gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """cache: (num_blocks, block_size, kv_heads, head_dim); blocks: (n,) long -> (n * block_size, kv_heads,
-    head_dim), the blocks' tokens in order. index_select copies whole blocks (rows of a 2-D view): on CPU
-    several times faster than indexing the 4-D cache with a tensor."""
+    head_dim), the blocks' tokens in order. index_select copies whole blocks (rows of a 2-D view), one
+    contiguous copy per block, where indexing the 4-D cache with a tensor gathers element by element."""
     return cache.view(cache.shape[0], -1).index_select(0, blocks).view(-1, *cache.shape[2:])
 
 
@@ -106,8 +106,8 @@ def chunk_runs(chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
     """The step's prefill chunks (consecutive in the flat batch) cut into runs that share one attention
     call: chunks that start their sequences (no mask) and have one length, side by side, are one causal
     call over a (chunks, q_len) view; a chunk that reads earlier tokens from the cache is a run of its
-    own. Eight 256-token prompts are one call per layer instead of eight: 1.1x less time on one thread,
-    and on a busy 2-core machine far less waiting for a descheduled thread, once per call (docs/results.md)."""
+    own. Eight same-length prompts are one call per layer instead of eight: fewer calls, and fewer
+    waits for a thread the OS has descheduled, which each call pays once (docs/results.md)."""
     runs: list[list[PrefillChunk]] = []
     for c in chunks:
         last = runs[-1][-1] if runs else None
@@ -172,8 +172,8 @@ class TorchAttention:
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """One SDPA call per group of decodes with similar contexts (decode_groups), over their blocks
         gathered and padded to the group's longest, masked. Per-sequence calls over views of the cache
-        copy less but cost 2 x layers calls per sequence: one call per group was 2.0-2.1x faster at
-        batch 8 and 512 tokens of context (python -m demos.bench.ops; docs/results.md)."""
+        copy less but cost 2 x layers calls per sequence, and a call's fixed cost outweighs the copy
+        (python -m demos.bench.ops; docs/results.md, "Decode attention")."""
         if "decode_groups" not in meta.derived:   # index tensors and masks, built in the first layer
             meta.derived["decode_groups"] = self.plan(meta, k_cache.shape[1], q.device)
         groups = meta.derived["decode_groups"]

@@ -2,7 +2,7 @@
 ValueError that names the argument and what it should be. Plain `if`s, never `assert` (python -O drops those).
 
 Shapes, strides and dtypes cost little next to a kernel. Index bounds (slots, block ids, context lengths)
-cost one min/max per index tensor (~4 us); a step's metadata tensors are the same objects in all of its
+cost a min and a max per index tensor; a step's metadata tensors are the same objects in all of its
 layers, so `ids` checks each tensor once per bound and remembers it (a weak reference and the tensor's
 version counter where it has one: inference tensors have none, and the runner builds its metadata once
 per step and never writes it). A new tensor, as a direct call passes, is always checked."""

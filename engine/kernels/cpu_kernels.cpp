@@ -123,8 +123,8 @@ static void values_portable(const T* vb, const float* p, int64_t p_stride, int v
 
 #ifdef __AVX512F__
 // AVX-512: G heads at a time with every sum in a register; each 16 keys or values are loaded (and
-// converted) once for all G heads instead of once into a buffer and again per head. 1.3-1.8x less time
-// than the portable form on the default model's shapes (docs/results.md).
+// converted) once for all G heads instead of once into a buffer and again per head (the portable form
+// beside it is the comparison in docs/results.md).
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const uint16_t* p) {        // 16 bf16 -> fp32: each the top half of a float
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -287,7 +287,7 @@ static int dispatch(const T* q, int64_t q_stride, const T* k, const T* v, const 
 // keys' scores are one vector multiply-add per dimension over 8 KB that stay in L1. Then each of its
 // query heads, R rows at a time: their scores against the keys up to their last row, a softmax per row
 // over all its scores at once (fp32, exact, as SDPA's math), and the values' sum with R x 64 sums in
-// registers. SDPA's values up to rounding; 2-3x less time at the default model's shapes.
+// registers. SDPA's values up to rounding, in fewer passes over the keys (docs/results.md).
 #ifdef __AVX512F__
 constexpr int CAUSAL_R = 6;
 
@@ -641,8 +641,8 @@ static void skinny_linear_f32(const float* x, int64_t M, int64_t K, const float*
 //
 // The same kernels in the same order as the model's layer-by-layer forward (models.llama.DecoderLayer with
 // CpuAttention, for a decode-only step of few sequences), so the same values bit for bit; what it saves is
-// the Python between them, about ten calls and their tensors per layer, which took a fifth of a
-// 32-sequence step while the other thread waited. x: the embeddings in, the last layer's output out;
+// the Python between them, about ten calls and their tensors per layer, during which the other threads
+// wait (docs/results.md). x: the embeddings in, the last layer's output out;
 // residual: the residual stream out (the final norm adds it, in Python).
 struct LayerWeights {                 // engine/kernels/ops.py builds it per call from the layers' tensors
     const void *in_norm, *qkv, *o, *post_norm, *gate_up, *down;   // the linears in their kernel's layout

@@ -56,7 +56,7 @@ def index_tables(n: int, block_tables, context_lens, num_blocks: int, block_size
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens):
     """q: (n, heads, head_dim), rows may be strided; caches: (num_blocks, block_size, kv_heads, head_dim) in
     the kernel's layout; block_tables: (>= n, width) int64; context_lens: (>= n,) int64 -> (n, heads, head_dim).
-    Block ids and context lengths are checked against the cache (two min/max, ~8 us), once per tensor
+    Block ids and context lengths are checked against the cache (a min and a max each), once per tensor
     and bound (checks.ids): a step's layers share them."""
     c.tensor("q", q, 3, FLOAT)
     nb, bs, kvh, d = cache_pair(k_cache, v_cache, q.dtype)

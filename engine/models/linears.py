@@ -24,16 +24,15 @@ from engine.kernels import cpu_kernels
 log = logging.getLogger("batchscope.engine")
 
 
-SPLIT_ROWS = 256     # more rows than this: F.linear (split was no faster at 512)
+SPLIT_ROWS = 256     # more rows than this: F.linear, which then uses every thread itself
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except on a CPU running several threads: there the output features are cut into one
     slice per thread and the slices computed as one batched matmul (a view of w, nothing copied), so
     every thread reads its own share of the weights. MKL runs a skinny fp32 matmul (a decode step's
-    few rows) on one thread; cut this way the default model's linears took 1.3-1.6x less time on a
-    2-core CPU at 1 to 32 rows, 1.15-1.3x at 128, and as long at 512, where MKL uses every thread
-    itself (two runs of python -m demos.bench.ops; docs/results.md)."""
+    few rows) on one thread, so a decode step's linears leave the other cores idle without this; at
+    many rows MKL uses every thread itself (python -m demos.bench.ops; docs/results.md)."""
     t = torch.get_num_threads()
     if t == 1 or x.is_cuda or x.dtype != torch.float32 or w.shape[0] % t or x.shape[0] > SPLIT_ROWS:
         return F.linear(x, w, b)
@@ -111,11 +110,11 @@ class Linear(nn.Linear):
     """nn.Linear over a flat batch; on a CPU, over copies of the weight laid out once at load
     (LlamaForCausalLM.pack_weights) instead of re-laid out on every call:
     - `amx`: bf16, the AMX tile kernel's layout, for a decode step's 1 to 32 rows, where the CPU has AMX
-      (engine/cpu_kernels.linear_amx: 1.3-1.5x less time than oneDNN's packed kernel);
-    - `f32`: fp32, the AVX-512 kernel's layout, for every row count (engine/cpu_kernels.linear_f32; as fast
-      as oneDNN's at 2,048 rows, faster below, so no oneDNN copy is kept beside it);
-    - `packed`: oneDNN's, for more rows, or every row count without the kernels above (in bf16 1.2-1.4x
-      less time than F.linear at 8 to 256 rows, the same at 2,048; docs/results.md)."""
+      (engine/cpu_kernels.linear_amx, which streams the weights once per step);
+    - `f32`: fp32, the AVX-512 kernel's layout, for every row count (engine/cpu_kernels.linear_f32; no
+      oneDNN copy is kept beside it, as it was no faster at any row count);
+    - `packed`: oneDNN's, for more rows, or every row count without the kernels above (a layout made once
+      instead of on every call; each choice is measured in docs/results.md)."""
     packed: torch.Tensor | None = None
     amx: torch.Tensor | None = None
     f32: torch.Tensor | None = None

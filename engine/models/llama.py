@@ -42,10 +42,10 @@ class Fused:
       captured (FusedOps.fusing): a captured decode step is ~45 tiny kernels per layer op by op, so
       launches, not bytes moved, would set its time. Eager steps (prefill, mixed) run the plain
       function: there a compiled region's guards and dispatch cost more host time than the fusion
-      saves (measured on an H200: a 512-token step took 100 ms compiled, 25 ms plain).
+      saves (docs/gpu.md).
     - CPU, bf16 and fp32: one pass of engine/kernels/cpu_kernels.cpp where that library built (the same values
-      up to the last bit of an fp32 exp or rsqrt): torch's 3 to 9 passes took a quarter of a 2,048-token
-      bf16 prefill step.
+      up to the last bit of an fp32 exp or rsqrt) instead of torch's several passes over memory, which
+      dominate a long prefill step's elementwise time (docs/results.md).
     - Otherwise, or when `enabled` is off (enforce_eager): the plain function."""
 
     def __init__(self, fn, cpu_name: str, enabled: bool = True):

@@ -205,8 +205,8 @@ def prepare(target: Path) -> Path:
 def reading_gguf_once():
     """transformers parses the GGUF file three times (tokenizer, config, weights: its 49,152-entry
     vocabulary field by field each time) and builds gguf's tensor-name table once per module of the
-    model, about 400 times. Inside this block one parse and one table serve them all: the whole
-    preparation went from 31.5 s to 16-18 s on a 2-core CPU, to the same files (docs/results.md). Both are
+    model, hundreds of times. Inside this block one parse and one table serve them all, to the same
+    files, in about half the time (docs/results.md, "Preparing the default model"). Both are
     looked up on the gguf module when called, so a transformers or gguf that no longer does so just
     runs as it would."""
     from functools import lru_cache

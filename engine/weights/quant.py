@@ -1,25 +1,24 @@
 """int8 linears for CPUs: dtype="int8".
 
-The matmul is fbgemm's dynamic int8 GEMM (torch.ops.quantized.linear_dynamic),
-the one int8 kernel in torch 2.13 that beat fp32 on the AVX2 CPU we measured:
+The matmul is fbgemm's dynamic int8 GEMM (torch.ops.quantized.linear_dynamic):
 weights int8 with one scale per output channel, activations quantised on the
 fly with one scale per call (7 bits: AVX2's multiply-adds would saturate with
-8). torch's weight-only int8 and int4 CPU kernels (_weight_int8pack_mm,
-_weight_int4pack_mm_for_cpu) and its int8 x int8 _int_mm were all several
-times slower than fp32 there (docs/results.md).
+8). It is the only one of torch's int8 and int4 CPU kernels that was faster
+than fp32 in the side-by-side table of docs/results.md ("Weight formats for
+the linears"), which names the CPU it ran on.
 
 One scale for all of a step's activations is what breaks small models: a few
-input channels are 100x larger than the rest and take the whole range
-(perplexity 30 -> 72). So, as in SmoothQuant, each linear's input channels
+input channels are two orders of magnitude larger than the rest and take the
+whole range, and perplexity doubles. So, as in SmoothQuant, each linear's input channels
 are divided by s_j = amax_j^0.7 / wmax_j^0.3 (amax from a calibration text,
 wmax of the weight's column) and its weight columns multiplied by s_j. The
 division is free: it folds into whatever makes the input. For q/k/v, gate/up
 and the logits head that is the RMSNorm weight before them; for o_proj the
 v rows of qkv_proj (attention mixes v over tokens, channel by channel).
-down_proj stays fp32: its input, silu(gate) * up, has channels up to 4,000x
-the median that neither smoothing nor keeping the 32 largest in fp32 tames
-(perplexity 27.6 -> 33-38), and even fp16 weights cost +2.4% perplexity
-(docs/results.md). int8 covers 80% of the fp32 bytes a decode step reads.
+down_proj stays fp32: its input, silu(gate) * up, has channels thousands of
+times the median that neither smoothing nor keeping the largest in fp32 tames,
+and even fp16 weights cost perplexity there (docs/results.md, "int8 quality").
+The other linears are most of the bytes a decode step reads.
 
 Quantised once (engine.weights.loader prepares it for the default model) and cached
 beside the fp32 safetensors as INT8_FILE, stamped with the scheme and the fp32
