@@ -43,7 +43,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None    # overrides the two above (tests use it to force preemption)
     max_model_len: int | None = None    # defaults to the model's context length
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"     # auto | torch | cpu | triton | flash_attn (auto: see attention.select_backend)
+    attention_backend: str = "auto"     # auto | torch | cpu | triton | flash_attn (auto: see backends.select_backend)
     enforce_eager: bool = False         # CUDA: no CUDA graphs for decode steps
     seed: int = 0
     cpu_threads: int | None = None      # torch intra-op threads on CPU; None = torch's choice (one per core)

@@ -1,4 +1,4 @@
-"""The CPU backend (engine.execution.attention.CpuAttention: the paged decode kernel of engine/kernels/cpu_kernels.cpp and
+"""The CPU backend (engine.execution.backends.CpuAttention: the paged decode kernel of engine/kernels/cpu_kernels.cpp and
 its own layout inside a block) against the portable backend on random ragged batches, in float32 and
 bfloat16; what it writes into the cache; and that attention falls back to the portable path where the
 kernel cannot be built."""
@@ -7,7 +7,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from engine.execution.attention import AttentionMetadata, CpuAttention, PrefillChunk, TorchAttention, select_backend
+from engine.execution.attention import AttentionMetadata, PrefillChunk, TorchAttention
+from engine.execution.backends import CpuAttention, select_backend
 from engine.kernels import cpu_kernels, loading
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler: the kernel cannot be built")
@@ -128,7 +129,8 @@ def check_causal(m, q_len, d, kv_heads, group, seed, scale, dtype):
 
 
 def test_the_causal_kernel_takes_fp32_and_bf16_and_the_backend_falls_back_to_sdpa():
-    from engine.execution.attention import CpuAttention, TorchAttention
+    from engine.execution.attention import TorchAttention
+    from engine.execution.backends import CpuAttention
     q, k, v = torch.randn(20, 4, 64), torch.randn(20, 2, 64), torch.randn(20, 2, 64)
     assert cpu_kernels.causal_prefill(q.half(), k.half(), v.half(), 2) is None
     assert cpu_kernels.causal_prefill(q[:, :, :48].contiguous(), k[:, :, :48].contiguous(),
@@ -263,7 +265,7 @@ def test_fused_f32_chains_are_torchs_up_to_rounding(rows, hidden, seed, scale):
 
 
 def test_bf16_and_fp32_take_the_fused_chains_other_dtypes_and_eager_do_not(monkeypatch):
-    from engine.models.llama import FusedOps
+    from engine.models.fast_paths import FusedOps
     calls = []
     monkeypatch.setattr(cpu_kernels, "silu_and_mul", lambda x, inter: calls.append(x.dtype) or x[:, :inter])
     ops = FusedOps()

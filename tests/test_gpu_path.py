@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.execution.attention import TorchAttention, decode_splits, kernel_supports, select_backend
+from engine.execution.attention import TorchAttention
+from engine.execution.backends import decode_splits, kernel_supports, select_backend
 from engine.execution.cuda_graph import bucket_for, token_buckets
 from engine.execution.model_runner import StepInputs, token_slots
 from tests.helpers import hf_greedy, save_tiny_model
@@ -86,7 +87,7 @@ def test_token_slots(start, end):
 def test_unified_launch_shapes():
     """Split-K and tile rows from shapes only: decode-like batches split when few and long; batches
     with chunks take 64-row tiles and no split."""
-    from engine.execution.attention import TritonAttention
+    from engine.execution.backends import TritonAttention
     pytest.importorskip("triton")
     b = TritonAttention(num_sms=132)
     assert b.launch(4, 4, 2048, 7, 2) == (16, 16)       # four long decodes: 16 ranges each
@@ -126,13 +127,13 @@ def test_backend_selection_on_cuda(interpreted, monkeypatch):
     first, by the fixture, so that dropping TRITON_INTERPRET here does not change how it runs later)."""
     from types import SimpleNamespace
 
-    import engine.execution.attention as attention
+    import engine.execution.backends as backends
     cap = [(8, 9)]
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=58))
     installed = {"triton"}                                                    # no flash-attn at first
-    monkeypatch.setattr(attention, "_installed", lambda module: module in installed)
+    monkeypatch.setattr(backends, "_installed", lambda module: module in installed)
     gpu = torch.device("cuda")
     backend = select_backend("auto", gpu, 256, 128)
     assert backend.name == "triton-unified" and backend.graphable and backend.num_sms == 58
@@ -291,7 +292,7 @@ def test_fused_elementwise_chains_trace_with_dynamic_shapes():
     """On CUDA these run through torch.compile (one kernel each); here: they trace with dynamic shapes,
     including the one-token case, and the traced graph computes exactly what the eager function does.
     On a CPU the engine itself never compiles them."""
-    from engine.models.llama import FusedOps
+    from engine.models.fast_paths import FusedOps
     ops = FusedOps()
     rms_norm, add_rms_norm, apply_rope, silu_and_mul = ops.rms_norm, ops.add_rms_norm, ops.apply_rope, ops.silu_and_mul
     torch._dynamo.reset()
@@ -314,7 +315,7 @@ def test_fused_dispatch_and_fallback(monkeypatch):
     """CPU fp16 tensors (no C++ chain) take the plain function; on CUDA a first compile that fails leaves it unfused."""
     from types import SimpleNamespace
 
-    from engine.models.llama import Fused
+    from engine.models.fast_paths import Fused
 
     def FuseOnCuda(fn):
         return Fused(fn, "rms_norm")
@@ -335,7 +336,7 @@ def test_fused_dispatch_and_fallback(monkeypatch):
 
 
 def test_fusing_is_on_only_inside_the_block():
-    from engine.models.llama import FusedOps
+    from engine.models.fast_paths import FusedOps
     ops = FusedOps()
     chains = (ops.rms_norm, ops.add_rms_norm, ops.apply_rope, ops.silu_and_mul)
     with pytest.raises(RuntimeError):

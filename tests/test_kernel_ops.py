@@ -61,7 +61,7 @@ def fresh_cache(tmp_path_factory):
 
 @pytest.mark.parametrize("fault", ["SIGILL", "SIGSEGV", "SIGABRT"])
 def test_a_build_whose_probe_dies_leaves_the_engine_on_the_plain_path(fresh_cache, monkeypatch, caplog, fault):
-    from engine.execution.attention import select_backend
+    from engine.execution.backends import select_backend
     monkeypatch.setenv("BATCHSCOPE_CACHE", str(fresh_cache))
     monkeypatch.setenv("BATCHSCOPE_PROBE_FAULT", fault)
     cpu_kernels.library.cache_clear()

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.execution.attention import AttentionMetadata, PrefillChunk, select_backend, set_metadata
+from engine.execution.attention import AttentionMetadata, PrefillChunk, set_metadata
+from engine.execution.backends import select_backend
 from engine.execution.cuda_graph import StepGraphs
 from engine.execution.sampler import sample, sample_runs
 from engine.models.llama import head_dim_of, rope_table

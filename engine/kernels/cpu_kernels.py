@@ -10,13 +10,13 @@ input is a ValueError naming the argument, never a write past a buffer.
   write_kv       a step's keys and values into their slots, in that kernel's layout inside a block
   causal_prefill fresh prompt chunks' causal attention, fp32 or bf16 (AVX-512)
   rms_norm, add_rms_norm, silu_and_mul, rope
-                 the model's elementwise chains (bf16, fp32) in one pass each (models.llama.FusedOps)
+                 the model's elementwise chains (bf16, fp32) in one pass each (models.fast_paths.FusedOps)
   pack_amx, linear_amx
                  bf16 linears of 1 to 32 rows on AMX tiles, over weights laid out once for them
   pack_f32, linear_f32
                  fp32 linears on AVX-512, over weights laid out once for them
   decode_layers  a decode step's layers in one call of the kernels above, in the model's order, given the
-                 layers' weights and caches as tensors (models.llama.LlamaForCausalLM.decode_weights)
+                 layers' weights and caches as tensors (models.fast_paths.decode_weights)
 
 Building, the child-process probe and the OpenMP runtime: engine/kernels/build.py. No compiler, a failed
 build or a probe that died: `library()` is None and the engine takes the plain path.

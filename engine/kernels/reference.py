@@ -2,7 +2,7 @@
 
 The elementwise chains are the model's plain path itself (models.llama imports them from here), the one
 `BATCHSCOPE_CPU_KERNEL=0` runs; the attention ones read the cache in the kernel's layout inside a block
-(engine.execution.attention.CpuAttention), one sequence at a time, so the obvious loop is the definition.
+(engine.execution.backends.CpuAttention), one sequence at a time, so the obvious loop is the definition.
 tests/test_kernel_ops.py compares every op with its reference on random shapes."""
 from __future__ import annotations
 

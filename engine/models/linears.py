@@ -108,7 +108,7 @@ def f32_linears_work() -> bool:
 
 class Linear(nn.Linear):
     """nn.Linear over a flat batch; on a CPU, over copies of the weight laid out once at load
-    (LlamaForCausalLM.pack_weights) instead of re-laid out on every call:
+    (models.fast_paths.pack_weights) instead of re-laid out on every call:
     - `amx`: bf16, the AMX tile kernel's layout, for a decode step's 1 to 32 rows, where the CPU has AMX
       (engine/cpu_kernels.linear_amx, which streams the weights once per step);
     - `f32`: fp32, the AVX-512 kernel's layout, for every row count (engine/cpu_kernels.linear_f32; no
