@@ -29,7 +29,13 @@ import torch
 
 log = logging.getLogger("batchscope.engine")
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")   # includes the sections, one file each (*.h beside it)
+
+
+def source_text() -> str:
+    """The library's whole source, its sections included: what names a build."""
+    return "".join(p.read_text() for p in [SOURCE, *sorted(SOURCE.parent.glob("*.h"))])
+
 # -ffast-math without -ffinite-math-only: the compiler still vectorises exp (glibc's libmvec, declared at the
 # top of cpu_kernels.cpp) and reorders the sums, but may not assume that no value is NaN or infinite, which
 # the engine relies on to fail a request whose logits went non-finite (tests/test_kernel_ops.py). Given only
@@ -58,7 +64,7 @@ def compile_flags(sanitize: bool = False) -> list[str]:
 
 def library_path(cxx: str, cpu_flags: str, root: Path, sanitize: bool = False) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [SOURCE.read_text(), *compile_flags(sanitize), *link_flags(sanitize), version, cpu_flags]
+    parts = [source_text(), *compile_flags(sanitize), *link_flags(sanitize), version, cpu_flags]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     return root / "kernels" / f"cpu_kernels-{'asan-' if sanitize else ''}{key}.so"
 
