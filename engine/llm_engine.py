@@ -222,8 +222,7 @@ class LLMEngine:
         record = step_record(self.steps.take(), self.scheduler, batch, before, finished, error,
                              (t_start, t_sched, t_items, t_end), self.clock, self.device_dtype)
         self.counters["steps"] += 1
-        self.book.emit(record)
-        return StepOutputs(record.to_dict(), self.book.take_outputs())
+        return StepOutputs(self.book.emit(record), self.book.take_outputs())
 
     def _draft(self):
         """Speculative decoding: each running reply's guess of its next tokens (engine/scheduling/ngram.py),

@@ -49,6 +49,27 @@ def test_listeners_each_get_a_dict_of_their_own_and_a_failing_one_is_removed():
     assert not listeners
 
 
+def test_a_record_becomes_a_dict_once_however_many_listen():
+    """emit turns the record into its dict once and returns it (LLMEngine.step hands it on in StepOutputs);
+    a listener replacing a top-level field changes neither that dict nor another listener's."""
+    calls = []
+
+    class Counted(PolicyEvent):
+        def to_dict(self):
+            calls.append(1)
+            return super().to_dict()
+
+    listeners, seen = Listeners(), []
+    listeners.subscribe(lambda d: d.update(policy="mine"))
+    listeners.subscribe(seen.append)
+    listeners.subscribe(seen.append)
+    out = listeners.emit(Counted(3, 1.5, "chunked", 64, 8, None))
+    assert len(calls) == 1 and out["policy"] == "chunked" and [d["policy"] for d in seen] == ["chunked"] * 2
+    assert seen[0] is not seen[1] and seen[0] is not out
+    relayed = dict(out)                            # a dict relayed from the pair's worker: passed on, not copied
+    assert Listeners().emit(relayed) is relayed
+
+
 def test_importing_the_records_and_their_metrics_does_not_import_torch():
     code = ("import sys, engine.outputs.records, engine.scheduling.scheduler, app.readers.metrics; "
             "print(sorted({'torch', 'gradio', 'fastapi'} & set(sys.modules)))")

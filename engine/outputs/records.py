@@ -1,8 +1,8 @@
 """What the engine publishes: one StepRecord per forward pass, request events and policy events.
 
 Each record is a frozen dataclass; `to_dict()` gives the JSON object on the wire
-(docs/step_record.md), a new dict on every call, so a reader may add its own
-fields to its copy without touching the engine's record or another reader's.
+(docs/step_record.md), once per record: Listeners hands each reader a copy of its
+top level, to add its own fields to without touching another reader's.
 Field names are a contract read by app/, demos/ and static/: add, never rename.
 Every field carries its one-line meaning; `record_fields()` lists the names per
 record type and `schema_markdown()` writes the tables of docs/step_record.md.
@@ -11,7 +11,6 @@ Pure Python: importing this module does not import torch.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
@@ -335,8 +334,10 @@ def step_record(step: int, sched: Scheduler, batch: Batch, before: Before, finis
 
 
 class Listeners:
-    """Who hears the records. Each gets every record as a dict of its own (it may add its own fields);
-    one that raises is logged and removed, so a broken reader cannot stop the engine."""
+    """Who hears the records. A record becomes a dict once (emit returns it, for StepOutputs); each
+    listener gets a copy of its top level, so it may add or replace fields of its own (the server adds
+    `step_delay` to a policy event) but must leave the nested items and kv as they are. One that raises is
+    logged and removed, so a broken reader cannot stop the engine."""
 
     def __init__(self):
         self.fns: list[Callable[[dict], None]] = []
@@ -351,14 +352,16 @@ class Listeners:
         if fn in self.fns:
             self.fns.remove(fn)
 
-    def emit(self, record: Record | dict):
+    def emit(self, record: Record | dict) -> dict:
         """record: a Record, or the dict of one relayed from another process (the pair's workers)."""
+        obj = record.to_dict() if isinstance(record, Record) else record
         for fn in list(self.fns):
             try:
-                fn(record.to_dict() if isinstance(record, Record) else copy.deepcopy(record))
+                fn(dict(obj))
             except Exception:
                 log.exception("a step listener failed; it is removed")
                 self.unsubscribe(fn)
+        return obj
 
 
 if __name__ == "__main__":

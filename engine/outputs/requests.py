@@ -140,8 +140,8 @@ class RequestBook:
         return TokenLogprob(self.decode_token(token), logprob, [(self.decode_token(t), lp) for t, lp in top])
 
     # ---- listeners: every record and event goes to each, as a dict of its own ----
-    def emit(self, record: Record | dict):
-        self.listeners.emit(record)
+    def emit(self, record: Record | dict) -> dict:
+        return self.listeners.emit(record)
 
     def emit_request(self, seq: Sequence, event: str, t: float | None = None, **extra):
         if self.listeners:
