@@ -74,7 +74,8 @@ class StepItem(Record):
                               "after its own (`tokens` = 1 + `drafted`)", optional=True)
     accepted: int | None = doc("with `drafted`: of those, the ones the model agreed with, kept in the reply "
                                "(the step gave it `accepted` + 1 tokens; the KV of the other "
-                               "`drafted - accepted` was rolled back)", optional=True)
+                               "`drafted - accepted` was rolled back; a stop among them ends the reply "
+                               "there and drops the rest)", optional=True)
 
     @classmethod
     def of(cls, seq: Sequence, n: int) -> StepItem:
@@ -263,6 +264,9 @@ class PolicyEvent(Record):
     max_prefill_chunk: int | None = doc("cap on one request's prefill chunk; null: no cap")
     engine: str | None = doc("records from another serving engine: its name and version (`vllm 0.32.0`); "
                              "left out for batchscope's own", optional=True)
+    speculative_config: dict | None = doc("speculative decoding in force, in vLLM's form (`method`, "
+                                          "`num_speculative_tokens`, `prompt_lookup_max`, `prompt_lookup_min`); "
+                                          "null: off", default=None)
 
     def to_dict(self) -> dict:
         return {"type": self.type, **super().to_dict()}
