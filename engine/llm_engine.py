@@ -224,7 +224,8 @@ class LLMEngine:
         finished, error = self._run(batch) if batch.items else ([], None)
         t_end = self.clock()
         record = step_record(self.steps.take(), self.scheduler, batch, before, finished, error,
-                             (t_start, t_sched, t_items, t_end), self.clock, self.device_dtype)
+                             (t_start, t_sched, t_items, t_end), self.clock, self.device_dtype,
+                             self.speculative.num_speculative_tokens if self.speculative else None)
         self.counters["steps"] += 1
         self.book.emit(record)
         return StepOutputs(record.to_dict(), self.book.take_outputs())

@@ -79,6 +79,35 @@ def test_random_streams_page_table_matches_python(stage):
     one()
 
 
+def test_random_speculative_streams_page_table_matches_python(stage):
+    """Speculative decoding: decodes that verify drafts give 1 + accepted tokens each, the acceptance line
+    shows, and a change of the drafts' bound starts a stretch, on the page as in Python."""
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(random_streams(speculative=True))
+    def one(s):
+        check(stage(s), s)
+
+    one()
+
+
+def test_a_verifying_decode_counts_its_accepted_tokens():
+    """Python's side alone: 1 + accepted tokens at the step's end, the first with the gap, the rest 0 s apart."""
+    from tests.factories import arrived, dec, pre, step
+    s = [arrived("a", 0.0), step(0, 0.0, 0.1, [pre("a", 4, 0, 4)]),
+         step(1, 0.1, 0.3, [dec("a", 4, drafted=3, accepted=2)], speculative=3),
+         step(2, 0.3, 0.4, [dec("a", 7, drafted=3, accepted=0)], speculative=3),
+         step(3, 0.4, 0.5, [dec("a", 8)])]
+    assert metrics.tbts(s)["a"] == pytest.approx([0.2, 0.0, 0.0, 0.1, 0.1])
+    m = metrics.stretches(s)
+    assert [x["speculative"] for x in m] == [None, 3, None]
+    assert (m[1]["output_tokens"], m[1]["draft_tokens"], m[1]["accepted_tokens"]) == (4, 6, 2)
+    assert m[1]["acceptance_rate"] == pytest.approx(2 / 6) and m[0]["acceptance_rate"] is None
+    assert metrics.summarize(s)["acceptance_rate"] == pytest.approx(2 / 6)
+    assert metrics.summarize(s)["tbt_mean_s"] == pytest.approx(0.4 / 5)
+
+
 def test_random_kv_hand_overs_page_table_matches_python(stage):
     """Random streams with KV hand-overs at random times (some on a stretch's first t_start or last t_end,
     some outside every stretch): the page's transfer line counts the same ones as Python's."""

@@ -209,6 +209,9 @@ class StepRecord(Record):
     lane: int | None = doc("a vLLM server with several data-parallel engines only: the engine (its data-parallel "
                            "rank) that ran the step; each engine schedules its own requests", optional=True)
     lane_step: int | None = doc("with `lane`: the step's index among its own engine's steps", optional=True)
+    speculative: int | None = doc("speculative decoding in force for this step: the most tokens drafted per "
+                                  "reply (`num_speculative_tokens`); left out when off. Part of the setting: "
+                                  "a change of it starts a new stretch of the metrics table", optional=True)
 
     def to_dict(self) -> dict:
         return {"type": self.type, **super().to_dict()}
@@ -319,7 +322,7 @@ def read_batch(batch: Batch, running: Iterable[Sequence]) -> Before:
 
 def step_record(step: int, sched: Scheduler, batch: Batch, before: Before, finished: list[str],
                 error: str | None, times: tuple[float, float, float, float], clock: Callable[[], float],
-                device: str) -> StepRecord:
+                device: str, speculative: int | None = None) -> StepRecord:
     """The record of a step that has run. before: read_batch's reading; times: (start, scheduled,
     items read, end) on `clock`, which also times this assembly (`timing.record`)."""
     items, stalled, causes = before
@@ -335,7 +338,7 @@ def step_record(step: int, sched: Scheduler, batch: Batch, before: Before, finis
                   kv_map=kv_map(bm, sched.running) if step % KV_MAP_EVERY == 0 else None)
     timing = StepTiming(schedule=t_sched - t_start, items=t_items - t_sched, forward=t_end - t_items,
                         record=clock() - t_end)
-    return StepRecord(**fields, timing=timing, device=device)
+    return StepRecord(**fields, timing=timing, device=device, speculative=speculative)
 
 
 class Listeners:
