@@ -161,6 +161,23 @@ def token_times(stream: Iterable[dict]) -> dict[str, list[float]]:
     return {req: [tk.t for tk in tks] for req, tks in tokens(stream).items()}
 
 
+def tbt_by_streams(stream: Iterable[dict], reqs: Iterable[str] | None = None) -> dict[int, float]:
+    """Mean TBT of the tokens of decode-only steps, by how many replies (streams) such a step decoded:
+    {1: s, 16: s, ...}. reqs: count only their tokens (and steps that ran any of them)."""
+    keep = set(reqs) if reqs is not None else None
+    gaps_at: dict[int, list[float]] = {}
+    clock = TokenClock()
+    for rec in steps(stream):
+        new = clock.step(rec)
+        items = rec["items"]
+        if not items or any(it["kind"] != "decode" for it in items):
+            continue
+        for req, tk in new:
+            if tk.gap is not None and (keep is None or req in keep):
+                gaps_at.setdefault(len(items), []).append(tk.gap)
+    return {n: sum(g) / len(g) for n, g in sorted(gaps_at.items())}
+
+
 def arrivals(stream: Iterable[dict]) -> dict[str, float]:
     return {e["req"]: e["t"] for e in events(stream, "arrived")}
 
