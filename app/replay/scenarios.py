@@ -240,9 +240,9 @@ def budget_shapes(reply_tokens: int = 12) -> Scenario:
 
 # replies that repeat their prompt (an edit, a copy, code with its identifiers): where prompt lookup guesses right
 COPY_TASKS = (
+    "Repeat this shopping list, one item per line: apples, bread, milk, eggs, cheese, butter, rice, beans, tea.",
     "Rename the variable count to total in this Python code and write out the whole code:\n\n"
     "def add_items(items):\n    count = 0\n    for item in items:\n        count = count + item\n    return count\n",
-    "Repeat this shopping list, one item per line: apples, bread, milk, eggs, cheese, butter, rice, beans, tea.",
     "Fix the spelling in this sentence and write it out again: The quick brwon fox jumpd over the lazzy dog "
     "by the river bank, and the lazzy dog did not wake up.",
     "Write this address again, one part per line: Harbour Road 12, Port Ellen, Isle of Islay, Scotland.",
@@ -250,14 +250,14 @@ COPY_TASKS = (
 
 
 def speculative_room(reply_tokens: int = 48, room: int = 15, room_at: int = 24, room_tokens: int = 24) -> Scenario:
-    """One user alone, then the room: the same copy-and-edit tasks at 1 stream and at 1 + room streams."""
+    """One user alone, then the room: copy-and-edit tasks at 1 stream and at 1 + room streams."""
     arrivals = [Arrival(at=0, label="Solo", max_tokens=reply_tokens, messages=_chat(COPY_TASKS[0]))]
     arrivals += [Arrival(at=room_at, label=f"R{i + 1}", max_tokens=room_tokens,
                          messages=_chat(COPY_TASKS[(i + 1) % len(COPY_TASKS)]))
                  for i in range(room)]
     return Scenario(
         name="speculative-room",
-        description=("Solo asks for a code edit, alone; at step " + str(room_at) + f", {room} more users ask for "
+        description=("Solo asks for a list to be copied, alone; at step " + str(room_at) + f", {room} more users ask for "
                      "copies and edits. With n-gram speculation, a reply's next tokens are guessed from its own "
                      "context and checked in the same forward pass: alone, a step costs about the same with three "
                      "guesses more, so each kept guess shortens the time between tokens. With the room busy, "
