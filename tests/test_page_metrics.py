@@ -53,6 +53,17 @@ def test_recorded_disaggregated_trace_page_table_matches_python(stage):
     check(stage(objs), objs)
 
 
+def test_recorded_speculative_trace_page_table_matches_python(stage):
+    """A real speculative run (tests/data/spec_trace.json, `python -m tests.record_spec_trace`): the same
+    traffic without then with n-gram drafts, two stretches, the acceptance line in both."""
+    objs = trace.load(Path(__file__).parent / "data" / "spec_trace.json")
+    off, on = metrics.stretches(objs)
+    assert off["draft_tokens"] == 0 and 0 < on["accepted_tokens"] < on["draft_tokens"]
+    assert off["output_tokens"] == on["output_tokens"]          # the same replies, in fewer steps
+    assert on["num_steps"] < off["num_steps"]
+    check(stage(objs), objs)
+
+
 def test_preemption_stream_page_table_matches_python(stage):
     """The case the two old stall definitions disagreed on: a's wait after its preemption."""
     from tests.factories import arrived, dec, pre, step
