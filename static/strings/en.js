@@ -284,5 +284,6 @@ export default {
   "scenario.bursty": "a burst of 24 requests",
   "scenario.shared-system-prompt": "shared system prompt (prefix cache)",
   "scenario.budget-shapes": "budget 16: three shapes",
-  "scenario.split-prefill-decode": "a long document (for disaggregated)"
+  "scenario.split-prefill-decode": "a long document (for disaggregated)",
+  "scenario.speculative-room": "one user alone, then 15: copies and edits (speculation)"
 };

@@ -283,5 +283,6 @@ export default {
   "scenario.bursty": "24 个请求突然涌入",
   "scenario.shared-system-prompt": "共享系统提示词（前缀缓存）",
   "scenario.budget-shapes": "预算 16：三种形状",
-  "scenario.split-prefill-decode": "一篇长文（用于分离式）"
+  "scenario.split-prefill-decode": "一篇长文（用于分离式）",
+  "scenario.speculative-room": "先一人，再 15 人：抄写与修改（投机解码）"
 };
