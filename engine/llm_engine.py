@@ -141,22 +141,26 @@ class LLMEngine(RequestFront):
 
     # ---- settings ----
     def set_policy(self, policy: str | None = None, max_num_batched_tokens: int | None = None,
-                   max_num_seqs: int | None = None, max_prefill_chunk=_UNSET):
-        """Change the policy and budgets; takes effect at the next step. Nothing in flight is lost.
-        None (or leaving an argument out) keeps the current value; max_prefill_chunk=None removes the cap."""
+                   max_num_seqs: int | None = None, max_prefill_chunk=_UNSET, speculative_config=_UNSET):
+        """Change the policy, budgets and speculative decoding; takes effect at the next step. Nothing in
+        flight is lost. None (or leaving an argument out) keeps the current value; max_prefill_chunk=None
+        removes the cap, speculative_config=None turns speculation off (vLLM's dict form turns it on)."""
         s = self.scheduler
+        spec = self.speculative if speculative_config is _UNSET else SpeculativeConfig.of(speculative_config)
         keep = lambda new, old: old if new is None else new
         s.set_policy(resolve(keep(policy, s.policy_object)), keep(max_num_batched_tokens, s.token_budget),
                      keep(max_num_seqs, s.max_num_seqs),
                      s.max_prefill_chunk if max_prefill_chunk is _UNSET else max_prefill_chunk)
+        self.speculative = spec
         self.book.emit(PolicyEvent(self.step_index, self.clock(), **self.settings()))
 
     def set_speculative(self, speculative_config: dict | SpeculativeConfig | None):
         """Speculative decoding on (vLLM's dict form, checked) or off (None), from the next step."""
-        self.speculative = SpeculativeConfig.of(speculative_config)
+        self.set_policy(speculative_config=speculative_config)
 
     def settings(self) -> dict:
-        return self.scheduler.settings()
+        spec = self.speculative
+        return {**self.scheduler.settings(), "speculative_config": spec.to_dict() if spec else None}
 
     def stats(self) -> dict:
         return {**self.settings(), "model": self.model_name, "device": self.device,
@@ -187,7 +191,8 @@ class LLMEngine(RequestFront):
         finished, error = self._run(batch) if batch.items else ([], None)
         t_end = self.clock()
         record = step_record(self.steps.take(), self.scheduler, batch, before, finished, error,
-                             (t_start, t_sched, t_items, t_end), self.clock, self.device_dtype)
+                             (t_start, t_sched, t_items, t_end), self.clock, self.device_dtype,
+                             self.speculative.num_speculative_tokens if self.speculative else None)
         self.counters["steps"] += 1
         return StepOutputs(self.book.emit(record), self.book.take_outputs())
 

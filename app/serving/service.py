@@ -142,9 +142,10 @@ class EngineService(ServiceFront):
     # ================= settings (event loop) =================
     async def set_policy(self, policy: str | None = None, max_num_batched_tokens: int | None = None,
                          max_num_seqs: int | None = None, step_delay: float | None = None,
-                         **chunk) -> dict:
+                         **nullable) -> dict:
         """Change policy and budgets (in effect from the next step); None keeps a value. The engine checks
-        its own settings. chunk: max_prefill_chunk=int|None (None removes the cap)."""
+        its own settings. nullable: max_prefill_chunk=int|None (None removes the cap) and
+        speculative_config=dict|None (vLLM's form; None turns speculation off)."""
         if step_delay is not None:
             check_step_delay(step_delay)
 
@@ -154,7 +155,7 @@ class EngineService(ServiceFront):
                 self.loop.step_delay = float(step_delay)    # first, so the policy event carries it
             try:   # `disaggregated` moves new requests to the two-worker engine (engine/engines.py)
                 self.engine.set_policy(policy, max_num_batched_tokens=max_num_batched_tokens,
-                                       max_num_seqs=max_num_seqs, **chunk)
+                                       max_num_seqs=max_num_seqs, **nullable)
             except Exception:
                 self.loop.step_delay = old_delay            # a rejected change changes nothing
                 raise

@@ -63,6 +63,7 @@ from engine.disagg.messages import (
     Stop,
 )
 from engine.disagg.worker import Staging, worker_main
+from engine.errors import SpeculationRefused
 from engine.llm_engine import LLMEngine
 from engine.outputs.records import KVState, PolicyEvent, RequestEvent
 from engine.outputs.requests import RequestBook, RequestFront, StepCounter
@@ -125,6 +126,8 @@ class DisaggregatedEngine(RequestFront):
         """t0, steps: another engine's clock zero and step counter, to share its time line and numbering."""
         config = replace(config, **overrides) if config else EngineConfig(**overrides)
         self.config = config = replace(config, policy="disaggregated")
+        if config.speculative_config is not None:
+            raise SpeculationRefused()
         from transformers import AutoConfig, AutoTokenizer
 
         from engine.models.llama import head_dim_of
@@ -354,10 +357,12 @@ class DisaggregatedEngine(RequestFront):
 
     # ---- settings and state ----
     def set_policy(self, policy: str | None = None, max_num_batched_tokens: int | None = None,
-                   max_num_seqs: int | None = None, max_prefill_chunk=_UNSET):
+                   max_num_seqs: int | None = None, max_prefill_chunk=_UNSET, speculative_config=None):
         """Budgets for both workers (each its own step); the policy stays `disaggregated`."""
         if policy not in (None, "disaggregated"):
             raise ValueError(f"this engine runs the `disaggregated` setting only; {policy!r} needs an LLMEngine")
+        if speculative_config is not None:
+            raise SpeculationRefused()
         s = dict(self._settings)
         for k, v in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if v is not None:
@@ -372,7 +377,7 @@ class DisaggregatedEngine(RequestFront):
         self.book.emit(PolicyEvent(self.step_index, self.clock(), **s))
 
     def settings(self) -> dict:
-        return dict(self._settings)
+        return {**self._settings, "speculative_config": None}
 
     @property
     def device(self) -> str:
