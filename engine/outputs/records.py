@@ -212,6 +212,8 @@ class StepRecord(Record):
     lane: int | None = doc("a vLLM server with several data-parallel engines only: the engine (its data-parallel "
                            "rank) that ran the step; each engine schedules its own requests", optional=True)
     lane_step: int | None = doc("with `lane`: the step's index among its own engine's steps", optional=True)
+    prefix_caching: bool | None = doc("`false` when prefix caching was off for this step (left out when on): "
+                                      "a stretch of steps runs under one setting of it", optional=True)
 
     def to_dict(self) -> dict:
         return {"type": self.type, **super().to_dict()}
@@ -336,7 +338,8 @@ def step_record(step: int, sched: Scheduler, batch: Batch, before: Before, finis
                   finished=tuple(finished), preempted=tuple(s.id for s in batch.preempted), stalled=stalled,
                   stall_causes=causes, kv=KVState.of(bm), waiting=len(sched.waiting), running=len(sched.running),
                   failed=error is not None, error=error, kv_ops=kv_ops(bm),
-                  kv_map=kv_map(bm, sched.running) if step % KV_MAP_EVERY == 0 or bm.map_due else None)
+                  kv_map=kv_map(bm, sched.running) if step % KV_MAP_EVERY == 0 or bm.map_due else None,
+                  prefix_caching=None if bm.enable_prefix_caching else False)
     timing = StepTiming(schedule=t_sched - t_start, items=t_items - t_sched, forward=t_end - t_items,
                         record=clock() - t_end)
     return StepRecord(**fields, timing=timing, device=device)
