@@ -139,6 +139,10 @@ class EngineSwitch:
             self.single.set_policy(policy, **budgets, **cache)
             self.want_pair, self.engine = False, self.single
 
+    def reset_prefix_cache(self):
+        """The single engine's prefix cache (the pair's workers keep their own)."""
+        self.single.reset_prefix_cache()
+
     def settings(self) -> dict:
         return self.engine.settings()
 

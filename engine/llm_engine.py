@@ -187,6 +187,11 @@ class LLMEngine:
         s.set_policy(chosen, *budgets)
         self.book.emit(PolicyEvent(self.step_index, self.clock(), **self.settings()))
 
+    def reset_prefix_cache(self):
+        """Forget every cached prefix (vLLM's LLM.reset_prefix_cache): later prompts find nothing cached;
+        blocks held by running requests stay theirs."""
+        self.block_manager.reset_prefix_cache()
+
     def set_speculative(self, speculative_config: dict | SpeculativeConfig | None):
         """Speculative decoding on (vLLM's dict form, checked) or off (None), from the next step."""
         self.speculative = SpeculativeConfig.of(speculative_config)

@@ -134,25 +134,30 @@ class UI:
             yield self.render_all(s, columns=False) + ["" if clear else gr.skip()]
             clear = False
 
-    def lesson_setting(self, lesson: Lesson, policy: str) -> dict:
-        """Everything one pass of a lesson sets (app/replay/scenarios.py Lesson.setting)."""
+    def lesson_setting(self, lesson: Lesson, policy: str, index: int = 0) -> dict:
+        """Everything pass `index` of a lesson sets (app/replay/scenarios.py Lesson.setting)."""
         scenario = get_scenario(lesson.scenario, **self.scenario_params.get(lesson.scenario, {}))
-        return lesson.setting(scenario, policy, self.service.config.step_delay)
+        return lesson.setting(scenario, policy, self.service.config.step_delay, index)
 
-    async def run_scenario(self, name: str, policies: tuple[str, ...] | str | None, key: str, request: gr.Request):
+    async def run_scenario(self, name: str, policies: tuple[str, ...] | str | None, key: str, request: gr.Request,
+                           lesson: Lesson | None = None):
         """Play the scenario once per policy, one after the other, each pass under its lesson's full
-        setting (none: once, under the current settings)."""
+        setting (none: once, under the current settings). `lesson`: the lesson whose passes these are
+        (its changes too); else one made of the name and the policies. Before each pass the prefix cache
+        is emptied, so the pass finds no earlier chat's blocks and runs as it does alone."""
         policies = (policies,) if isinstance(policies, str) else tuple(policies or ())
         s = self.session(request)
         scenario = get_scenario(name, **self.scenario_params.get(name, {}))
-        lesson = Lesson(name, policies) if policies else None
+        lesson = lesson or (Lesson(name, policies) if policies else None)
         allowed = self.authorised(key)
         note = "" if allowed or not policies else t(s.lang, "locked")
         first = True
-        for policy in (policies if allowed and policies else (None,)):
+        for index, policy in enumerate(policies if allowed and policies else (None,)):
             if allowed and lesson is not None:
-                change = lesson.setting(scenario, policy, self.service.config.step_delay)
+                change = lesson.setting(scenario, policy, self.service.config.step_delay, index)
                 await self.service.set_policy(**change)
+                if hasattr(self.service, "reset_prefix_cache"):
+                    await self.service.reset_prefix_cache()
                 note = t(s.lang, "in_force", setting=setting_line(s.lang, change))
                 if policy == "disaggregated":
                     yield self.render_all(s, columns=first) + [t(s.lang, "pair_starting")]
@@ -182,7 +187,7 @@ class UI:
     def lesson_text(self, lang: str, k: int) -> str:
         """Lesson k's caption and, last, the settings each of its passes runs under."""
         lesson = LESSONS[k]
-        lines = [setting_line(lang, self.lesson_setting(lesson, p)) for p in lesson.policies]
+        lines = [setting_line(lang, self.lesson_setting(lesson, p, i)) for i, p in enumerate(lesson.policies)]
         return t(lang, f"step{k + 1}") + "\n\n" + t(lang, "lesson_setting", setting=t(lang, "set.then").join(lines))
 
     # ---- panel management ----
@@ -259,7 +264,7 @@ def build_ui(service, **options) -> gr.Blocks:
                                            chats + notices + cols + [mine, boxes[i]], **every))
         everyone = chats + notices + cols + [mine, note]
         for k, lesson in enumerate(LESSONS):
-            play = _typed_scenario(ui, lesson.scenario, lesson.policies)
+            play = _typed_scenario(ui, lesson.scenario, lesson.policies, lesson)
             show = f"(...a) => {{ if (window.BS && BS.showLesson) BS.showLesson({k + 1}); return ({KEY_JS})(...a); }}"
             streaming.append(lesson_btn[k].click(play, [key], everyone, js=show, **every))
         for name, btn in scen_btn.items():
@@ -347,9 +352,9 @@ def _typed_send_all(ui: UI, i: int):
     return handler
 
 
-def _typed_scenario(ui: UI, name: str, policies: tuple[str, ...]):
+def _typed_scenario(ui: UI, name: str, policies: tuple[str, ...], lesson: Lesson | None = None):
     async def handler(key: str | None, request: gr.Request):
-        async for out in ui.run_scenario(name, policies, key, request):
+        async for out in ui.run_scenario(name, policies, key, request, lesson):
             yield out
     return handler
 

@@ -266,6 +266,14 @@ export default {
   "page.set.delay": "{ms} ms pause per step",
   "page.set.no_delay": "no slow motion",
   "page.set.then": "; then ",
+  "page.set.cache_on": "prefix caching on",
+  "page.set.cache_off": "prefix caching off",
+  "page.set.kv_cap": "KV cache capped at {n} blocks",
+  "page.set.kv_all": "the whole KV cache",
+  "page.step6": "**6 · Prefix caching.** Six customers of one bike shop: every request starts with the same ~370-token system prompt, then its own question. The first reads it all; each later one finds the prompt's full 16-token blocks in the cache and computes only its question: on the chart its prefill cell shows a dotted *cached* part beside the striped part it computed, and in the KV map those blocks carry a number, the requests holding them. Then the same traffic with prefix caching off: every prompt is read whole, and the metrics table puts the two columns side by side: the prefix hit rate, and the time to first token with caching against without. Even plain chats share a block: without a system prompt of its own, the chat template writes its default system line (21 tokens), whose first 16-token block every chat has in common, so every chat after the first finds one block cached.",
+  "page.step6_btn": "▶ 6 · Run: one system prompt, with the prefix cache and without",
+  "page.step7": "**7 · When memory runs out.** Eight chats, each writing a 64-token reply, with the KV cache capped at a few blocks: all the prompts fit, the growing replies do not. When a reply needs a block and none is free, the newest request is *preempted*: its blocks are freed at once (the KV map empties its cells), its row ends, and when there is room again its prompt and reply so far are read again as one prefill (prefix caching is off, so all of it is computed again). Its reply stalls for the whole time, cause *preempted*, and the recompute fills steps everyone else shares. Then the same traffic with enough memory but at most 3 requests at once: nobody is preempted and no running reply stalls, but the later chats wait in the queue. Recompute costs the preempted ones (and a little every step it fills); the smaller max_num_seqs costs the waiting ones their time to first token: compare the longest stall and the TTFT in the metrics table.",
+  "page.step7_btn": "▶ 7 · Run: a small KV cache (preempt and recompute), then fewer requests at once",
   "page.short.1": "What is a GPU, in two sentences?",
   "page.short.2": "Write a haiku about rain.",
   "page.short.3": "Name three prime numbers.",
@@ -279,6 +287,7 @@ export default {
   "scenario.static-vs-continuous": "8 requests, 4 slots",
   "scenario.bursty": "a burst of 24 requests",
   "scenario.shared-system-prompt": "shared system prompt (prefix cache)",
+  "scenario.memory-pressure": "Memory pressure",
   "scenario.budget-shapes": "budget 16: three shapes",
   "scenario.split-prefill-decode": "a long document (for disaggregated)"
 };
