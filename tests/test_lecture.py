@@ -1,4 +1,4 @@
-"""A whole lecture: lessons 1 to 5 in order, then lesson 3 again.
+"""A whole lecture: every lesson in order, then lesson 3 again; and the cache lessons after others.
 
 Each lesson must set everything it needs and leave nothing behind, so its steps come out the
 same whatever ran before it: every pass is compared, step by step, with the same lesson run
@@ -24,7 +24,9 @@ from app.replay.scenarios import LESSONS, SETTING_KEYS
 FAST = {"static-vs-continuous": dict(reply_tokens=(2, 7, 3, 5, 2, 8, 1, 4)),
         "long-prompt-interrupts": dict(reply_tokens=8, doc_tokens=2, doc_at=6),
         "budget-shapes": dict(reply_tokens=4),
-        "split-prefill-decode": dict(reply_tokens=8, doc_tokens=2, doc_at=6)}
+        "split-prefill-decode": dict(reply_tokens=8, doc_tokens=2, doc_at=6),
+        "shared-system-prompt": dict(reply_tokens=4, every=3),
+        "memory-pressure": dict(reply_tokens=40)}        # still past lesson 7's KV cap: preemptions happen
 STEP_DELAY = 0.0
 
 
@@ -60,7 +62,7 @@ def run_lessons(order: list[int], model: str) -> list[dict]:
         for n, k in enumerate(order):
             lesson, tab = LESSONS[k - 1], Tab(f"lesson-{n}")
             start = len(records)
-            async for _ in ui.run_scenario(lesson.scenario, lesson.policies, "", tab):
+            async for _ in ui.run_scenario(lesson.scenario, lesson.policies, "", tab, lesson):
                 pass
             await asyncio.sleep(0.3)            # the last records reach the collector
             rids = {t.rid for p in ui.sessions.get(tab.session_hash).panels for t in p.turns if t.rid}
@@ -98,26 +100,44 @@ def per_worker(steps: list[dict]) -> Counter:
     return out
 
 
-def test_lessons_one_to_five_then_three_again_each_as_if_alone(tiny_model):
-    order = [1, 2, 3, 4, 5, 3]
-    lecture = run_lessons(order, str(tiny_model))
-    alone = {k: run_lessons([k], str(tiny_model))[0] for k in sorted(set(order))}
+def test_every_lesson_then_three_again_each_as_if_alone(tiny_model):
+    check_as_if_alone([*range(1, len(LESSONS) + 1), 3], str(tiny_model))
+
+
+def test_the_cache_lessons_after_others_run_as_if_alone(tiny_model):
+    """Lesson 6 after a chat lesson (whose template block it would hit) and after itself; lesson 7 after 6,
+    whose caching it must switch off, and after itself, whose cap the next lesson must lift."""
+    six = next(k for k, x in enumerate(LESSONS, 1) if x.scenario == "shared-system-prompt")
+    seven = next(k for k, x in enumerate(LESSONS, 1) if x.scenario == "memory-pressure")
+    runs = check_as_if_alone([3, six, six, seven, seven, 3], str(tiny_model))
+    capped = [steps for run in runs if run["lesson"] == seven for event, steps in passes(run)
+              if event["max_kv_blocks"]]
+    assert capped and all(any(s["preempted"] for s in steps) for steps in capped), "lesson 7 preempted nobody"
+    cached = [sum(i.get("cached", 0) for s in steps for i in s["items"]) for run in runs if run["lesson"] == six
+              for event, steps in passes(run)]
+    assert cached[0] > 0 and cached[1] == 0 and cached[2] == cached[0], cached   # on, off; on again, as alone
+
+
+def check_as_if_alone(order: list[int], model: str) -> list[dict]:
+    lecture = run_lessons(order, model)
+    alone = {k: run_lessons([k], model)[0] for k in sorted(set(order))}
     for run in lecture:
         k, lesson = run["lesson"], LESSONS[run["lesson"] - 1]
         got, want = passes(run), passes(alone[k])
         assert [e["policy"] for e, _ in got] == list(lesson.policies), (k, [e["policy"] for e, _ in got])
         assert len(want) == len(got)
-        for (event, steps), (_, ref) in zip(got, want):
+        for index, ((event, steps), (_, ref)) in enumerate(zip(got, want)):
             # the setting in force is the lesson's, all of it (the chunk cap of lesson 4 included)
             setting = {key: event[key] for key in SETTING_KEYS}
-            assert setting == ui_setting(lesson, event["policy"]), (k, setting)
+            assert setting == ui_setting(lesson, event["policy"], index), (k, setting)
             if event["policy"] == "disaggregated":
                 assert per_worker(steps) == per_worker(ref), k
                 assert {s.get("worker") for s in steps} == {"prefill", "decode"}
             else:
                 assert [shape(s) for s in steps] == [shape(s) for s in ref], (k, event["policy"])
+    return lecture
 
 
-def ui_setting(lesson, policy: str) -> dict:
+def ui_setting(lesson, policy: str, index: int) -> dict:
     from app.replay.scenarios import get_scenario
-    return lesson.setting(get_scenario(lesson.scenario, **FAST[lesson.scenario]), policy, STEP_DELAY)
+    return lesson.setting(get_scenario(lesson.scenario, **FAST[lesson.scenario]), policy, STEP_DELAY, index)

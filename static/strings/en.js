@@ -287,7 +287,7 @@ export default {
   "scenario.static-vs-continuous": "8 requests, 4 slots",
   "scenario.bursty": "a burst of 24 requests",
   "scenario.shared-system-prompt": "shared system prompt (prefix cache)",
-  "scenario.memory-pressure": "Memory pressure",
+  "scenario.memory-pressure": "memory pressure (preemption)",
   "scenario.budget-shapes": "budget 16: three shapes",
   "scenario.split-prefill-decode": "a long document (for disaggregated)"
 };

@@ -286,7 +286,7 @@ export default {
   "scenario.static-vs-continuous": "8 个请求，4 个位置",
   "scenario.bursty": "24 个请求突然涌入",
   "scenario.shared-system-prompt": "共享系统提示词（前缀缓存）",
-  "scenario.memory-pressure": "内存压力",
+  "scenario.memory-pressure": "内存压力（抢占）",
   "scenario.budget-shapes": "预算 16：三种形状",
   "scenario.split-prefill-decode": "一篇长文（用于分离式）"
 };
