@@ -206,7 +206,7 @@ function drawCells(g, win, rowIndex, rowH, quietRids) {
       drawItem(g, it, win.axis, x0, y, wid, hh);
       g.globalAlpha = 1;
       cells.push({ step: R.step(s), req: R.req(it), label: R.label(it), kind: R.kind(it), tokens: R.tokens(it), x: x0, y, w: wid, h: hh,
-                   lane, t0: R.tStart(s), t1: R.tEnd(s) });
+                   lane, t0: R.tStart(s), t1: R.tEnd(s), cached: R.cached(it) || 0 });
     }
     for (const rid of s.stalled || []) {
       const i = rowIndex.get(layout.rowKey(lane, rid));
