@@ -32,6 +32,14 @@ def page(server, browser):
         yield pg
 
 
+def close_up(pg, steps: int):
+    """For the picture: few steps in view (wide cells), the chart at the top of the screen."""
+    pg.evaluate(f"(() => {{ const z = document.querySelector('[data-testid=zoom]'); z.value = {steps};"
+                " z.dispatchEvent(new Event('input')); })()")
+    pg.evaluate("document.querySelector('[data-testid=gantt]').scrollIntoView({block: 'start'})")
+    time.sleep(0.8)
+
+
 def test_lesson_six_draws_cached_prefill_and_shared_blocks(page):
     start = page.evaluate("BS.store.steps.length ? BS.store.steps.at(-1).step + 1 : 0")
     page.click(f"#bs-lesson-{SIX}")
@@ -46,6 +54,7 @@ def test_lesson_six_draws_cached_prefill_and_shared_blocks(page):
     assert shared >= 20, shared                                   # its 16-token blocks, held by several
     hit = page.evaluate("document.querySelector('[data-testid=metrics] tr[data-metric=hit] td:last-child').textContent")
     assert hit.endswith("%") and float(hit.split()[0]) > 0, hit
+    close_up(page, 40)
     page.screenshot(path=str(screenshot_dir() / "ui_lesson6_prefix.png"))
     page.click("[data-testid=resume]")
     wait_js(page, "BS.store.steps.at(-1).prefix_caching === false", timeout=240)   # the second pass began
@@ -67,5 +76,6 @@ def test_lesson_seven_preempts_frees_and_recomputes(page):
     assert victims and all(s["kv"]["used"] <= s["kv"]["limit"] for s in steps if s["kv"].get("limit"))
     frees = [op for s in steps for op in s.get("kv_ops", []) if op["op"] == "free" and op["req"] in victims]
     assert frees, "a preemption freed no block"
+    close_up(page, 120)
     page.screenshot(path=str(screenshot_dir() / "ui_lesson7_memory.png"))
     page.click("[data-testid=resume]")
