@@ -39,6 +39,9 @@ FLAGS = {
     "max-num-seqs": (EngineConfig, "max_num_seqs", "most sequences in one step"),
     "max-prefill-chunk": (EngineConfig, "max_prefill_chunk", "cap on one prompt's chunk (chunked policy)"),
     "kv-cache-gb": (EngineConfig, "kv_cache_gb", "KV cache size on CPU"),
+    "enable-prefix-caching": (EngineConfig, "enable_prefix_caching",
+                              "reuse the KV of prompts that start alike; --no-enable-prefix-caching as vLLM "
+                              "(switchable live: POST /api/engine)"),
     "block-size": (EngineConfig, "block_size", "tokens per KV block"),
     "attention-backend": (EngineConfig, "attention_backend", "auto, torch, triton or flash_attn"),
     "enforce-eager": (EngineConfig, "enforce_eager", "CUDA: no CUDA graphs, no torch.compile (1/true to set)"),
@@ -116,6 +119,10 @@ def parse_args(argv: list[str] | None = None, env: dict | None = None, prog: str
                 p.error(f"environment variable {var}={raw!r} is not a valid {kind.__name__}")
             except argparse.ArgumentTypeError as e:
                 p.error(f"environment variable {var}: {e}")
+        if flag == "enable-prefix-caching":        # vLLM's pair of flags: --enable-... / --no-enable-...
+            p.add_argument(f"--{flag}", dest=name, action=argparse.BooleanOptionalAction, default=default,
+                           help=f"{text} (env {var}; default {field.default!r})")
+            continue
         p.add_argument(f"--{flag}", dest=name, type=kind, default=default, metavar=flag.split("-")[-1].upper(),
                        choices=POLICIES if flag == "policy" else None,
                        help=f"{text} (env {var}; default {field.default!r})")

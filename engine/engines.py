@@ -112,32 +112,46 @@ class EngineSwitch:
 
     # ---- settings ----
     def set_policy(self, policy: str | None = None, max_num_batched_tokens: int | None = None,
-                   max_num_seqs: int | None = None, max_prefill_chunk=_UNSET, speculative_config=_UNSET):
+                   max_num_seqs: int | None = None, max_prefill_chunk=_UNSET, speculative_config=_UNSET,
+                   enable_prefix_caching: bool | None = None, max_kv_blocks=_UNSET):
         """Apply the settings to the engine of that setting; new requests go there. `disaggregated` the
         first time starts the pair on a helper thread and returns at once (see pair_state). Speculative
-        decoding runs on the single engine only: asked of the pair, SpeculationRefused, and nothing changes."""
+        decoding and the cache settings are the single engine's: asked of the pair, speculation is refused
+        (SpeculationRefused) and so are the cache settings (the pair's workers keep their own caches, whole
+        and cached), and nothing changes."""
         self._run_later()
         budgets = dict(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         if max_prefill_chunk is not _UNSET:
             budgets["max_prefill_chunk"] = max_prefill_chunk
         if speculative_config is not _UNSET:
             budgets["speculative_config"] = speculative_config
+        cache = {"enable_prefix_caching": enable_prefix_caching}
+        if max_kv_blocks is not _UNSET:
+            cache["max_kv_blocks"] = max_kv_blocks
         if policy == "disaggregated" or (policy is None and self.want_pair):
             if budgets.pop("speculative_config", self.single.speculative) is not None:
                 raise SpeculationRefused()
+            if enable_prefix_caching is False or cache.get("max_kv_blocks") is not None:
+                raise ValueError("the disaggregated pair's workers keep their own KV caches: "
+                                 "enable_prefix_caching=false and max_kv_blocks apply to the single engine only")
             self.single.speculative = None      # off here too: the pair's policy event says so for both
             self.want_pair = True
             if self.pair is None:
-                self.single.set_policy(None, **budgets)     # checks and keeps the budgets for the pair
+                self.single.set_policy(None, **budgets, **cache)     # checks and keeps the budgets for the pair
                 if self.pair_state is None or self.pair_state.startswith("failed"):
                     self.pair_state = "starting"
                     threading.Thread(target=self._start_pair, name="batchscope-disagg-start", daemon=True).start()
             else:
+                self.single.set_policy(None, **cache)
                 self.pair.set_policy(None, **budgets)
                 self.engine = self.pair
         else:
-            self.single.set_policy(policy, **budgets)
+            self.single.set_policy(policy, **budgets, **cache)
             self.want_pair, self.engine = False, self.single
+
+    def reset_prefix_cache(self):
+        """The single engine's prefix cache (the pair's workers keep their own)."""
+        self.single.reset_prefix_cache()
 
     def settings(self) -> dict:
         return self.engine.settings()

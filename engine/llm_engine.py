@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.config import DTYPES, EngineConfig
+from engine.config import DTYPES, EngineConfig, check_budgets
 from engine.execution.model_runner import ModelRunner
 from engine.outputs.detokenizer import Detokenizer
 from engine.outputs.prompts import eos_ids
@@ -69,6 +69,7 @@ class LLMEngine(RequestFront):
         self.block_manager.log = []            # block changes, sent with each step record (the KV map)
         self.scheduler = Scheduler(self.block_manager, resolve(config.policy), config.max_num_batched_tokens,
                                    config.max_num_seqs, config.max_prefill_chunk, clock=lambda: self.clock())
+        self.scheduler.max_model_len = self.max_model_len
         # ---- requests, records, counters ----
         self.t0 = time.perf_counter()
         # the book reads self.clock at each call: a caller may replace it (the what-if replay's stopwatch)
@@ -101,7 +102,10 @@ class LLMEngine(RequestFront):
     def add_request(self, prompt: str | None = None, messages: list[dict] | None = None,
                     prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
                     label: str | None = None, request_id: str | None = None) -> str:
-        seq = self.book.admit(self.tokenize(prompt, messages, prompt_token_ids), params, label, request_id)
+        ids = self.tokenize(prompt, messages, prompt_token_ids)
+        if isinstance(params, SamplingParams) or params is None:     # (the book names a wrong type)
+            self.scheduler.check_fits(len(ids), (params or SamplingParams()).max_tokens)
+        seq = self.book.admit(ids, params, label, request_id)
         if not seq.params.greedy:
             p = seq.params
             seed = p.seed if p.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
@@ -141,18 +145,29 @@ class LLMEngine(RequestFront):
 
     # ---- settings ----
     def set_policy(self, policy: str | None = None, max_num_batched_tokens: int | None = None,
-                   max_num_seqs: int | None = None, max_prefill_chunk=_UNSET, speculative_config=_UNSET):
-        """Change the policy, budgets and speculative decoding; takes effect at the next step. Nothing in
-        flight is lost. None (or leaving an argument out) keeps the current value; max_prefill_chunk=None
-        removes the cap, speculative_config=None turns speculation off (vLLM's dict form turns it on)."""
+                   max_num_seqs: int | None = None, max_prefill_chunk=_UNSET, speculative_config=_UNSET,
+                   enable_prefix_caching: bool | None = None, max_kv_blocks=_UNSET):
+        """Change the policy, budgets, cache settings and speculative decoding; takes effect at the next step.
+        Nothing in flight is lost. None (or leaving an argument out) keeps the current value;
+        max_prefill_chunk=None removes the cap, max_kv_blocks=None gives back every block (Scheduler.set_cache),
+        speculative_config=None turns speculation off (vLLM's dict form turns it on). All or nothing: a bad
+        value changes nothing."""
         s = self.scheduler
         spec = self.speculative if speculative_config is _UNSET else SpeculativeConfig.of(speculative_config)
         keep = lambda new, old: old if new is None else new
-        s.set_policy(resolve(keep(policy, s.policy_object)), keep(max_num_batched_tokens, s.token_budget),
-                     keep(max_num_seqs, s.max_num_seqs),
-                     s.max_prefill_chunk if max_prefill_chunk is _UNSET else max_prefill_chunk)
+        chosen = resolve(keep(policy, s.policy_object))
+        budgets = (keep(max_num_batched_tokens, s.token_budget), keep(max_num_seqs, s.max_num_seqs),
+                   s.max_prefill_chunk if max_prefill_chunk is _UNSET else max_prefill_chunk)
+        check_budgets(*budgets)
+        s.set_cache(enable_prefix_caching, "keep" if max_kv_blocks is _UNSET else max_kv_blocks)
+        s.set_policy(chosen, *budgets)
         self.speculative = spec
         self.book.emit(PolicyEvent(self.step_index, self.clock(), **self.settings()))
+
+    def reset_prefix_cache(self):
+        """Forget every cached prefix (vLLM's LLM.reset_prefix_cache): later prompts find nothing cached;
+        blocks held by running requests stay theirs."""
+        self.block_manager.reset_prefix_cache()
 
     def set_speculative(self, speculative_config: dict | SpeculativeConfig | None):
         """Speculative decoding on (vLLM's dict form, checked) or off (None), from the next step."""

@@ -3,7 +3,7 @@
 // one x mapping (the window from layout.js). Text goes on canvas or through textContent only.
 import { lang, t } from "./i18n.js";
 import { layout, view } from "./layout.js";
-import { colorOf, colors, drawLabelSwatch, prefillPattern, stallPattern, unusedPattern } from "./palette.js";
+import { cachedPattern, colorOf, colors, drawLabelSwatch, prefillPattern, stallPattern, unusedPattern } from "./palette.js";
 import { rec as R } from "./record.js";   // record fields are read through record.js
 import { store } from "./socket.js";
 import { state } from "./state.js";
@@ -208,7 +208,7 @@ function drawCells(g, win, rowIndex, rowH, quietRids) {
       drawItem(g, it, win.axis, x0, y, wid, hh);
       g.globalAlpha = 1;
       cells.push({ step: R.step(s), req: R.req(it), label: R.label(it), kind: R.kind(it), tokens: R.tokens(it), x: x0, y, w: wid, h: hh,
-                   lane, t0: R.tStart(s), t1: R.tEnd(s) });
+                   lane, t0: R.tStart(s), t1: R.tEnd(s), cached: R.cached(it) || 0 });
     }
     for (const rid of s.stalled || []) {
       const i = rowIndex.get(layout.rowKey(lane, rid));
@@ -307,18 +307,31 @@ function drawItem(g, it, axis, x0, y, wid, hh) {
     g.globalAlpha = alpha * 0.35; g.fillStyle = color; g.fillRect(x0, y, wid - tick, hh); g.globalAlpha = alpha;
     g.fillRect(x0 + wid - tick, y, tick, hh);
   } else {
-    g.fillStyle = prefillPattern(g, color); g.fillRect(x0, y, wid, hh);
-    g.strokeStyle = color; g.lineWidth = 1.5; g.strokeRect(x0 + 0.75, y + 0.75, wid - 1.5, hh - 1.5);
-    const p = t("cell.prefill");
-    const txt = wid >= 44 ? p + " " + R.tokens(it) : wid >= 12 && hh >= 12 ? p : "";
-    if (txt) {
-      g.font = "bold " + (hh >= 18 ? 12 : 10) + "px sans-serif";
-      g.fillStyle = C().labelBack;
-      const tw = g.measureText(txt).width + 4;
-      g.fillRect(x0 + wid / 2 - tw / 2, y + hh / 2 - 7, tw, 14);
-      g.fillStyle = C().ink; g.fillText(txt, x0 + wid / 2, y + hh / 2 + 1);
+    // a first chunk after a prefix-cache hit: the cached tokens (dotted, dashed outline: read, not computed)
+    // take the cell's left part in proportion to the tokens, the computed ones (striped) the rest
+    const hit = R.cached(it) || 0, cw = hit ? Math.round(wid * hit / (hit + R.tokens(it))) : 0;
+    if (cw >= 2) {
+      g.fillStyle = cachedPattern(g, color); g.fillRect(x0, y, cw, hh);
+      g.save(); g.setLineDash([3, 2]); g.strokeStyle = color; g.lineWidth = 1.5;
+      g.strokeRect(x0 + 0.75, y + 0.75, cw - 1.5, hh - 1.5); g.restore();
+      cellLabel(g, wid >= 44 ? t("cell.cached") + " " + hit : cw >= 12 && hh >= 12 ? t("cell.cached_short") : "",
+                x0, y, cw, hh);
     }
+    const xp = x0 + (cw >= 2 ? cw : 0), wp = Math.max(1, wid - (xp - x0));
+    g.fillStyle = prefillPattern(g, color); g.fillRect(xp, y, wp, hh);
+    g.strokeStyle = color; g.lineWidth = 1.5; g.strokeRect(xp + 0.75, y + 0.75, wp - 1.5, hh - 1.5);
+    const p = t("cell.prefill");
+    cellLabel(g, wp >= 44 ? p + " " + R.tokens(it) : wp >= 12 && hh >= 12 ? p : "", xp, y, wp, hh);
   }
+}
+
+function cellLabel(g, txt, x0, y, wid, hh) {
+  if (!txt) return;
+  g.font = "bold " + (hh >= 18 ? 12 : 10) + "px sans-serif";
+  g.fillStyle = C().labelBack;
+  const tw = g.measureText(txt).width + 4;
+  g.fillRect(x0 + wid / 2 - tw / 2, y + hh / 2 - 7, tw, 14);
+  g.fillStyle = C().ink; g.fillText(txt, x0 + wid / 2, y + hh / 2 + 1);
 }
 
 function drawStall(g, s, x0, y, wid, hh) {

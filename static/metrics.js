@@ -10,8 +10,11 @@
 //   transfer   = a KV hand-over (disaggregated) whose import ends (its event's t) within the
 //                stretch's time span and after the end of the step before it (on a boundary
 //                it counts in the earlier stretch): their count, p50/p99 seconds and summed bytes
-// A token's time is the end of the step that produced it. A stretch is a run of
-// consecutive steps under one setting (policy, token budget, max sequences).
+//   prefix hit rate = summed `cached` / summed `prompt_len` of the prefill items that begin a
+//                prompt's read (start == cached, or 0); null with none
+//   preemptions = the requests the stretch's steps preempted
+// A token's time is the end of the step that produced it. A stretch is a run of consecutive
+// steps under one setting (policy, token budget, max sequences, speculative tokens, prefix caching, KV cap).
 import { fmtBytes } from "./draw.js";
 import { fmt, lang, t } from "./i18n.js";
 import { view } from "./layout.js";
@@ -49,6 +52,7 @@ export function segmentMetrics(seg) {
   const s0 = R.step(seg.first), s1 = R.step(seg.last), steps = store.steps;
   const ttft = [], tbt = [];
   let stall = 0, tokens = 0, kv = 0, waiting = 0, busy = 0, drafted = 0, accepted = 0;
+  let prompt = 0, cached = 0, preempted = 0;
   for (const r of store.reqs.values()) {
     if (!r.tokens.length || r.lastStep < s0 || r.firstStep > s1) continue;
     const t0 = r.tokens[0];
@@ -65,6 +69,8 @@ export function segmentMetrics(seg) {
     waiting = Math.max(waiting, R.waiting(s));
     busy += R.dur(s);
     for (const it of R.items(s)) { drafted += R.drafted(it); accepted += R.accepted(it); }
+    for (const it of R.items(s)) if (R.beginsPrompt(it)) { prompt += R.promptLen(it); cached += R.cached(it) || 0; }
+    preempted += R.preempted(s).length;
   }
   ttft.sort((a, b) => a - b); tbt.sort((a, b) => a - b);
   const span = R.tEnd(seg.last) - R.tStart(seg.first);
@@ -75,6 +81,8 @@ export function segmentMetrics(seg) {
   return {
     policy: R.policy(seg.first), budget: R.budget(seg.first), maxSeqs: R.maxSeqs(seg.first),
     speculative: R.speculative(seg.first),
+    caching: R.prefixCaching(seg.first), kvLimit: R.kvLimit(seg.first),
+    hitRate: prompt ? cached / prompt : null, preemptions: preempted,
     steps: seg.end - seg.start + 1, from: s0, to: s1,
     ttft50: pct(ttft, 50), ttft99: pct(ttft, 99), tbt50: pct(tbt, 50), tbt99: pct(tbt, 99),
     stall, tps: span > 0 ? tokens / span : null, tokens, kvFill: kv, waiting, busy,
@@ -90,7 +98,8 @@ const SERVER_KEYS = {
   policy: "policy", budget: "token_budget", maxSeqs: "max_num_seqs", speculative: "speculative", steps: "num_steps", from: "first_step",
   to: "last_step", ttft50: "ttft_p50_s", ttft99: "ttft_p99_s", tbt50: "tbt_p50_s", tbt99: "tbt_p99_s",
   stall: "stall_max_s", tps: "output_tokens_per_s", tokens: "output_tokens", kvFill: "kv_used_max",
-  waiting: "waiting_max", busy: "busy_s", transfers: "transfers", transfer50: "transfer_p50_s",
+  waiting: "waiting_max", busy: "busy_s", caching: "prefix_caching", kvLimit: "max_kv_blocks",
+  hitRate: "prefix_hit_rate", preemptions: "preemptions", transfers: "transfers", transfer50: "transfer_p50_s",
   transfer99: "transfer_p99_s", transferBytes: "transfer_bytes", drafted: "draft_tokens",
   accepted: "accepted_tokens", acceptance: "acceptance_rate",
 };
@@ -120,6 +129,8 @@ function cellText(m, row) {
     case "tps": return m.tps == null ? "–" : m.tps.toFixed(1);
     case "kv": return (m.kvFill * 100).toFixed(1) + " %";
     case "waiting": return String(m.waiting);
+    case "hit": return m.hitRate == null ? "–" : (m.hitRate * 100).toFixed(1) + " %";
+    case "preempt": return String(m.preemptions);
     case "transfer": return m.transfers ? m.transfers + " · " + sec(m.transfer50) + " / " + sec(m.transfer99) + " · " +
       fmtBytes(m.transferBytes) : "–";
     case "spec": return m.drafted ? (m.acceptance * 100).toFixed(1) + " % (" + m.accepted + " / " + m.drafted + ")" : "–";
@@ -127,7 +138,7 @@ function cellText(m, row) {
   return "";
 }
 
-const ROWS = ["steps", "ttft", "tbt", "stall", "tps", "kv", "waiting"];
+const ROWS = ["steps", "ttft", "tbt", "stall", "tps", "kv", "waiting", "hit", "preempt"];
 
 // the unrounded numbers behind each cell (kept on the cell as data-values)
 function cellValues(m, row) {
@@ -139,6 +150,8 @@ function cellValues(m, row) {
     case "tps": return [m.tps];
     case "kv": return [m.kvFill];
     case "waiting": return [m.waiting];
+    case "hit": return [m.hitRate];
+    case "preempt": return [m.preemptions];
     case "transfer": return [m.transfers, m.transfer50, m.transfer99, m.transferBytes];
     case "spec": return [m.acceptance, m.accepted, m.drafted];
   }
@@ -165,6 +178,8 @@ function drawTable() {
     const th = el("th", null, "bs-seg bs-seg-" + m.policy);
     th.append(el("span", t("policy." + m.policy), "bs-seg-policy"), el("span", " · " + m.budget + " " + t("metrics.tok"), "bs-seg-budget"));
     if (m.speculative) th.append(el("span", " · " + fmt("metrics.spec_k", { k: m.speculative }), "bs-seg-spec"));
+    if (!m.caching) th.append(el("span", " · " + t("metrics.no_cache"), "bs-seg-cache"));
+    if (m.kvLimit != null) th.append(el("span", " · " + t("metrics.kv_cap") + " " + m.kvLimit, "bs-seg-cap"));
     th.dataset.policy = m.policy;
     head.append(th);
   }

@@ -95,6 +95,18 @@ export function prefillPattern(ctx, color) {
   return ctx.createPattern(cache.get(key), "repeat");
 }
 
+// a prefill's cached part (read from the prefix cache, not computed): dots of the user's colour on white
+export function cachedPattern(ctx, color) {
+  const key = "c" + color;
+  if (!cache.has(key)) {
+    cache.set(key, tile((g, s) => {
+      g.fillStyle = "#ffffff"; g.fillRect(0, 0, s, s);
+      g.fillStyle = color; g.beginPath(); g.arc(s / 2, s / 2, 1.6, 0, 2 * Math.PI); g.fill();
+    }, 6));
+  }
+  return ctx.createPattern(cache.get(key), "repeat");
+}
+
 // stall: dark cross-hatch on pale grey, the same for everyone
 export function stallPattern(ctx) {
   if (!cache.has("stall")) {
@@ -129,6 +141,10 @@ export function drawSwatches(root) {
       g.fillStyle = prefillPattern(g, color); g.fillRect(0, 0, w, h);
       g.fillStyle = "#111"; g.font = "bold 11px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
       g.fillText("P", w / 2, h / 2 + 1);
+    } else if (kind === "cached") {
+      g.fillStyle = cachedPattern(g, color); g.fillRect(0, 0, w, h);
+      g.setLineDash([3, 2]); g.strokeStyle = color; g.lineWidth = 1.5; g.strokeRect(1, 1, w - 2, h - 2);
+      g.setLineDash([]);
     } else if (kind === "stall") {
       g.fillStyle = stallPattern(g); g.fillRect(0, 0, w, h);
       g.strokeStyle = "#222"; g.lineWidth = 2; g.strokeRect(1, 1, w - 2, h - 2);

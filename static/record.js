@@ -22,7 +22,9 @@ export const rec = {
   waiting: (s) => s.waiting,
   kvUsed: (s) => s.kv.used,
   kvTotal: (s) => s.kv.total,
-  kvFill: (s) => (s.kv.total ? s.kv.used / s.kv.total : 0),
+  kvLimit: (s) => s.kv.limit ?? null,   // the live max_kv_blocks cap, when it is below kv.total
+  kvFill: (s) => ((s.kv.limit || s.kv.total) ? s.kv.used / (s.kv.limit || s.kv.total) : 0),   // of the cap, if any
+  prefixCaching: (s) => s.prefix_caching !== false,    // left out when on
   blockSize: (s) => s.kv.block_size,
   preempted: (s) => s.preempted || [],
   finished: (s) => s.finished || [],
@@ -37,8 +39,10 @@ export const rec = {
   lane: (s) => s.lane ?? null,          // a vLLM server with several data-parallel engines: the engine's rank
   // speculative decoding in force: the most tokens drafted per reply; null when off
   speculative: (s) => s.speculative ?? null,
-  // a stretch of steps runs under one setting: policy, token budget, max sequences, speculative tokens
-  settingKey: (s) => s.policy + "/" + s.token_budget + "/" + s.max_num_seqs + "/" + (s.speculative ?? ""),
+  // a stretch of steps runs under one setting: policy, token budget, max sequences, speculative tokens,
+  // prefix caching, KV cap
+  settingKey: (s) => s.policy + "/" + s.token_budget + "/" + s.max_num_seqs + "/" + (s.speculative ?? "") + "/" +
+    (s.prefix_caching !== false) + "/" + (s.kv.limit ?? ""),
 
   // ---- step item ----
   req: (it) => it.req,
@@ -49,6 +53,8 @@ export const rec = {
   start: (it) => it.start,
   promptLen: (it) => it.prompt_len,
   cached: (it) => it.cached,
+  // a prefill item that starts a prompt's read, after any cached prefix (app/readers/metrics.py begins_prompt)
+  beginsPrompt: (it) => it.kind === "prefill" && it.start === (it.cached || 0),
   completesPrompt: (it) => !!it.completes_prompt,
   // a decode, or the prefill chunk that finishes the prompt, gives the request a token (app/readers/metrics.py)
   producesToken: (it) => it.kind === "decode" || !!it.completes_prompt,
@@ -93,7 +99,8 @@ export const rec = {
   // ---- policy event, or the settings in a snapshot (the app adds step_delay) ----
   settings(p) {
     const out = {}, all = { policy: p.policy, max_num_batched_tokens: p.max_num_batched_tokens,
-      max_num_seqs: p.max_num_seqs, max_prefill_chunk: p.max_prefill_chunk, step_delay: p.step_delay };
+      max_num_seqs: p.max_num_seqs, max_prefill_chunk: p.max_prefill_chunk, step_delay: p.step_delay,
+      enable_prefix_caching: p.enable_prefix_caching, max_kv_blocks: p.max_kv_blocks };
     for (const k in all) if (all[k] !== undefined) out[k] = all[k];
     return out;
   },

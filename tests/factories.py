@@ -69,26 +69,30 @@ def stall_stream(stall_s=1.0, tick=0.01):
 
 @st.composite
 def random_streams(draw, speculative=False):
-    """Engine-shaped streams: requests arrive, prefill in chunks, decode or are left out (stalled),
-    sometimes are preempted and recomputed; settings change now and then. speculative: decodes verify
-    0 to k drafts and keep some, and k (the step's `speculative`, None: off) changes now and then too."""
+    """Engine-shaped streams: requests arrive, prefill in chunks (a first one sometimes after a cached
+    prefix), decode or are left out (stalled), sometimes are preempted and recomputed; settings (policy,
+    prefix caching, a KV cap) change now and then. speculative: decodes verify 0 to k drafts and keep some,
+    and k (the step's `speculative`, None: off) changes now and then too."""
     n_req = draw(st.integers(1, 5))
     state = {f"r{i}": "new" for i in range(n_req)}
     s, t = [], 0.0
     for i in range(n_req):
         s.append(arrived(f"r{i}", 0.0))
     policy, k = "chunked", 3 if speculative else None
+    caching, limit = True, None
     for i in range(draw(st.integers(1, 40))):
         if draw(st.booleans()) and draw(st.booleans()):
             policy = draw(st.sampled_from(["static", "continuous", "chunked"]))
         if speculative and draw(st.booleans()) and draw(st.booleans()):
             k = draw(st.sampled_from([None, 1, 3]))
+        if draw(st.integers(0, 7)) == 0:
+            caching, limit = draw(st.booleans()), draw(st.sampled_from([None, 8, 32]))
         items, stalled, preempted = [], [], []
         for req, st_ in state.items():
             act = draw(st.sampled_from(["run", "run", "skip", "preempt"]))
             if st_ == "new" and act == "run":
-                done = draw(st.booleans())
-                items.append(pre(req, 4, 0, 4 if done else 8))
+                done, hit = draw(st.booleans()), draw(st.sampled_from([0, 0, 16])) if caching else 0
+                items.append(pre(req, 4, hit, hit + (4 if done else 8), cached=hit))
                 state[req] = "decoding" if done else "new"
             elif st_ == "decoding":
                 if act == "run":
@@ -101,6 +105,10 @@ def random_streams(draw, speculative=False):
                     state[req] = "new"
         dt = draw(st.floats(0.001, 1.0))
         extra = {"speculative": k} if k else {}
+        if not caching:
+            extra["prefix_caching"] = False
         s.append(step(i, t, t + dt, items, stalled=stalled, preempted=preempted, policy=policy, **extra))
+        if limit is not None:
+            s[-1]["kv"] = {**s[-1]["kv"], "limit": limit}
         t += dt
     return s

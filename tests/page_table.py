@@ -6,7 +6,7 @@ from decimal import ROUND_HALF_UP, Decimal
 
 from app.readers import metrics
 
-ROWS = ["steps", "ttft", "tbt", "stall", "tps", "kv", "waiting"]
+ROWS = ["steps", "ttft", "tbt", "stall", "tps", "kv", "waiting", "hit", "preempt"]
 MAX_COLUMNS = 4         # the page shows the newest four stretches
 # the metrics table's columns as the page shows them: per row, the text and the numbers behind it
 TABLE_JS = """() => {
@@ -49,6 +49,9 @@ def expected(m: dict) -> dict:
                 "–" if m["output_tokens_per_s"] is None else fixed(m["output_tokens_per_s"], 1)),
         "kv": ([m["kv_used_max"]], fixed(m["kv_used_max"] * 100, 1) + " %"),
         "waiting": ([m["waiting_max"]], str(m["waiting_max"])),
+        "hit": ([m["prefix_hit_rate"]], "–" if m["prefix_hit_rate"] is None else fixed(m["prefix_hit_rate"] * 100, 1)
+                + " %"),
+        "preempt": ([m["preemptions"]], str(m["preemptions"])),
         "transfer": ([m["transfers"], m["transfer_p50_s"], m["transfer_p99_s"], m["transfer_bytes"]],
                      f"{m['transfers']} · {sec(m['transfer_p50_s'])} / {sec(m['transfer_p99_s'])} · "
                      f"{size(m['transfer_bytes'])}" if m["transfers"] else "–"),

@@ -63,11 +63,15 @@ class Case:
                 self.left_out.clear()
                 self.peak_running = 0
                 self.static_formed = False
+            self.vary(step)
             before = {"running": list(sched.running), "waiting": list(sched.waiting)}
             batch = sched.schedule()
             self.check(batch, before, step)
             self.apply(batch)
         raise AssertionError(f"not finished after {MAX_STEPS} steps: {self.state()}")
+
+    def vary(self, step: int):
+        """A change between steps beyond arrivals, aborts and policy switches (none here; a subclass's)."""
 
     def apply(self, batch: Batch):
         """The forward pass's outcome (a token is a function of the sequence so far), then the bookkeeping."""

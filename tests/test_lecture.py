@@ -1,4 +1,4 @@
-"""A whole lecture: every lesson in order, then lesson 3 again.
+"""A whole lecture: every lesson in order, then lesson 3 again; and the cache lessons after others.
 
 Each lesson must set everything it needs and leave nothing behind, so its steps come out the
 same whatever ran before it: every pass is compared, step by step, with the same lesson run
@@ -25,7 +25,9 @@ FAST = {"static-vs-continuous": dict(reply_tokens=(2, 7, 3, 5, 2, 8, 1, 4)),
         "long-prompt-interrupts": dict(reply_tokens=8, doc_tokens=2, doc_at=6),
         "budget-shapes": dict(reply_tokens=4),
         "split-prefill-decode": dict(reply_tokens=8, doc_tokens=2, doc_at=6),
-        "speculative-room": dict(reply_tokens=48, room_at=6, room_tokens=24)}
+        "speculative-room": dict(reply_tokens=48, room_at=6, room_tokens=24),
+        "shared-system-prompt": dict(reply_tokens=4, every=3),
+        "memory-pressure": dict(reply_tokens=40)}        # still past lesson 7's KV cap: preemptions happen
 STEP_DELAY = 0.0
 
 
@@ -61,7 +63,7 @@ def run_lessons(order: list[int], model: str) -> list[dict]:
         for n, k in enumerate(order):
             lesson, tab = LESSONS[k - 1], Tab(f"lesson-{n}")
             start = len(records)
-            async for _ in ui.run_scenario(lesson.scenario, lesson.policies, "", tab):
+            async for _ in ui.run_scenario(lesson.scenario, lesson.policies, "", tab, lesson):
                 pass
             await asyncio.sleep(0.3)            # the last records reach the collector
             rids = {t.rid for p in ui.sessions.get(tab.session_hash).panels for t in p.turns if t.rid}
@@ -100,9 +102,26 @@ def per_worker(steps: list[dict]) -> Counter:
 
 
 def test_every_lesson_then_three_again_each_as_if_alone(tiny_model):
-    order = [*range(1, len(LESSONS) + 1), 3]
-    lecture = run_lessons(order, str(tiny_model))
-    alone = {k: run_lessons([k], str(tiny_model))[0] for k in sorted(set(order))}
+    check_as_if_alone([*range(1, len(LESSONS) + 1), 3], str(tiny_model))
+
+
+def test_the_cache_lessons_after_others_run_as_if_alone(tiny_model):
+    """Lesson 6 after a chat lesson (whose template block it would hit) and after itself; lesson 7 after 6,
+    whose caching it must switch off, and after itself, whose cap the next lesson must lift."""
+    six = next(k for k, x in enumerate(LESSONS, 1) if x.scenario == "shared-system-prompt")
+    seven = next(k for k, x in enumerate(LESSONS, 1) if x.scenario == "memory-pressure")
+    runs = check_as_if_alone([3, six, six, seven, seven, 3], str(tiny_model))
+    capped = [steps for run in runs if run["lesson"] == seven for event, steps in passes(run)
+              if event["max_kv_blocks"]]
+    assert capped and all(any(s["preempted"] for s in steps) for steps in capped), "lesson 7 preempted nobody"
+    cached = [sum(i.get("cached", 0) for s in steps for i in s["items"]) for run in runs if run["lesson"] == six
+              for event, steps in passes(run)]
+    assert cached[0] > 0 and cached[1] == 0 and cached[2] == cached[0], cached   # on, off; on again, as alone
+
+
+def check_as_if_alone(order: list[int], model: str) -> list[dict]:
+    lecture = run_lessons(order, model)
+    alone = {k: run_lessons([k], model)[0] for k in sorted(set(order))}
     for run in lecture:
         k, lesson = run["lesson"], LESSONS[run["lesson"] - 1]
         got, want = passes(run), passes(alone[k])
@@ -117,6 +136,7 @@ def test_every_lesson_then_three_again_each_as_if_alone(tiny_model):
                 assert {s.get("worker") for s in steps} == {"prefill", "decode"}
             else:
                 assert [shape(s) for s in steps] == [shape(s) for s in ref], (k, event["policy"])
+    return lecture
 
 
 def ui_setting(lesson, policy: str, index: int = 0) -> dict:
@@ -125,9 +145,9 @@ def ui_setting(lesson, policy: str, index: int = 0) -> dict:
 
 
 def test_the_speculative_lesson_after_another_runs_as_alone_and_leaves_speculation_off(tiny_model):
-    """The last lesson (speculation off, then on) after lesson 1 takes the same steps as alone, drafts in
+    """The speculative lesson (speculation off, then on) after lesson 1 takes the same steps as alone, drafts in
     its second pass only, and lesson 3 after it runs as alone: nothing of its speculation stays behind."""
-    k = len(LESSONS)
+    k = next(n for n, x in enumerate(LESSONS, 1) if x.scenario == "speculative-room")
     lecture = run_lessons([1, k, 3], str(tiny_model))
     alone = {n: run_lessons([n], str(tiny_model))[0] for n in (k, 3)}
     for run in lecture[1:]:

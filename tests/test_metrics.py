@@ -184,9 +184,8 @@ def test_tokens_stalls_and_stretches_agree_with_a_direct_count(s):
     assert max((p["stall_max_s"] for p in parts), default=0.0) == pytest.approx(m["stall_max_s"] or 0.0)
     assert all(a["last_step"] < b["first_step"]
                for a, b in zip(parts, parts[1:]))
-    assert all((a["policy"], a["token_budget"], a["max_num_seqs"]) != (b["policy"], b["token_budget"],
-                                                                       b["max_num_seqs"])
-               for a, b in zip(parts, parts[1:]))
+    keys = ("policy", "token_budget", "max_num_seqs", "prefix_caching", "max_kv_blocks")
+    assert all(tuple(a[k] for k in keys) != tuple(b[k] for k in keys) for a, b in zip(parts, parts[1:]))
 
 
 def test_a_first_token_is_never_a_stall():
@@ -208,3 +207,19 @@ def test_the_live_meter_reads_a_stream_record_by_record_as_stretches_reads_it_wh
         if data.draw(st.booleans()):
             assert meter.stretches() == metrics.stretches(s[:i + 1])
     assert meter.stretches() == metrics.stretches(s)
+
+
+def test_prefix_hit_rate_and_preemptions_per_stretch_known_by_construction():
+    """a reads 40 prompt tokens, b finds 32 of its 40 cached; then caching goes off: c reads all 40 and
+    is preempted and read again (a read of its own). Two stretches: 32/80 hits, then 0/(40 + 41)."""
+    s = [arrived("a", 0.0), arrived("b", 0.0), arrived("c", 0.0),
+         step(0, 0.0, 0.1, [pre("a", 40, 0, 40)]),
+         step(1, 0.1, 0.2, [dec("a"), pre("b", 8, 32, 40, cached=32)]),
+         step(2, 0.2, 0.3, [pre("c", 20, 0, 40)], prefix_caching=False),
+         step(3, 0.3, 0.4, [pre("c", 20, 20, 40)], prefix_caching=False),
+         step(4, 0.4, 0.5, [dec("c")], prefix_caching=False, preempted=["c"]),
+         step(5, 0.5, 0.6, [pre("c", 41, 0, 41)], prefix_caching=False)]
+    on, off = metrics.stretches(s)
+    assert on["prefix_caching"] is True and on["prefix_hit_rate"] == pytest.approx(32 / 80)
+    assert off["prefix_caching"] is False and off["prefix_hit_rate"] == 0.0 and off["preemptions"] == 1
+    assert on["preemptions"] == 0 and on["max_kv_blocks"] is None

@@ -211,3 +211,34 @@ def test_non_streaming_client_that_hangs_up_aborts_its_request(live_server):
         assert time.monotonic() < deadline, "the request outlived its client"
         time.sleep(0.05)
     assert state["kv"]["used"] == 0 and state["output_tokens"] > 0
+
+
+def test_prefix_caching_and_the_kv_cap_switch_live_and_bad_values_are_named(live_server):
+    """POST /api/engine turns prefix caching off and on and caps the KV blocks in use; the policy event
+    and GET /api/engine say so; a bad value is a 400 naming the setting, and changes nothing."""
+    total = live_server.engine()["kv"]["total"]
+    try:
+        r = live_server.set_engine(enable_prefix_caching=False, max_kv_blocks=total // 2)
+        assert r.status_code == 200, r.text
+        state = live_server.engine()
+        assert state["enable_prefix_caching"] is False and state["max_kv_blocks"] == total // 2
+        assert state["kv"]["limit"] == total // 2 and state["kv"]["cached"] == 0
+        event = [x for x in live_server.records() if x["type"] == "policy"][-1]
+        assert event["enable_prefix_caching"] is False and event["max_kv_blocks"] == total // 2
+        system = {"role": "system", "content": "You answer in one word. " * 12}
+        for _ in range(2):
+            body = {"messages": [system, {"role": "user", "content": "Colour of the sky?"}], "max_tokens": 2}
+            assert live_server.http.post("/v1/chat/completions", json=body).status_code == 200
+        assert live_server.engine()["kv"]["cached"] == 0          # nothing published while off
+        for bad, words in (({"max_kv_blocks": 0}, "max_kv_blocks must be an integer from 1"),
+                           ({"max_kv_blocks": total + 1}, f"to the {total} blocks allocated"),
+                           ({"enable_prefix_caching": "no"}, "enable_prefix_caching")):
+            r = live_server.set_engine(**bad)
+            assert r.status_code in (400, 422) and words in r.text, (bad, r.text)
+        assert live_server.engine()["max_kv_blocks"] == total // 2
+        assert live_server.set_engine(max_kv_blocks=4).status_code == 200   # 64 tokens, at 16 a block
+        r = live_server.chat("Count.", max_tokens=200)
+        assert r.status_code == 400 and "capped at 4 blocks (max_kv_blocks)" in r.text, r.text
+    finally:
+        assert live_server.set_engine(enable_prefix_caching=True, max_kv_blocks=None).status_code == 200
+    assert live_server.engine()["max_kv_blocks"] is None and "limit" not in live_server.engine()["kv"]

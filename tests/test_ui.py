@@ -37,7 +37,8 @@ def test_every_string_exists_in_both_languages():
 def test_every_lesson_has_its_words_a_scenario_and_known_policies():
     from app.ui.page import LESSONS
     from engine.config import POLICIES
-    assert [x.policies[-1] for x in LESSONS][:5] == ["static", "continuous", "chunked", "chunked", "disaggregated"]
+    assert [x.policies[-1] for x in LESSONS][:7] == ["static", "continuous", "chunked", "chunked", "disaggregated",
+                                                     "chunked", "chunked"]
     assert LESSONS[-1].scenario == "speculative-room"
     for k, lesson in enumerate(LESSONS, 1):
         assert lesson.policies and set(lesson.policies) <= set(POLICIES) and lesson.scenario in SCENARIOS
@@ -55,7 +56,8 @@ def test_every_lesson_pass_states_its_full_setting_and_the_caption_shows_it():
         for i, policy in enumerate(lesson.policies):
             s = lesson.setting(sc, policy, 0.25, i)
             assert set(s) == set(SETTING_KEYS) and s["policy"] == policy and s["step_delay"] == 0.25
-            EngineConfig(**{key: s[key] for key in SETTING_KEYS if key not in ("policy", "step_delay")})
+            # every setting a config knows at start, but the KV cap, which is live only
+            EngineConfig(**{key: s[key] for key in SETTING_KEYS if key not in ("policy", "step_delay", "max_kv_blocks")})
             assert s["max_prefill_chunk"] == (4 if lesson.scenario == "budget-shapes" else None)
             for code in LANGS.values():
                 assert "250 ms" in setting_line(code, s)
@@ -64,6 +66,30 @@ def test_every_lesson_pass_states_its_full_setting_and_the_caption_shows_it():
     spec = LESSONS[-1]          # speculation off, then on: the caption names both
     lines = [setting_line("en", spec.setting(get_scenario(spec.scenario), p, 0, i)) for i, p in enumerate(spec.policies)]
     assert "no speculation" in lines[0] and "up to 3 drafted tokens, matches of 1–3 tokens" in lines[1]
+
+
+def test_the_cache_lessons_show_both_sides_and_say_so_in_their_captions():
+    """Lesson 6: prefix caching on, then off; lesson 7: a KV cap (caching off), then a smaller max_num_seqs and
+    the whole cache. Their captions end with those settings, in both languages."""
+    from app.replay.scenarios import MEMORY_PRESSURE_BLOCKS
+    from app.ui.page import LESSONS
+    from app.ui.text import setting_line
+    by = {lesson.scenario: (k, lesson) for k, lesson in enumerate(LESSONS)}
+    k6, six = by["shared-system-prompt"]
+    k7, seven = by["memory-pressure"]
+    on, off = (six.setting(get_scenario(six.scenario), p, 0, i) for i, p in enumerate(six.policies))
+    assert on["enable_prefix_caching"] is True and off["enable_prefix_caching"] is False
+    assert "prefix caching on" in setting_line("en", on) and "前缀缓存关" in setting_line("zh", off)
+    capped, fewer = (seven.setting(get_scenario(seven.scenario), p, 0, i) for i, p in enumerate(seven.policies))
+    assert capped["max_kv_blocks"] == MEMORY_PRESSURE_BLOCKS and capped["enable_prefix_caching"] is False
+    assert fewer["max_kv_blocks"] is None and fewer["max_num_seqs"] < capped["max_num_seqs"]
+    assert f"KV cache capped at {MEMORY_PRESSURE_BLOCKS} blocks" in setting_line("en", capped)
+    for code in LANGS.values():
+        assert TEXT[code][f"step{k6 + 1}"] and TEXT[code][f"step{k7 + 1}"]
+    with pytest.raises(ValueError, match="one change per pass"):
+        type(six)("shared-system-prompt", ("chunked",), changes=({}, {}))
+    with pytest.raises(ValueError, match="not settings"):
+        type(six)("shared-system-prompt", ("chunked",), changes=({"max_kv_block": 3},))
 
 
 def test_stage_has_the_test_ids_and_the_i18n_keys_it_uses():

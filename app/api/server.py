@@ -34,6 +34,8 @@ class EngineUpdate(BaseModel):
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     max_prefill_chunk: int | None = None    # null switches the cap off; leave it out to keep it
+    enable_prefix_caching: bool | None = None   # false drops the prefix cache's table (vLLM's --no-enable-...)
+    max_kv_blocks: int | None = None        # cap on KV blocks in use; null: every block; leave it out to keep it
     step_delay: float | None = None
     speculative_config: dict | None = None  # vLLM's form; null switches speculation off; leave it out to keep it
 

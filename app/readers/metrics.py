@@ -40,9 +40,15 @@ trace and a GPU run give the same numbers.
                Empty samples give None.
   stretch      a maximal run of consecutive step records (in step order) under
                one setting (policy, token budget, max sequences, speculative
-               tokens); the page's metrics table has one column per stretch.
+               tokens, prefix caching on or off, the KV cap); the page's metrics
+               table has one column per stretch.
   mean TBT     the mean of the TBTs: per reply, (last - first token) / (tokens - 1),
                weighted by tokens; what speculative decoding shortens.
+  prefix hit rate   of the prompts read in a stretch, the share of their tokens
+               the prefix cache served: summed `cached` / summed `prompt_len` over
+               the prefill items that begin a prompt's read (start == cached, or 0);
+               a recompute after preemption is a read of its own. None with no read.
+  preemptions  the requests a stretch's steps preempted (its `preempted` lists).
   output tokens/s   all output tokens / (last token time - first arrival).
   budget fill  step num_tokens / token_budget (above 1 when a whole prompt
                longer than the budget runs in one step).
@@ -350,7 +356,13 @@ def user_rows(stream: Iterable[dict], reqs: Iterable[str] | None = None) -> list
 
 # ---- per-setting stretches: the page's metrics table ----
 def setting(rec: dict) -> tuple:
-    return rec["policy"], rec["token_budget"], rec["max_num_seqs"], rec.get("speculative")
+    return (rec["policy"], rec["token_budget"], rec["max_num_seqs"], rec.get("speculative"),
+            rec.get("prefix_caching", True), rec["kv"].get("limit"))
+
+
+def begins_prompt(item: dict) -> bool:
+    """A prefill item that starts a prompt's read (the first chunk, after any cached prefix)."""
+    return item["kind"] == "prefill" and item["start"] == (item.get("cached") or 0)
 
 
 def stretches(stream: Iterable[dict]) -> list[dict]:
@@ -405,6 +417,7 @@ class _Run:
     def __init__(self, first: dict, after: float | None):
         self.setting, self.first, self.last, self.after = setting(first), first, first, after
         self.num_steps = self.output_tokens = self.waiting_max = self.drafted = self.accepted = 0
+        self.prompt_tokens = self.cached_tokens = self.preemptions = 0
         self.ttft: list[float] = []
         self.tbt: list[float] = []
         self.stall_max = self.kv_used_max = self.busy = 0.0
@@ -422,8 +435,14 @@ class _Run:
                 self.tbt.append(tk.gap)
                 if tk.stalled:
                     self.stall_max = max(self.stall_max, tk.gap)
+        for item in rec["items"]:
+            if begins_prompt(item):
+                self.prompt_tokens += item["prompt_len"]
+                self.cached_tokens += item.get("cached") or 0
+        self.preemptions += len(rec.get("preempted", ()))
         kv = rec["kv"]
-        self.kv_used_max = max(self.kv_used_max, kv["used"] / kv["total"] if kv["total"] else 0.0)
+        room = kv.get("limit") or kv["total"]          # under a KV cap, its share of the cap
+        self.kv_used_max = max(self.kv_used_max, kv["used"] / room if room else 0.0)
         self.waiting_max = max(self.waiting_max, rec["waiting"])
         self.busy += rec["t_end"] - rec["t_start"]
         drafted, accepted = drafts([rec])
@@ -432,9 +451,10 @@ class _Run:
     def summary(self, moved: list[dict]) -> dict:
         if self._summary is None or self._summary["num_steps"] != self.num_steps:     # grown since
             span = self.last["t_end"] - self.first["t_start"]
-            policy, budget, max_seqs, speculative = self.setting
+            policy, budget, max_seqs, speculative, caching, limit = self.setting
             self._summary = {
                 "policy": policy, "token_budget": budget, "max_num_seqs": max_seqs, "speculative": speculative,
+                "prefix_caching": caching, "max_kv_blocks": limit,
                 "first_step": self.first["step"], "last_step": self.last["step"], "num_steps": self.num_steps,
                 "ttft_p50_s": percentile(self.ttft, 50), "ttft_p99_s": percentile(self.ttft, 99),
                 "tbt_p50_s": percentile(self.tbt, 50), "tbt_p99_s": percentile(self.tbt, 99),
@@ -446,6 +466,8 @@ class _Run:
                 "output_tokens": self.output_tokens,
                 "output_tokens_per_s": self.output_tokens / span if span > 0 else None,
                 "kv_used_max": self.kv_used_max, "waiting_max": self.waiting_max, "busy_s": self.busy,
+                "prefix_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None,
+                "preemptions": self.preemptions,
             }
         # hand-overs may be reported after the stretch has closed: counted afresh each time (few of them)
         t0, t1 = self.first["t_start"], self.last["t_end"]

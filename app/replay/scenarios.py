@@ -217,6 +217,24 @@ def shared_system_prompt(users: int = 6, every: int = 8, reply_tokens: int = 32)
         arrivals=arrivals, engine={"max_num_batched_tokens": 256, "max_num_seqs": 16, "max_prefill_chunk": None})
 
 
+def memory_pressure(users: int = 8, reply_tokens: int = 64, every: int = 1) -> Scenario:
+    """Eight chats arriving one step apart, each writing a long reply: more KV than a small cache holds."""
+    names = ["Alice", "Bob", "Carol", "Dan", "Eve", "Frank", "Grace", "Heidi"][:users]
+    arrivals = tuple(Arrival(at=every * i, label=name, max_tokens=reply_tokens, messages=_chat(QUESTIONS[i]))
+                     for i, name in enumerate(names))
+    return Scenario(
+        name="memory-pressure",
+        description=(f"{len(arrivals)} chats of about 40 prompt tokens, each writing {reply_tokens} tokens. Every reply "
+                     "takes a new KV block each 16 tokens, so a cache that held all the prompts runs out as the "
+                     "replies grow: the newest request is preempted (its blocks freed at once) and recomputed "
+                     "later, its prompt and its reply so far read again as one prefill. Prefix caching is off, so "
+                     "the recompute is paid in full. Against it: admit fewer at once (max_num_seqs) with room "
+                     "to spare."),
+        arrivals=arrivals,
+        engine={"max_num_batched_tokens": 256, "max_num_seqs": 16, "max_prefill_chunk": None,
+                "enable_prefix_caching": False})
+
+
 def budget_shapes(reply_tokens: int = 12) -> Scenario:
     """One token budget of 16, filled three ways, one after another on the real engine."""
     # plain prompts of exactly 1, 8 and 4 tokens for the default model's tokenizer (tests/test_budget_lesson.py)
@@ -275,13 +293,18 @@ SCENARIOS = {
     "bursty": bursty,
     "shared-system-prompt": shared_system_prompt,
     "speculative-room": speculative_room,
+    "memory-pressure": memory_pressure,
 }
 
 
 # ---- the lessons: a scenario and the full setting of each of its passes ----
 
-SETTING_KEYS = ("policy", "max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk", "step_delay",
-                "speculative_config")
+# lesson 7's KV cap: eight chats of ~40 prompt tokens fit (3 blocks each), their 64-token replies (7 blocks
+# each at the end) do not; one whole request (7 blocks) always does
+MEMORY_PRESSURE_BLOCKS = 24
+
+SETTING_KEYS = ("policy", "max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk", "enable_prefix_caching",
+                "max_kv_blocks", "step_delay", "speculative_config")
 
 
 @dataclass(frozen=True)
@@ -290,17 +313,22 @@ class Lesson:
 
     Each pass sets every setting (SETTING_KEYS) before it starts, so nothing an
     earlier lesson, scenario or presenter changed survives into it: the
-    scenario's budgets, its chunk cap or none, and the step delay the server
-    was started with (its --step-delay) unless the lesson names its own.
-    Its texts are app/ui/text.py's step{k} and step{k}_btn, k its place in LESSONS (from 1).
-    `speculative`, where given, is each pass's speculative_config in turn (None: off, as every pass
-    of a lesson without it).
+    scenario's budgets, its chunk cap or none, prefix caching on and the whole
+    KV cache unless the scenario or the pass says otherwise, and the step delay
+    the server was started with (its --step-delay) unless the lesson names its
+    own. `changes`: what each pass sets beyond its scenario (one dict per policy;
+    none: nothing). `speculative`, where given, is each pass's speculative_config
+    in turn (None: off, as every pass of a lesson without it). The page also
+    empties the prefix cache before each pass, so no earlier chat's blocks are
+    found (app/ui/page.py).
+    Its texts are app/ui/text.py's step{k} and step{k}_btn, k its place in LESSONS (from 1), or those of `text`.
     """
     scenario: str
     policies: tuple[str, ...]
     step_delay: float | None = None          # seconds; None: the server's own
     speculative: tuple[dict | None, ...] | None = None
     text: str | None = None                  # its texts' key (`{k}` in them is its number); None: step{k}
+    changes: tuple[dict, ...] = ()
 
     def text_key(self, k: int) -> str:
         """The key of its caption (its button's: + "_btn") when it is lesson k (from 1)."""
@@ -310,10 +338,17 @@ class Lesson:
         if self.speculative is not None and len(self.speculative) != len(self.policies):
             raise ValueError(f"lesson {self.scenario!r}: one speculative_config per pass "
                              f"({len(self.policies)}), got {len(self.speculative)}")
+        if self.changes and len(self.changes) != len(self.policies):
+            raise ValueError(f"lesson {self.scenario!r}: one change per pass ({len(self.policies)}), "
+                             f"got {len(self.changes)}")
+        for change in self.changes:
+            if unknown := set(change) - set(SETTING_KEYS):
+                raise ValueError(f"lesson {self.scenario!r} changes {sorted(unknown)}, not settings")
 
     def setting(self, scenario: Scenario, policy: str, server_step_delay: float, index: int = 0) -> dict:
         """The full setting of pass `index`, run under `policy` (POST /api/engine's fields, all of them)."""
-        out = {"max_prefill_chunk": None, **scenario.engine, "policy": policy,
+        out = {"max_prefill_chunk": None, "enable_prefix_caching": True, "max_kv_blocks": None, **scenario.engine,
+               **(self.changes[index] if self.changes else {}), "policy": policy,
                "step_delay": server_step_delay if self.step_delay is None else self.step_delay,
                "speculative_config": self.speculative[index] if self.speculative else None}
         missing = set(SETTING_KEYS) - set(out)
@@ -328,6 +363,10 @@ LESSON_SPECULATION = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lo
 LESSONS = (Lesson("static-vs-continuous", ("static",)), Lesson("long-prompt-interrupts", ("continuous",)),
            Lesson("long-prompt-interrupts", ("chunked",)), Lesson("budget-shapes", ("chunked",)),
            Lesson("split-prefill-decode", ("chunked", "disaggregated")),
+           Lesson("shared-system-prompt", ("chunked", "chunked"),
+                  changes=({"enable_prefix_caching": True}, {"enable_prefix_caching": False})),
+           Lesson("memory-pressure", ("chunked", "chunked"),
+                  changes=({"max_kv_blocks": MEMORY_PRESSURE_BLOCKS}, {"max_num_seqs": 3})),
            Lesson("speculative-room", ("chunked", "chunked"), speculative=(None, LESSON_SPECULATION),
                   text="speculative"))
 

@@ -163,6 +163,10 @@ class EngineService(ServiceFront):
                     "step_delay": self.loop.step_delay}
         return await self.loop.call(apply)
 
+    async def reset_prefix_cache(self):
+        """Forget every cached prefix (vLLM's reset_prefix_cache), between steps: a lesson starts clean."""
+        await self.loop.call(self.engine.reset_prefix_cache, timeout=10.0)
+
     async def engine_state(self) -> dict:
         def read():
             return {"disaggregated": None, **self.engine.stats(), "step_delay": self.loop.step_delay}

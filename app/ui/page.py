@@ -140,14 +140,17 @@ class UI:
         scenario = get_scenario(lesson.scenario, **self.scenario_params.get(lesson.scenario, {}))
         return lesson.setting(scenario, policy, self.service.config.step_delay, index)
 
-    async def run_scenario(self, name: str, policies: tuple[str, ...] | str | None, key: str, request: gr.Request):
+    async def run_scenario(self, name: str, policies: tuple[str, ...] | str | None, key: str, request: gr.Request,
+                           lesson: Lesson | None = None):
         """Play the scenario once per policy, one after the other, each pass under its lesson's full
-        setting (none: once, under the current settings)."""
+        setting (none: once, under the current settings). `lesson`: the lesson whose passes these are
+        (its changes too); else one made of the name and the policies. Before each pass the prefix cache
+        is emptied, so the pass finds no earlier chat's blocks and runs as it does alone."""
         policies = (policies,) if isinstance(policies, str) else tuple(policies or ())
         s = self.session(request)
         scenario = get_scenario(name, **self.scenario_params.get(name, {}))
-        lesson = next((x for x in LESSONS if (x.scenario, x.policies) == (name, policies)),
-                      Lesson(name, policies)) if policies else None
+        lesson = lesson or (next((x for x in LESSONS if (x.scenario, x.policies) == (name, policies)),
+                                 Lesson(name, policies)) if policies else None)
         allowed = self.authorised(key)
         note = "" if allowed or not policies else t(s.lang, "locked")
         first, passes = True, []
@@ -155,6 +158,8 @@ class UI:
             if allowed and lesson is not None:
                 change = lesson.setting(scenario, policy, self.service.config.step_delay, index)
                 await self.service.set_policy(**change)
+                if hasattr(self.service, "reset_prefix_cache"):
+                    await self.service.reset_prefix_cache()
                 note = t(s.lang, "in_force", setting=setting_line(s.lang, change))
                 if policy == "disaggregated":
                     yield self.render_all(s, columns=first) + [t(s.lang, "pair_starting")]
@@ -266,7 +271,7 @@ def build_ui(service, **options) -> gr.Blocks:
                                            chats + notices + cols + [mine, boxes[i]], **every))
         everyone = chats + notices + cols + [mine, note]
         for k, lesson in enumerate(LESSONS):
-            play = _typed_scenario(ui, lesson.scenario, lesson.policies)
+            play = _typed_scenario(ui, lesson.scenario, lesson.policies, lesson)
             show = f"(...a) => {{ if (window.BS && BS.showLesson) BS.showLesson({k + 1}); return ({KEY_JS})(...a); }}"
             streaming.append(lesson_btn[k].click(play, [key], everyone, js=show, **every))
         for name, btn in scen_btn.items():
@@ -376,9 +381,9 @@ def speculation_result(lang: str, stream: list[dict], off: set[str], on: set[str
              n_off=ms(a[n]), n_on=ms(b[n]), rate=f"{rate * 100:.0f} %")
 
 
-def _typed_scenario(ui: UI, name: str, policies: tuple[str, ...]):
+def _typed_scenario(ui: UI, name: str, policies: tuple[str, ...], lesson: Lesson | None = None):
     async def handler(key: str | None, request: gr.Request):
-        async for out in ui.run_scenario(name, policies, key, request):
+        async for out in ui.run_scenario(name, policies, key, request, lesson):
             yield out
     return handler
 

@@ -94,10 +94,12 @@ class KVState(Record):
     total: int = doc("KV blocks in the cache")
     cached: int = doc("blocks holding prefix-cached content (in use or free but not yet reused)")
     block_size: int = doc("tokens per block")
+    limit: int | None = doc("blocks that may be in use at once, when `max_kv_blocks` caps them below `total`",
+                            optional=True)
 
     @classmethod
     def of(cls, bm: BlockManager) -> KVState:
-        return cls(bm.num_used, bm.num_blocks, bm.num_cached, bm.block_size)
+        return cls(bm.num_used, bm.num_blocks, bm.num_cached, bm.block_size, bm.max_kv_blocks)
 
 
 def kv_ops(bm: BlockManager) -> tuple[KVOp, ...] | None:
@@ -115,6 +117,7 @@ def kv_map(bm: BlockManager, seqs: Iterable[Sequence]) -> tuple[KVBlock, ...]:
     for seq in seqs:
         for block_id in seq.block_table:
             holders.setdefault(block_id, []).append(seq.id)
+    bm.map_due = False
     return tuple(KVBlock(b.id, tuple(holders.get(b.id, ())), b.hash is not None)
                  for b in bm.blocks if b.id in holders or b.hash is not None)
 
@@ -193,8 +196,9 @@ class StepRecord(Record):
     timing: StepTiming | None = doc("where the step's time went", optional=True)
     kv_ops: tuple[KVOp, ...] | None = doc("block changes since the previous step record, in order "
                                           "(left out when none)", optional=True)
-    kv_map: tuple[KVBlock, ...] | None = doc(f"every {KV_MAP_EVERY}th step: every block held or cached after "
-                                             "the step, so a reader that joins late starts from it",
+    kv_map: tuple[KVBlock, ...] | None = doc(f"every {KV_MAP_EVERY}th step, and the step after the prefix "
+                                             "cache was reset: every block held or cached after the step, so a "
+                                             "reader that joins late (or a reset's silent evictions) starts from it",
                                              optional=True)
     device: str | None = doc("`device/dtype` of the forward pass (`cpu/float32`, `cuda/bfloat16`): step costs "
                              "are fitted per device and dtype", optional=True)
@@ -211,6 +215,8 @@ class StepRecord(Record):
     speculative: int | None = doc("speculative decoding in force for this step: the most tokens drafted per "
                                   "reply (`num_speculative_tokens`); left out when off. Part of the setting: "
                                   "a change of it starts a new stretch of the metrics table", optional=True)
+    prefix_caching: bool | None = doc("`false` when prefix caching was off for this step (left out when on): "
+                                      "a stretch of steps runs under one setting of it", optional=True)
 
     def to_dict(self) -> dict:
         return {"type": self.type, **super().to_dict()}
@@ -264,6 +270,10 @@ class PolicyEvent(Record):
     max_num_batched_tokens: int = doc("token budget of one step")
     max_num_seqs: int = doc("most sequences in one step")
     max_prefill_chunk: int | None = doc("cap on one request's prefill chunk; null: no cap")
+    enable_prefix_caching: bool = doc("full blocks are cached and reused by later prompts that start alike "
+                                      "(switched off: the cache's table is dropped)", default=True)
+    max_kv_blocks: int | None = doc("cap on the KV blocks in use (below `kv.total`: memory pressure); "
+                                    "null: every block", default=None)
     engine: str | None = doc("records from another serving engine: its name and version (`vllm 0.32.0`); "
                              "left out for batchscope's own", optional=True)
     speculative_config: dict | None = doc("speculative decoding in force, in vLLM's form (`method`, "
@@ -334,7 +344,8 @@ def step_record(step: int, sched: Scheduler, batch: Batch, before: Before, finis
                   finished=tuple(finished), preempted=tuple(s.id for s in batch.preempted), stalled=stalled,
                   stall_causes=causes, kv=KVState.of(bm), waiting=len(sched.waiting), running=len(sched.running),
                   failed=error is not None, error=error, kv_ops=kv_ops(bm),
-                  kv_map=kv_map(bm, sched.running) if step % KV_MAP_EVERY == 0 else None)
+                  kv_map=kv_map(bm, sched.running) if step % KV_MAP_EVERY == 0 or bm.map_due else None,
+                  prefix_caching=None if bm.enable_prefix_caching else False)
     timing = StepTiming(schedule=t_sched - t_start, items=t_items - t_sched, forward=t_end - t_items,
                         record=clock() - t_end)
     return StepRecord(**fields, timing=timing, device=device, speculative=speculative)

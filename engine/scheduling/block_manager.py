@@ -16,6 +16,13 @@ computed after the very block matched just before it (its parent, by id and
 generation), so a 64-bit hash collision can never serve one user another
 user's KV. Hit statistics count only admissions that held (undo_match takes an
 undone one back).
+
+Both can change live. Prefix caching switched off (set_prefix_caching) drops the hash table: nothing is
+matched or published from then on, and free blocks forget their content; blocks still held stay with
+their holders (their ref counts are untouched) and go back to the free list as any block does. The
+capacity (set_capacity, the `max_kv_blocks` setting) caps the blocks in use below the blocks allocated:
+`num_free` is what is left under it, so admissions wait and running requests that need a block preempt
+(the scheduler's rule) until the blocks in use fit again; nothing already held is taken away.
 """
 from __future__ import annotations
 
@@ -43,6 +50,8 @@ class BlockManager:
         self.free_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
         self.hash_to_block: dict[int, int] = {}
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_kv_blocks: int | None = None   # the live cap on blocks in use; None: all of them
+        self.map_due = False         # the cache changed beyond what `log` says (a reset): send the whole map
         self.num_hit_tokens = 0      # prefix-cache statistics: tokens served to admitted sequences
         # what changed, for the KV map (None: not kept): (op, block id, request id); op is `alloc` (taken,
         # its cached content evicted), `share` (a prefix hit), `free` (the request let go), `commit` (now cached)
@@ -58,12 +67,22 @@ class BlockManager:
         return len(self.blocks)
 
     @property
+    def capacity(self) -> int:
+        """Blocks that may be in use at once."""
+        return self.num_blocks if self.max_kv_blocks is None else self.max_kv_blocks
+
+    @property
     def num_free(self) -> int:
-        return len(self.free_ids)
+        """Blocks that may still be taken: free ones, under the capacity."""
+        return max(0, self.capacity - self.num_used)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - self.num_free
+        """Blocks some request holds (ref_count > 0); above the capacity after it was lowered."""
+        return self.num_blocks - len(self.free_ids)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
     def unpublished_blocks(self, seq) -> list[int]:
         """seq's blocks not in the prefix cache: only seq holds them (sharing goes through the cache)."""
@@ -76,6 +95,39 @@ class BlockManager:
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks seq needs so that its table covers num_tokens tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    # ---- live settings ----
+    def check_capacity(self, num_blocks: int | None) -> int:
+        """The capacity a `max_kv_blocks` value gives, or a ValueError naming what is wrong with it."""
+        if num_blocks is None:
+            return self.num_blocks
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not 1 <= num_blocks <= self.num_blocks:
+            raise ValueError(f"max_kv_blocks must be an integer from 1 to the {self.num_blocks} blocks allocated "
+                             f"(or null: all of them), got {num_blocks!r}")
+        return num_blocks
+
+    def set_capacity(self, num_blocks: int | None):
+        """Cap the blocks in use at num_blocks (None: all of them), from the next allocation on."""
+        self.check_capacity(num_blocks)
+        self.max_kv_blocks = num_blocks
+
+    def set_prefix_caching(self, enabled: bool):
+        """Switch the prefix cache on or off; off drops its table and the content of free blocks."""
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {enabled!r}")
+        if not enabled:
+            self.reset_prefix_cache()
+        self.enable_prefix_caching = enabled
+
+    def reset_prefix_cache(self):
+        """Forget every cached prefix (vLLM's reset_prefix_cache): no later request hits what came before.
+        Held blocks keep their hash, so they still count as published (shared through the cache, never
+        trimmed); the table no longer finds them, and they are evicted like any block once free."""
+        self.hash_to_block.clear()
+        self.map_due = True
+        for block_id in self.free_ids:
+            block = self.blocks[block_id]
+            block.hash, block.token_ids, block.parent = None, None, None
 
     # ---- allocation ----
     def _take(self) -> int:

@@ -259,11 +259,13 @@ class StepView:
     # ---- the cache ----
     @property
     def free_blocks(self) -> int:
+        """Blocks that may still be taken (under the `max_kv_blocks` cap when one is set)."""
         return self._sched.bm.num_free
 
     @property
     def total_blocks(self) -> int:
-        return self._sched.bm.num_blocks
+        """Blocks that may be in use at once: the cache, or its `max_kv_blocks` cap."""
+        return self._sched.bm.capacity
 
     @property
     def block_size(self) -> int:

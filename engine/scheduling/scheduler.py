@@ -105,6 +105,7 @@ class Scheduler:
         self._by_id: dict[str, Sequence] = {}
         self._in_batch: set[int] = set()
         self._batch_tokens = 0
+        self.max_model_len: int | None = None  # the engine's limit on a sequence's length, when it has one
         self.set_policy(policy, max_num_batched_tokens, max_num_seqs, max_prefill_chunk)
 
     def set_policy(self, policy: Policy, max_num_batched_tokens: int, max_num_seqs: int,
@@ -120,9 +121,46 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_prefill_chunk = max_prefill_chunk
 
+    def set_cache(self, enable_prefix_caching: bool | None = None, max_kv_blocks: int | None | str = "keep"):
+        """The cache's live settings, from the next step; None (or "keep" for the cap) keeps a value.
+
+        max_kv_blocks caps the blocks in use (None: every block allocated). Lowered below the blocks in
+        use, it takes nothing away: admissions wait and a running request that needs a block preempts the
+        policy's victim (recompute), until the rest fit. It may not go below what one live request needs
+        on its own (its prompt and full reply), or that request could never finish.
+        """
+        bm = self.bm
+        if max_kv_blocks != "keep":
+            cap = bm.check_capacity(max_kv_blocks)  # a ValueError naming a bad value
+            need = max(((self.blocks_for_whole(s), s.id) for s in (*self.running, *self.waiting)), default=None)
+            if need is not None and need[0] > cap:
+                raise ValueError(f"max_kv_blocks={max_kv_blocks} is below the {need[0]} blocks request "
+                                 f"{need[1]!r} needs on its own (prompt and full reply); it could never finish")
+        if enable_prefix_caching is not None:
+            bm.set_prefix_caching(enable_prefix_caching)
+        if max_kv_blocks != "keep":
+            bm.set_capacity(max_kv_blocks)
+
+    def blocks_for_whole(self, seq: Sequence) -> int:
+        """Blocks seq holds at its longest (prompt and full reply)."""
+        return self._blocks_for_length(seq.max_num_tokens)
+
+    def _blocks_for_length(self, num_tokens: int) -> int:
+        limit = self.max_model_len
+        return self.bm.blocks_for(num_tokens if limit is None else min(num_tokens, limit))
+
+    def check_fits(self, prompt_len: int, max_tokens: int):
+        """A new request must fit in the cache on its own (the live cap included), or it could never run."""
+        need = self._blocks_for_length(prompt_len + max_tokens)
+        if need > self.bm.capacity:
+            raise ValueError(f"the request needs {need} KV blocks for its prompt ({prompt_len} tokens) and reply "
+                             f"(max_tokens {max_tokens}); the cache is capped at {self.bm.capacity} blocks "
+                             "(max_kv_blocks)")
+
     def settings(self) -> dict:
         return {"policy": self.policy, "max_num_batched_tokens": self.token_budget,
-                "max_num_seqs": self.max_num_seqs, "max_prefill_chunk": self.max_prefill_chunk}
+                "max_num_seqs": self.max_num_seqs, "max_prefill_chunk": self.max_prefill_chunk,
+                "enable_prefix_caching": self.bm.enable_prefix_caching, "max_kv_blocks": self.bm.max_kv_blocks}
 
     # ---- queue changes ----
     def add(self, seq: Sequence):

@@ -57,6 +57,11 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def max_num_tokens(self) -> int:
+        """The most tokens it can ever hold: its prompt and a full reply (drafts never pass it)."""
+        return self.prompt_len + self.params.max_tokens
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
