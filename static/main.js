@@ -3,6 +3,7 @@
 // each part starts once it is there: the stage (its data-role, lecturer, student, projector or
 // replay, says which parts the server sent), then the socket and the views; the what-if panel
 // on its own.
+import * as a11y from "./a11y.js";
 import * as analysis from "./analysis.js";
 import * as controls from "./controls.js";
 import * as draw from "./draw.js";
@@ -76,7 +77,7 @@ function whenThere(start) {
 function handle(preset) {
   const BS = {};
   const live = (k, get, set) => Object.defineProperty(BS, k, { get, set, enumerable: true, configurable: true });
-  for (const mod of [record, i18n, palette, socket, layout, draw, interact, controls, metrics, analysis,
+  for (const mod of [a11y, record, i18n, palette, socket, layout, draw, interact, controls, metrics, analysis,
                      kvmap, why, room, lesson, whatif]) {
     for (const k of Object.keys(mod)) live(k, () => mod[k]);
   }
@@ -92,4 +93,4 @@ function handle(preset) {
 window.BS = handle(window.BS || {});
 
 const ready = (fn) => (document.readyState === "loading" ? document.addEventListener("DOMContentLoaded", fn) : fn());
-ready(() => { whenThere(startStage); whenThere(whatif.initWhatIf); });
+ready(() => { a11y.initA11y(); whenThere(startStage); whenThere(whatif.initWhatIf); });

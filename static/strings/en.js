@@ -2,6 +2,7 @@
 // and the Gradio page's (app/ui/text.py reads this file too). Below this comment the file is plain JSON;
 // zh.js has the same keys and the same {placeholders} (tests/test_strings.py).
 export default {
+  "a11y.chat_log": "{name}'s conversation",
   "chart.title": "Every forward pass of the engine, live",
   "chart.running": "step running…",
   "chart.hint": "One row per request, one column per step (forward pass). Read a column top to bottom: who shared that step.",

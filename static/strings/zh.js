@@ -1,6 +1,7 @@
 // The page's words in Chinese: the same keys and {placeholders} as en.js (tests/test_strings.py).
 // Below this comment the file is plain JSON (app/ui/text.py reads it too).
 export default {
+  "a11y.chat_log": "{name} 的对话",
   "chart.title": "引擎的每一次前向计算（实时）",
   "chart.running": "这一步正在计算……",
   "chart.hint": "每行是一个请求，每列是一步（一次前向计算）。从上往下读一列：这一步里有谁。",

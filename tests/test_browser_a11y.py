@@ -1,0 +1,142 @@
+"""WCAG 2.1 AA in a real browser (docs/ui.md: accessibility). axe-core's WCAG 2.0/2.1 A and AA rules
+(tests/browser.py axe_violations: npm axe-core, pinned, injected by Playwright) find nothing on the
+lecturer's page, the what-if panel, /join, /projector and /leaderboard, idle, during lesson 2 and after
+it; a failure lists every violation (rule, element, what is wrong).
+"""
+import json
+
+import pytest
+
+from tests.browser import AXE_JS, MARKS, axe_violations, describe_violations, install_axe, live_page, served_ui, wait_js
+
+pytestmark = MARKS
+KEY = "a11y-presenter-key"
+STALL = dict(reply_tokens=16, doc_tokens=2, doc_at=8)          # lesson 2, short enough for a test
+
+
+@pytest.fixture(scope="session", autouse=True)
+def axe_installed():
+    """axe-core where the tests look for it (scripts/test.sh installs it first where npm is present)."""
+    install_axe()
+    assert AXE_JS.exists()
+
+
+@pytest.fixture(scope="module")
+def server():
+    from engine import EngineConfig
+    with served_ui(EngineConfig(kv_cache_gb=0.25, policy="chunked"), dict(presenter_key=KEY, step_delay=0.03),
+                   max_tokens=8, doc_max_tokens=2, scenario_params={"long-prompt-interrupts": STALL}) as (url, _):
+        yield url
+
+
+def no_violations(pg, where: str, context: str = "document"):
+    found = axe_violations(pg, context)
+    assert not found, f"{where}: {sum(len(v['nodes']) for v in found)} violations\n{describe_violations(found)}"
+
+
+# JS: steps have been drawn and a request is still under way
+RUNNING = "BS.store.steps.length > 3 && [...BS.store.reqs.values()].some(r => r.end == null)"
+
+ALL_ENDED = "BS.store.reqs.size > 0 && [...BS.store.reqs.values()].every(r => r.end != null)"
+
+
+def open_room_page(browser, url: str, viewport: dict):
+    ctx = browser.new_context(viewport=viewport)
+    pg = ctx.new_page()
+    pg.goto(url)
+    wait_js(pg, "document.querySelector('[data-testid=conn]').dataset.state === 'live'")
+    return ctx, pg
+
+
+def test_the_lecturers_page_and_the_what_if_panel_idle_during_and_after_lesson_2(server, browser):
+    with live_page(browser, server, {"width": 1366, "height": 900}) as pg:
+        no_violations(pg, "/ idle")
+        pg.click("#bs-lesson-2")
+        wait_js(pg, RUNNING)
+        no_violations(pg, "/ during lesson 2")
+        wait_js(pg, ALL_ENDED)
+        pg.wait_for_timeout(800)                       # Gradio's last update of the replies
+        no_violations(pg, "/ after lesson 2")
+        # the what-if panel with its results: the lesson replayed under another budget
+        pg.evaluate(f"sessionStorage.setItem('batchscope.key', {json.dumps(KEY)})")
+        panel = pg.locator("[data-testid=whatif]")
+        panel.locator("[data-whatif-policy=chunked]").check()
+        panel.locator("[data-testid=whatif-budget]").fill("16")
+        panel.locator("[data-testid=whatif-last-lesson]").click()
+        wait_js(pg, "!document.querySelector('[data-testid=whatif-run]').disabled")
+        panel.locator("[data-testid=whatif-run]").click()
+        panel.locator("[data-testid=whatif-table]").wait_for(state="visible", timeout=300_000)
+        no_violations(pg, "the what-if panel with results", "[data-testid=whatif]")
+        no_violations(pg, "/ after the what-if replay")
+
+
+def test_join_and_the_projector_idle_during_and_after_a_lesson(server, browser):
+    phone = {"width": 390, "height": 844}
+    join_ctx, join = open_room_page(browser, server + "/join", phone)
+    proj_ctx, proj = open_room_page(browser, server + "/projector", {"width": 1366, "height": 768})
+    try:
+        no_violations(join, "/join idle")
+        no_violations(proj, "/projector idle")
+        join.fill("[data-testid=student-name]", "Ann")
+        join.click("[data-testid=join]")
+        wait_js(join, "!document.querySelector('[data-testid=you-are]').hidden")
+        no_violations(join, "/join joined")
+        with live_page(browser, server, {"width": 1366, "height": 900}) as lecturer:
+            lecturer.click("#bs-lesson-2")
+            join.fill("[data-testid=student-box]", "Say hi.")
+            join.click("[data-testid=student-send]")
+            wait_js(proj, RUNNING)
+            no_violations(proj, "/projector during lesson 2")
+            no_violations(join, "/join during lesson 2")
+            wait_js(lecturer, ALL_ENDED)
+        wait_js(join, "[...BS.store.reqs.values()].some(r => r.label === 'Ann' && r.end != null)")
+        no_violations(join, "/join after lesson 2")
+        no_violations(proj, "/projector after lesson 2")
+    finally:
+        join_ctx.close()
+        proj_ctx.close()
+
+
+@pytest.fixture(scope="module")
+def arena_report(tmp_path_factory):
+    from app.cli import main as cli
+    d = tmp_path_factory.mktemp("a11y-lb")
+    subs = d / "subs"
+    subs.mkdir()
+    (subs / "spf.py").write_text(open("demos/arena/policies/shortest_prompt_first.py").read())
+    assert cli(["arena", "--rank", str(subs), "--workload", "chat-burst", "--scale", "0.25",
+                "--out", str(d / "arena.html")]) == 0
+    return d / "arena.json"
+
+
+def test_the_leaderboard_empty_ranked_and_replaying(server, browser, arena_report):
+    ctx = browser.new_context(viewport={"width": 1300, "height": 1000})
+    pg = ctx.new_page()
+    try:
+        pg.goto(server + "/leaderboard")
+        pg.wait_for_selector("[data-testid=lb-file]")
+        no_violations(pg, "/leaderboard empty")
+        pg.set_input_files("[data-testid=lb-file]", str(arena_report))
+        pg.wait_for_selector("table[data-workload=chat-burst]")
+        no_violations(pg, "/leaderboard ranked")
+        pg.click("[data-testid=lb-replay][data-workload=chat-burst]")
+        pg.wait_for_function("document.querySelector('[data-testid=lb-chart]').dataset.replayed === 'chat-burst'")
+        chart = next(f for f in pg.frames if "leaderboard/chart" in f.url)
+        chart.wait_for_function("window.BS && BS.store && BS.store.steps.length > 0 && BS.perf.draws > 0")
+        no_violations(pg, "/leaderboard replaying")
+    finally:
+        ctx.close()
+
+
+def test_axe_finds_what_it_is_asked_to_find(browser):
+    """The check itself: a page with a known failure (grey on white, 2.3:1) is reported, with its element."""
+    pg = browser.new_page()
+    try:
+        pg.set_content('<html lang="en"><head><title>t</title></head><body><main>'
+                       '<p id="faint" style="color:#aaa;background:#fff">faint text</p></main></body></html>')
+        found = axe_violations(pg)
+        assert [v["id"] for v in found] == ["color-contrast"], found
+        assert found[0]["nodes"][0]["target"] == "#faint"
+        assert "contrast" in describe_violations(found)
+    finally:
+        pg.close()
