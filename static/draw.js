@@ -3,7 +3,7 @@
 // one x mapping (the window from layout.js). Text goes on canvas or through textContent only.
 import { lang, t } from "./i18n.js";
 import { layout, view } from "./layout.js";
-import { colorOf, colors, drawLabelSwatch, prefillPattern, stallPattern, unusedPattern } from "./palette.js";
+import { colorOf, colors, drawLabelSwatch, edgeOf, prefillPattern, stallPattern, unusedPattern } from "./palette.js";
 import { rec as R } from "./record.js";   // record fields are read through record.js
 import { store } from "./socket.js";
 import { state } from "./state.js";
@@ -266,18 +266,26 @@ export const fmtBytes = (n) => (n >= 1e6 ? (n / 1e6).toFixed(1) + " MB" : n >= 1
 // "KV 12 blocks · 1.4 MB · 3 ms"
 export const handoverText = (x) => t("handover.kv") + " " + x.blocks + " " + t("handover.blocks") + " · " + fmtBytes(x.bytes) + " · " + fmtMs(x.seconds);
 
+// a cell's edge (palette.js edgeOf): 3:1 against the row behind it, where the cell is wide enough to keep its fill
+function drawEdge(g, color, x0, y, wid, hh) {
+  if (wid < 4) return;
+  g.strokeStyle = edgeOf(color); g.lineWidth = 1; g.strokeRect(x0 + 0.5, y + 0.5, wid - 1, hh - 1);
+}
+
 function drawItem(g, it, axis, x0, y, wid, hh) {
   const color = colorOf(R.label(it));
   if (R.isDecode(it) && (axis === "step" || wid < 8)) {
     g.fillStyle = color; g.fillRect(x0, y, wid, hh);
+    drawEdge(g, color, x0, y, wid, hh);
   } else if (R.isDecode(it)) {
     // wall time: one token, arriving at the end of the step; the pale body is the wait for it
     const tick = Math.min(6, wid * 0.4), alpha = g.globalAlpha;
     g.globalAlpha = alpha * 0.35; g.fillStyle = color; g.fillRect(x0, y, wid - tick, hh); g.globalAlpha = alpha;
     g.fillRect(x0 + wid - tick, y, tick, hh);
+    drawEdge(g, color, x0, y, wid, hh);
   } else {
     g.fillStyle = prefillPattern(g, color); g.fillRect(x0, y, wid, hh);
-    g.strokeStyle = color; g.lineWidth = 1.5; g.strokeRect(x0 + 0.75, y + 0.75, wid - 1.5, hh - 1.5);
+    g.strokeStyle = edgeOf(color); g.lineWidth = 1.5; g.strokeRect(x0 + 0.75, y + 0.75, wid - 1.5, hh - 1.5);
     const p = t("cell.prefill");
     const txt = wid >= 44 ? p + " " + R.tokens(it) : wid >= 12 && hh >= 12 ? p : "";
     if (txt) {

@@ -7,7 +7,21 @@ import json
 
 import pytest
 
-from tests.browser import AXE_JS, MARKS, axe_violations, describe_violations, install_axe, live_page, served_ui, wait_js
+from tests.browser import (
+    AXE_JS,
+    MARKS,
+    axe_violations,
+    describe_violations,
+    install_axe,
+    live_page,
+    load_stage,
+    screenshot_dir,
+    served_ui,
+    wait_js,
+)
+from tests.colour_vision import CVD, ciede2000, contrast, hex_rgb, simulate, svg_matrix
+from tests.factories import step
+from tests.test_colour_vision import NEIGHBOURS_APART
 
 pytestmark = MARKS
 KEY = "a11y-presenter-key"
@@ -138,5 +152,68 @@ def test_axe_finds_what_it_is_asked_to_find(browser):
         assert [v["id"] for v in found] == ["color-contrast"], found
         assert found[0]["nodes"][0]["target"] == "#faint"
         assert "contrast" in describe_violations(found)
+    finally:
+        pg.close()
+
+
+# ---- colour is never alone (1.4.1, 1.4.11): the chart under colour-vision filters ----
+
+def user_stream(names: list[str], n_steps: int = 14) -> list[dict]:
+    """Each user decoding in every step, one row each, in slot order."""
+    out = [{"type": "request", "event": "arrived", "req": f"r{i}", "label": n, "t": 0.0} for i, n in enumerate(names)]
+    for k in range(n_steps):
+        items = [{"req": f"r{i}", "label": n, "kind": "decode", "tokens": 1, "start": 10 + k}
+                 for i, n in enumerate(names)]
+        out.append(step(k, 0.1 * k, 0.1 * k + 0.09, items))
+    return out
+
+
+def cell_colour(png: bytes, cell: dict) -> tuple[int, int, int]:
+    """The colour most of a cell's inside shows in a screenshot of the Gantt (device scale 1)."""
+    from collections import Counter
+    from io import BytesIO
+
+    from PIL import Image
+    img = Image.open(BytesIO(png)).convert("RGB")
+    x0, y0 = round(cell["x"]) + 2, round(cell["y"]) + 2
+    box = img.crop((x0, y0, x0 + max(1, round(cell["w"]) - 4), y0 + max(1, round(cell["h"]) - 4)))
+    return tuple(Counter(box.tobytes()[i:i + 3] for i in range(0, box.width * box.height * 3, 3)).most_common(1)[0][0])
+
+
+def test_neighbouring_rows_stay_apart_under_deuteranopia_and_protanopia_filters(browser):
+    from app.ui.text import USERS
+    names = [n for n, _ in USERS]
+    pg = browser.new_page(viewport={"width": 1366, "height": 900})
+    try:
+        load_stage(pg, user_stream(names))
+        pg.wait_for_function(f"BS.view.drawn && new Set(BS.view.drawn.cells.map(c => c.label)).size === {len(names)}")
+        # one cell per user in one step, rows top to bottom: neighbours are the rows next to each other
+        cells = pg.evaluate("""() => { const cs = BS.view.drawn.cells, last = Math.max(...cs.map(c => c.step));
+                                       return cs.filter(c => c.step === last - 2).sort((a, b) => a.y - b.y); }""")
+        assert [c["label"] for c in cells] == names
+        defs = "".join(f'<filter id="bs-{k}" color-interpolation-filters="linearRGB"><feColorMatrix type="matrix" '
+                       f'values="{svg_matrix(k)}"/></filter>' for k in CVD)
+        pg.evaluate("(d) => document.body.insertAdjacentHTML('beforeend', "
+                    "`<svg width='0' height='0' style='position:absolute' aria-hidden='true'>${d}</svg>`)", defs)
+        gantt, chart = pg.locator("[data-testid=gantt]"), pg.locator(".bs-chart")
+        seen = [cell_colour(gantt.screenshot(), c) for c in cells]
+        assert seen == [hex_rgb(c) for _, c in USERS]                  # unfiltered: the palette itself
+        # every mark's edge reaches 3:1 against each background a row can have (WCAG 1.4.11)
+        for name, colour in USERS:
+            edge = pg.evaluate("(c) => BS.edgeOf(c)", colour)
+            backs = pg.evaluate("BS.BACKGROUNDS()")
+            for back in backs:
+                back = back if len(back) == 7 else "#" + "".join(ch * 2 for ch in back[1:])
+                assert contrast(hex_rgb(edge), hex_rgb(back)) >= 3, (name, edge, back)
+        for kind in CVD:
+            pg.evaluate("(k) => { document.querySelector('.bs-chart').style.filter = `url(#bs-${k})`; }", kind)
+            pg.wait_for_timeout(100)
+            seen = [cell_colour(gantt.screenshot(), c) for c in cells]
+            for (name, colour), got in zip(USERS, seen):     # the filter is the matrix the arithmetic uses
+                assert ciede2000(got, simulate(hex_rgb(colour), kind)) < 3, (kind, name, got)
+            for i in range(len(seen) - 1):
+                d = ciede2000(seen[i], seen[i + 1])
+                assert d >= NEIGHBOURS_APART, f"{kind}: rows {names[i]} and {names[i + 1]} only {d:.1f} apart"
+            chart.screenshot(path=str(screenshot_dir() / f"ui_palette_{kind}.png"))
     finally:
         pg.close()
