@@ -217,3 +217,93 @@ def test_neighbouring_rows_stay_apart_under_deuteranopia_and_protanopia_filters(
             chart.screenshot(path=str(screenshot_dir() / f"ui_palette_{kind}.png"))
     finally:
         pg.close()
+
+
+# ---- the chart as text (1.1.1, 4.1.3): a table of the last steps and a polite live region ----
+
+def lesson2_stream() -> list[dict]:
+    """Alice, Bob and Carol replying; Doc's long prompt read in 128-token chunks beside them (chunked), then
+    one whole-prompt step of Eve's that leaves Alice out for 1.2 s (continuous)."""
+    names = ["Alice", "Bob", "Carol"]
+    out = [{"type": "request", "event": "arrived", "req": f"r{i}", "label": n, "t": 0.0} for i, n in enumerate(names)]
+    out.append({"type": "request", "event": "arrived", "req": "r3", "label": "Doc", "t": 0.0, "prompt_len": 640})
+    t = 0.0
+    for k in range(14):
+        items = [{"req": f"r{i}", "label": n, "kind": "decode", "tokens": 1, "start": 20 + k} for i, n in enumerate(names)]
+        dt, stalled = 0.05, []
+        if 3 <= k < 8:
+            items.append({"req": "r3", "label": "Doc", "kind": "prefill", "tokens": 128, "start": 128 * (k - 3),
+                          "prompt_len": 640, "completes_prompt": k == 7})
+        if k == 12:
+            items, dt, stalled = [{"req": "r4", "label": "Eve", "kind": "prefill", "tokens": 300, "start": 0,
+                                   "prompt_len": 300, "completes_prompt": True}], 1.2, ["r0"]
+        out.append(step(k, t, t + dt, items, stalled=stalled))
+        t += dt
+    return out
+
+
+def test_the_chart_reads_as_a_table_and_a_live_region_in_both_languages(browser):
+    pg = browser.new_page(viewport={"width": 1366, "height": 900})
+    try:
+        stream = lesson2_stream()
+        load_stage(pg, stream[:-2])           # up to step 11: Doc's last chunk was step 7
+        live = "document.querySelector('[data-testid=chart-live]')"
+        pg.wait_for_function(f"{live}.textContent.startsWith('step 11:')")
+        assert pg.inner_text("[data-testid=chart-live]") == "step 11: 3 replies"
+        pg.evaluate("(s) => BS.ingestAll(s)", stream[-2:])
+        pg.wait_for_function(f"{live}.textContent.startsWith('step 13:')", timeout=5000)
+        # each step in words, from its record
+        said = pg.evaluate("(s) => s.map(BS.describeStep)", [r for r in stream if r["type"] == "step"])
+        assert said[5] == "step 5: Doc's prompt chunk of 128 tokens beside 3 replies"
+        assert said[12] == "step 12: Eve's prompt chunk of 300 tokens; Alice waited 1.20 s"
+        assert pg.get_attribute("[data-testid=chart-live]", "aria-live") == "polite"
+        # the table: the last 12 steps, one column per request, each cell that request's part
+        table = pg.evaluate("""() => [...document.querySelectorAll('[data-testid=chart-table] tr')]
+                               .map(tr => [...tr.children].map(c => c.textContent))""")
+        steps = [r for r in stream if r["type"] == "step"][-12:]
+        assert table[0] == ["step", "duration", "Alice", "Bob", "Carol", "Doc", "Eve"]
+        assert [int(r[0]) for r in table[1:]] == [s["step"] for s in steps]
+        for row, s in zip(table[1:], steps):
+            parts = {it["label"]: ("decode 1" if it["kind"] == "decode" else f"prefill {it['tokens']}")
+                     for it in s["items"]}
+            parts.update({"Alice": "stalled"} if s["stalled"] else {})
+            assert row[2:] == [parts.get(n, "") for n in table[0][2:]], (s["step"], row)
+            ms = (s["t_end"] - s["t_start"]) * 1000
+            assert row[1] == (f"{ms:.0f} ms" if ms < 1000 else f"{ms / 1000:.2f} s")
+        # hidden until asked for, then shown to everyone: the keyboard opens it
+        box = pg.locator("[data-testid=chart-table-box]")
+        assert box.bounding_box()["height"] <= 1
+        pg.focus("[data-testid=table-toggle]")
+        pg.keyboard.press("Enter")
+        pg.wait_for_function("document.querySelector('[data-testid=table-toggle]').getAttribute('aria-expanded') === 'true'")
+        assert box.bounding_box()["height"] > 200
+        no_violations(pg, "the chart with its table shown", ".bs-chart")
+        pg.locator(".bs-chart").screenshot(path=str(screenshot_dir() / "ui_chart_table.png"))
+        # Chinese: the same table and words from zh.js
+        pg.evaluate("BS.setLang('zh')")
+        assert pg.inner_text("[data-testid=table-toggle]") == "隐藏表格"
+        head = pg.evaluate("[...document.querySelectorAll('[data-testid=chart-table] thead th')].map(c => c.textContent)")
+        assert head[:2] == ["步", "耗时"]
+        assert pg.evaluate("(s) => BS.describeStep(s)", steps[-2]) == "第 12 步：Eve 的提示词分块 300 个词元；Alice 等待了 1.20 s"
+    finally:
+        pg.close()
+
+
+def test_the_live_region_speaks_at_most_once_a_second(browser):
+    pg = browser.new_page(viewport={"width": 1366, "height": 900})
+    try:
+        stream = lesson2_stream()
+        load_stage(pg, stream[:5])
+        pg.evaluate("""() => { window.said = []; new MutationObserver(() => said.push(performance.now()))
+            .observe(document.querySelector('[data-testid=chart-live]'), {childList: true, characterData: true,
+                                                                        subtree: true}); }""")
+        for r in stream[5:]:                   # a step every 100 ms
+            pg.evaluate("(r) => BS.ingestAll([r])", r)
+            pg.wait_for_timeout(100)
+        pg.wait_for_timeout(1100)
+        times = pg.evaluate("said")
+        # paced by animation frames' start times: a change lands up to a frame (tens of ms) after its frame began
+        assert len(times) >= 2 and all(b - a >= 950 for a, b in zip(times, times[1:])), times
+        assert pg.inner_text("[data-testid=chart-live]").startswith("step 13:")     # the newest, in the end
+    finally:
+        pg.close()

@@ -2,6 +2,19 @@
 // and the Gradio page's (app/ui/text.py reads this file too). Below this comment the file is plain JSON;
 // zh.js has the same keys and the same {placeholders} (tests/test_strings.py).
 export default {
+  "text.show": "Show as table",
+  "text.hide": "Hide the table",
+  "text.caption": "The last {n} steps in view: each row one step (forward pass), each column one request's part in it",
+  "text.step_col": "step",
+  "text.dur_col": "duration",
+  "text.decode": "decode 1",
+  "text.prefill": "prefill {n}",
+  "text.stalled": "stalled",
+  "text.step": "step {step}: {what}",
+  "text.chunk": "{who}'s prompt chunk of {n} tokens",
+  "text.beside": "{what} beside {n} replies",
+  "text.replies": "{n} replies",
+  "text.waited": "{what}; {who} waited {t}",
   "a11y.chat_log": "{name}'s conversation",
   "chart.title": "Every forward pass of the engine, live",
   "chart.running": "step running…",
