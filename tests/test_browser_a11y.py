@@ -307,3 +307,33 @@ def test_the_live_region_speaks_at_most_once_a_second(browser):
         assert pg.inner_text("[data-testid=chart-live]").startswith("step 13:")     # the newest, in the end
     finally:
         pg.close()
+
+
+# ---- phones (1.4.10, 2.5.8) and a language switch that names itself without a CJK font ----
+
+TARGETS = "button, input, textarea, select, a[href], [role=button], [tabindex='0']"
+
+
+@pytest.mark.parametrize("width", [320, 640], ids=["320px", "200%-zoom-of-1280px"])
+def test_join_reflows_and_its_targets_are_at_least_24_px(server, browser, width):
+    ctx = browser.new_context(viewport={"width": width, "height": 800}, is_mobile=width == 320, has_touch=True)
+    pg = ctx.new_page()
+    try:
+        pg.goto(server + "/join")
+        wait_js(pg, "document.querySelector('[data-testid=conn]').dataset.state === 'live'")
+        lang = pg.inner_text("[data-testid=lang]")
+        assert lang.startswith("Chinese") and "中文" in lang           # Latin first: no boxes without a CJK font
+        pg.fill("[data-testid=student-name]", f"Zed{width}")
+        pg.click("[data-testid=join]")
+        wait_js(pg, "!document.querySelector('[data-testid=you-are]').hidden")
+        pg.wait_for_timeout(500)
+        assert pg.evaluate("document.scrollingElement.scrollWidth <= innerWidth"), \
+            pg.evaluate("[document.scrollingElement.scrollWidth, innerWidth]")
+        small = pg.evaluate(f"""() => [...document.querySelectorAll("{TARGETS}")]
+            .filter(e => e.getClientRects().length && getComputedStyle(e).visibility !== 'hidden')
+            .map(e => {{ const r = (e.closest('label') || e).getBoundingClientRect();   // a label is the input's target too
+                        return {{what: e.outerHTML.slice(0, 80), w: r.width, h: r.height}}; }})
+            .filter(b => b.w < 24 || b.h < 24)""")
+        assert not small, small
+    finally:
+        ctx.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import html
+import json
 
 import gradio as gr
 from fastapi import FastAPI
@@ -296,7 +297,7 @@ def build_ui(service, **options) -> gr.Blocks:
                     [title, subtitle, lang, steps_title] + lesson_md + lesson_btn + [scen_label]
                     + list(scen_btn.values()) + [add_btn, remove_btn, clear_btn, stop_btn]
                     + boxes + sends + alls + shorts + longs,
-                    js="(c) => { if (window.BS && BS.setLang) BS.setLang(c === '中文' ? 'zh' : 'en'); return c; }")
+                    js=f"(c) => {{ if (window.BS && BS.setLang) BS.setLang(({json.dumps(LANGS)})[c] || 'en'); return c; }}")
         demo.unload(ui.drop)
     demo.bs_ui = ui
     return demo

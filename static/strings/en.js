@@ -128,7 +128,7 @@ export default {
   "room.scan": "Scan the code or type the address:",
   "room.loopback": "This server listens on this computer only: phones cannot reach this address. Restart it with --host 0.0.0.0 (or give --public-url).",
   "room.people": "joined on /join",
-  "room.lang": "中文",
+  "room.lang": "Chinese (中文)",
   "cost.title": "What a step costs on this machine",
   "cost.axis.x": "tokens in the step",
   "cost.axis.y": "step time (ms)",
