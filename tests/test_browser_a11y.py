@@ -337,3 +337,39 @@ def test_join_reflows_and_its_targets_are_at_least_24_px(server, browser, width)
         assert not small, small
     finally:
         ctx.close()
+
+
+# ---- keyboard (2.1.1, 2.2.2, 2.4.7) and reduced motion (2.3.3) ----
+
+def test_the_chart_is_paused_scrubbed_and_x_rayed_from_the_keyboard(browser):
+    ctx = browser.new_context(viewport={"width": 1366, "height": 900}, reduced_motion="reduce")
+    pg = ctx.new_page()
+    try:
+        load_stage(pg, lesson2_stream())
+        pg.wait_for_function("BS.view.drawn && BS.view.drawn.steps.length === 14")
+        # Tab reaches the chart from the play controls; the focus is drawn
+        pg.focus("[data-testid=table-toggle]")
+        for _ in range(12):
+            pg.keyboard.press("Tab")
+            if pg.evaluate("document.activeElement.dataset.testid") == "gantt":
+                break
+        assert pg.evaluate("document.activeElement.dataset.testid") == "gantt"
+        assert pg.evaluate("getComputedStyle(document.activeElement).outlineStyle") == "solid"
+        assert "arrows" in pg.get_attribute("[data-testid=gantt]", "aria-label")
+        pg.keyboard.press("Space")                                   # 2.2.2: the moving chart stops
+        assert pg.evaluate("BS.view.mode") == "paused"
+        at = pg.evaluate("BS.view.cursor")
+        pg.keyboard.press("ArrowLeft")
+        pg.keyboard.press("ArrowLeft")
+        assert pg.evaluate("BS.view.cursor") == at - 2
+        pg.keyboard.press("Enter")                                   # the column's X-ray, as a click picks it
+        assert pg.evaluate("BS.view.picked") == at - 2
+        # reduced motion: no transition is left running, and the data still comes
+        assert pg.evaluate("getComputedStyle(document.querySelector('.bs-switch-knob')).transitionDuration") == "0s"
+        pg.keyboard.press("Space")
+        assert pg.evaluate("BS.view.mode") == "live"
+        pg.evaluate("(r) => BS.ingestAll([r])", step(14, 3.0, 3.05, [{"req": "r1", "label": "Bob", "kind": "decode",
+                                                                       "tokens": 1, "start": 40}]))
+        pg.wait_for_function("BS.view.drawn.steps.includes(14)")
+    finally:
+        ctx.close()

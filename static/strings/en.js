@@ -2,6 +2,7 @@
 // and the Gradio page's (app/ui/text.py reads this file too). Below this comment the file is plain JSON;
 // zh.js has the same keys and the same {placeholders} (tests/test_strings.py).
 export default {
+  "chart.keys": "The chart of steps. Left and right arrows step through it, Space pauses and resumes, Enter opens the step's X-ray; the table below reads it as text.",
   "text.show": "Show as table",
   "text.hide": "Hide the table",
   "text.caption": "The last {n} steps in view: each row one step (forward pass), each column one request's part in it",
