@@ -16,10 +16,12 @@ let root = null, lastTable = "", lastTableAt = -Infinity, lastSaid = -1, lastSay
 const labelOf = (rid) => { const q = store.reqs.get(rid); return q ? q.label : rid; };
 
 // one step in words: "step 412: Doc's prompt chunk of 128 tokens beside 3 replies; Alice waited 1.2 s"
+// (a prompt read in one step is "Doc's whole prompt of 1514 tokens")
 export function describeStep(s) {
   const items = R.items(s), decodes = items.filter(R.isDecode).length;
   const chunks = items.filter((it) => !R.isDecode(it))
-    .map((it) => fmt("text.chunk", { who: R.label(it), n: R.tokens(it) })).join(", ");
+    .map((it) => fmt(R.start(it) === 0 && R.completesPrompt(it) ? "text.prompt" : "text.chunk",
+                     { who: R.label(it), n: R.tokens(it) })).join(", ");
   let what = chunks && decodes ? fmt("text.beside", { what: chunks, n: decodes })
     : chunks || fmt("text.replies", { n: decodes });
   const stalled = R.stalled(s).map(labelOf);

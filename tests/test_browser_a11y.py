@@ -255,7 +255,7 @@ def test_the_chart_reads_as_a_table_and_a_live_region_in_both_languages(browser)
         # each step in words, from its record
         said = pg.evaluate("(s) => s.map(BS.describeStep)", [r for r in stream if r["type"] == "step"])
         assert said[5] == "step 5: Doc's prompt chunk of 128 tokens beside 3 replies"
-        assert said[12] == "step 12: Eve's prompt chunk of 300 tokens; Alice waited 1.20 s"
+        assert said[12] == "step 12: Eve's whole prompt of 300 tokens; Alice waited 1.20 s"
         assert pg.get_attribute("[data-testid=chart-live]", "aria-live") == "polite"
         # the table: the last 12 steps, one column per request, each cell that request's part
         table = pg.evaluate("""() => [...document.querySelectorAll('[data-testid=chart-table] tr')]
@@ -284,7 +284,7 @@ def test_the_chart_reads_as_a_table_and_a_live_region_in_both_languages(browser)
         assert pg.inner_text("[data-testid=table-toggle]") == "隐藏表格"
         head = pg.evaluate("[...document.querySelectorAll('[data-testid=chart-table] thead th')].map(c => c.textContent)")
         assert head[:2] == ["步", "耗时"]
-        assert pg.evaluate("(s) => BS.describeStep(s)", steps[-2]) == "第 12 步：Eve 的提示词分块 300 个词元；Alice 等待了 1.20 s"
+        assert pg.evaluate("(s) => BS.describeStep(s)", steps[-2]) == "第 12 步：Eve 的整个提示词 300 个词元；Alice 等待了 1.20 s"
     finally:
         pg.close()
 

@@ -2,6 +2,7 @@
 // and the Gradio page's (app/ui/text.py reads this file too). Below this comment the file is plain JSON;
 // zh.js has the same keys and the same {placeholders} (tests/test_strings.py).
 export default {
+  "text.prompt": "{who}'s whole prompt of {n} tokens",
   "chart.keys": "The chart of steps. Left and right arrows step through it, Space pauses and resumes, Enter opens the step's X-ray; the table below reads it as text.",
   "text.show": "Show as table",
   "text.hide": "Hide the table",

@@ -1,6 +1,7 @@
 // The page's words in Chinese: the same keys and {placeholders} as en.js (tests/test_strings.py).
 // Below this comment the file is plain JSON (app/ui/text.py reads it too).
 export default {
+  "text.prompt": "{who} 的整个提示词 {n} 个词元",
   "chart.keys": "步骤图。左右方向键逐步浏览，空格键暂停或继续，回车键打开该步的透视；下方表格以文字呈现。",
   "text.show": "以表格显示",
   "text.hide": "隐藏表格",
