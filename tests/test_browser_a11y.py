@@ -373,3 +373,37 @@ def test_the_chart_is_paused_scrubbed_and_x_rayed_from_the_keyboard(browser):
         pg.wait_for_function("BS.view.drawn.steps.includes(14)")
     finally:
         ctx.close()
+
+
+def test_tab_reaches_every_control_of_the_lecturers_page_in_view_and_visibly_focused(server, browser):
+    want = {"#bs-lesson-2", "[data-testid=chunked-toggle]", "[data-policy=continuous]", "[data-testid=budget]",
+            "[data-testid=pause]", "[data-testid=step]", "[data-testid=replay]", "[data-testid=scrub]",
+            "[data-testid=gantt]", "[data-testid=table-toggle]", "#bs-box-0 textarea", "#bs-send-0",
+            "#bs-lesson-text-1", "#bs-chat-0 [role=log]"}
+    with live_page(browser, server, {"width": 1366, "height": 768}) as pg:
+        pg.focus("#bs-lang input")
+        reached, hidden, unringed = set(), [], []
+        for _ in range(160):
+            pg.keyboard.press("Tab")
+            got = pg.evaluate("""(want) => { const e = document.activeElement, r = e.getBoundingClientRect();
+                const hit = want.find(s => document.querySelector(s) === e);
+                // 2.4.11: the focused control is not under anything (the sticky chat column included)
+                const x = Math.min(Math.max(r.left + r.width / 2, 0), innerWidth - 1),
+                      y = Math.min(Math.max(r.top + Math.min(r.height / 2, 10), 0), innerHeight - 1);
+                const top = document.elementFromPoint(x, y);
+                const s = getComputedStyle(e);
+                return {hit, covered: !!top && top !== e && !e.contains(top) && !top.contains(e),
+                        ring: (s.outlineStyle !== 'none' && parseFloat(s.outlineWidth) >= 2) || s.boxShadow !== 'none',
+                        inView: r.bottom > 0 && r.top < innerHeight, what: e.outerHTML.slice(0, 70)}; }""",
+                              sorted(want))
+            if got["hit"]:
+                reached.add(got["hit"])
+                if got["covered"] or not got["inView"]:
+                    hidden.append(got["what"])
+                if not got["ring"]:
+                    unringed.append(got["what"])
+            if reached == want:
+                break
+        assert reached == want, sorted(want - reached)
+        assert not hidden, hidden
+        assert not unringed, unringed
