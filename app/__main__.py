@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
 import logging
 import os
 import sys
@@ -24,6 +25,7 @@ from app.serving.service import EngineService
 from app.ui.plain_page import gradio_installed, mount_plain
 from engine import EngineConfig
 from engine.config import POLICIES
+from engine.scheduling.ngram import SpeculativeConfig
 
 # flag -> (config class, field, help). Defaults come from the dataclasses, so they are written down once.
 FLAGS = {
@@ -42,6 +44,9 @@ FLAGS = {
     "enforce-eager": (EngineConfig, "enforce_eager", "CUDA: no CUDA graphs, no torch.compile (1/true to set)"),
     "cpu-threads": (EngineConfig, "cpu_threads", "torch threads on CPU; default: one per core (1 helps on a busy 2-core box)"),
     "max-model-len": (EngineConfig, "max_model_len", "context length; default: the model's"),
+    "speculative-config": (EngineConfig, "speculative_config",
+                           "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+                           "\"prompt_lookup_max\": 4}'; default: off"),
     "step-delay": (ServerConfig, "step_delay", "seconds of pause after each step (slow motion)"),
     "served-model-name": (ServerConfig, "served_model_name", "model name shown by /v1/models"),
     "public-url": (ServerConfig, "public_url", "address students reach this server at, for the projector's join link "
@@ -72,7 +77,21 @@ def _bool(text: str) -> bool:
     raise ValueError(text)
 
 
-TYPES = {"int": int, "float": float, "int | None": int, "float | None": float, "bool": _bool}
+def speculative_json(text: str) -> dict:
+    """--speculative-config's JSON object, checked as EngineConfig checks it (the error names the key)."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    try:
+        SpeculativeConfig.of(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
+TYPES = {"int": int, "float": float, "int | None": int, "float | None": float, "bool": _bool,
+         "dict | SpeculativeConfig | None": speculative_json}
 
 
 def parse_args(argv: list[str] | None = None, env: dict | None = None, prog: str = "python -m app") -> argparse.Namespace:
@@ -95,6 +114,8 @@ def parse_args(argv: list[str] | None = None, env: dict | None = None, prog: str
                 default = kind(raw)
             except ValueError:
                 p.error(f"environment variable {var}={raw!r} is not a valid {kind.__name__}")
+            except argparse.ArgumentTypeError as e:
+                p.error(f"environment variable {var}: {e}")
         p.add_argument(f"--{flag}", dest=name, type=kind, default=default, metavar=flag.split("-")[-1].upper(),
                        choices=POLICIES if flag == "policy" else None,
                        help=f"{text} (env {var}; default {field.default!r})")

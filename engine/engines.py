@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from engine.config import EngineConfig
+from engine.errors import SpeculationRefused
 from engine.llm_engine import LLMEngine
 from engine.protocol import RequestInfo, RequestOutput, StepOutputs
 
@@ -42,6 +43,8 @@ class EngineSwitch:
         self._later: deque[Callable[[], None]] = deque()
         self.call_soon = call_soon or self._later.append
         disaggregated = config.policy == "disaggregated"
+        if disaggregated and config.speculative_config is not None:
+            raise SpeculationRefused()
         self.single = LLMEngine(replace(config, policy="chunked") if disaggregated else config)
         self.engine = self.single               # the engine new requests go to
         self.pair = None                        # a DisaggregatedEngine, once started and ready
@@ -109,14 +112,20 @@ class EngineSwitch:
 
     # ---- settings ----
     def set_policy(self, policy: str | None = None, max_num_batched_tokens: int | None = None,
-                   max_num_seqs: int | None = None, max_prefill_chunk=_UNSET):
+                   max_num_seqs: int | None = None, max_prefill_chunk=_UNSET, speculative_config=_UNSET):
         """Apply the settings to the engine of that setting; new requests go there. `disaggregated` the
-        first time starts the pair on a helper thread and returns at once (see pair_state)."""
+        first time starts the pair on a helper thread and returns at once (see pair_state). Speculative
+        decoding runs on the single engine only: asked of the pair, SpeculationRefused, and nothing changes."""
         self._run_later()
         budgets = dict(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         if max_prefill_chunk is not _UNSET:
             budgets["max_prefill_chunk"] = max_prefill_chunk
+        if speculative_config is not _UNSET:
+            budgets["speculative_config"] = speculative_config
         if policy == "disaggregated" or (policy is None and self.want_pair):
+            if budgets.pop("speculative_config", self.single.speculative) is not None:
+                raise SpeculationRefused()
+            self.single.speculative = None      # off here too: the pair's policy event says so for both
             self.want_pair = True
             if self.pair is None:
                 self.single.set_policy(None, **budgets)     # checks and keeps the budgets for the pair
@@ -147,8 +156,8 @@ class EngineSwitch:
         """Helper thread: two worker processes, each loading the model (seconds to a minute)."""
         from engine.disagg.router import DisaggregatedEngine
         try:
-            pair = DisaggregatedEngine(replace(self.config, policy="disaggregated"), t0=self.single.t0,
-                                       steps=self.single.steps)
+            pair = DisaggregatedEngine(replace(self.config, policy="disaggregated", speculative_config=None),
+                                       t0=self.single.t0, steps=self.single.steps)
         except Exception as e:
             log.exception("the disaggregated workers did not start")
             state = f"failed: {type(e).__name__}: {e}"       # e is gone once this block ends

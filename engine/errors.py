@@ -29,3 +29,12 @@ class ServiceUnavailable(Exception):
 
 class ShuttingDown(ServiceUnavailable):
     """The server is stopping: no new requests, and the ones in flight end with this reason."""
+
+
+class SpeculationRefused(ValueError):
+    """Speculative decoding asked of the disaggregated pair, which does not draft: its decode worker gets
+    each request's KV from the prefill worker, one token a step (a ValueError like every refused setting)."""
+
+    def __init__(self):
+        super().__init__("speculative_config: the disaggregated pair does not run speculative decoding; "
+                         "turn it off (null) or choose static, continuous or chunked")

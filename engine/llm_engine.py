@@ -25,10 +25,10 @@ import torch
 from engine.config import DTYPES, EngineConfig
 from engine.execution.model_runner import ModelRunner
 from engine.outputs.detokenizer import Detokenizer
-from engine.outputs.prompts import eos_ids, tokenize
+from engine.outputs.prompts import eos_ids
 from engine.outputs.records import KVState, PolicyEvent, read_batch, step_record
-from engine.outputs.requests import RequestBook, StepCounter
-from engine.protocol import RequestInfo, RequestOutput, StepOutputs
+from engine.outputs.requests import RequestBook, RequestFront, StepCounter
+from engine.protocol import StepOutputs
 from engine.sampling_params import SamplingParams
 from engine.scheduling.block_manager import BlockManager
 from engine.scheduling.ngram import SpeculativeConfig, propose
@@ -41,7 +41,7 @@ log = logging.getLogger("batchscope.engine")
 _UNSET = object()
 
 
-class LLMEngine:
+class LLMEngine(RequestFront):
     def __init__(self, config: EngineConfig | None = None, steps: StepCounter | None = None, **overrides):
         """overrides: EngineConfig fields. steps: another engine's step counter, to number as one stream."""
         config = replace(config, **overrides) if config else EngineConfig(**overrides)
@@ -78,18 +78,10 @@ class LLMEngine:
         self._rng = torch.Generator().manual_seed(config.seed)
         self.speculative = config.speculative_config      # engine/scheduling/ngram.py; None: off
 
-    def clock(self) -> float:
-        return time.perf_counter() - self.t0
-
     @property
     def requests(self) -> dict[str, Sequence]:
         """The live requests by id (ended ones are in self.book.done)."""
         return self.book.live
-
-    @property
-    def step_index(self) -> int:
-        """The number the next step record gets."""
-        return self.steps.value
 
     def share_clock(self, wall0: float):
         """Read the clock whose zero was at wall time wall0 (time.time()): another process's, so that
@@ -118,21 +110,6 @@ class LLMEngine:
         self.book.arrived(seq)
         return seq.id
 
-    def tokenize(self, prompt=None, messages=None, prompt_token_ids=None) -> list[int]:
-        return tokenize(self.tokenizer, self.vocab_size, self.max_model_len, self.model_name,
-                        prompt, messages, prompt_token_ids)
-
-    def get_request(self, request_id: str) -> Sequence:
-        """The request's whole state (engine-side readers and tests; app/ reads outputs instead)."""
-        return self.book.get(request_id)
-
-    def request_info(self, request_id: str) -> RequestInfo:
-        return self.book.info(request_id)
-
-    def take_outputs(self) -> list[RequestOutput]:
-        """What replies gained outside a step: an abort's last output (step() returns the rest)."""
-        return self.book.take_outputs()
-
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Stop a request and free its KV blocks. False if it had already ended."""
         seq = self.get_request(request_id)
@@ -140,9 +117,6 @@ class LLMEngine:
             return False
         self._abort(seq, "abort", reason)
         return True
-
-    def has_unfinished(self) -> bool:
-        return bool(self.book.live)
 
     # ---- a request moving between engines (the disaggregated pair's workers) ----
     def hold(self, seq: Sequence) -> bool:
@@ -167,22 +141,26 @@ class LLMEngine:
 
     # ---- settings ----
     def set_policy(self, policy: str | None = None, max_num_batched_tokens: int | None = None,
-                   max_num_seqs: int | None = None, max_prefill_chunk=_UNSET):
-        """Change the policy and budgets; takes effect at the next step. Nothing in flight is lost.
-        None (or leaving an argument out) keeps the current value; max_prefill_chunk=None removes the cap."""
+                   max_num_seqs: int | None = None, max_prefill_chunk=_UNSET, speculative_config=_UNSET):
+        """Change the policy, budgets and speculative decoding; takes effect at the next step. Nothing in
+        flight is lost. None (or leaving an argument out) keeps the current value; max_prefill_chunk=None
+        removes the cap, speculative_config=None turns speculation off (vLLM's dict form turns it on)."""
         s = self.scheduler
+        spec = self.speculative if speculative_config is _UNSET else SpeculativeConfig.of(speculative_config)
         keep = lambda new, old: old if new is None else new
         s.set_policy(resolve(keep(policy, s.policy_object)), keep(max_num_batched_tokens, s.token_budget),
                      keep(max_num_seqs, s.max_num_seqs),
                      s.max_prefill_chunk if max_prefill_chunk is _UNSET else max_prefill_chunk)
+        self.speculative = spec
         self.book.emit(PolicyEvent(self.step_index, self.clock(), **self.settings()))
 
     def set_speculative(self, speculative_config: dict | SpeculativeConfig | None):
         """Speculative decoding on (vLLM's dict form, checked) or off (None), from the next step."""
-        self.speculative = SpeculativeConfig.of(speculative_config)
+        self.set_policy(speculative_config=speculative_config)
 
     def settings(self) -> dict:
-        return self.scheduler.settings()
+        spec = self.speculative
+        return {**self.scheduler.settings(), "speculative_config": spec.to_dict() if spec else None}
 
     def stats(self) -> dict:
         return {**self.settings(), "model": self.model_name, "device": self.device,
@@ -192,13 +170,6 @@ class LLMEngine:
                 "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "live_requests": len(self.book.live), "step": self.step_index,
                 "prefix_cache_hit_tokens": self.block_manager.num_hit_tokens, **self.counters}
-
-    # ---- listeners: every StepRecord and event goes to each, as a dict of its own ----
-    def subscribe(self, fn):
-        self.book.listeners.subscribe(fn)
-
-    def unsubscribe(self, fn):
-        self.book.listeners.unsubscribe(fn)
 
     def _emit_request(self, seq: Sequence, event: str, t: float | None = None, **extra):
         self.book.emit_request(seq, event, t, **extra)
@@ -220,7 +191,8 @@ class LLMEngine:
         finished, error = self._run(batch) if batch.items else ([], None)
         t_end = self.clock()
         record = step_record(self.steps.take(), self.scheduler, batch, before, finished, error,
-                             (t_start, t_sched, t_items, t_end), self.clock, self.device_dtype)
+                             (t_start, t_sched, t_items, t_end), self.clock, self.device_dtype,
+                             self.speculative.num_speculative_tokens if self.speculative else None)
         self.counters["steps"] += 1
         return StepOutputs(self.book.emit(record), self.book.take_outputs())
 

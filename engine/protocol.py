@@ -101,7 +101,7 @@ class Engine(Protocol):
         """Change the settings from the next step on; None keeps a value. ValueError if refused."""
 
     def settings(self) -> dict:
-        """policy, max_num_batched_tokens, max_num_seqs, max_prefill_chunk in force."""
+        """policy, max_num_batched_tokens, max_num_seqs, max_prefill_chunk, speculative_config in force."""
 
     def stats(self) -> dict:
         """settings plus model, device, KV use, queue lengths, counters (the /api/engine state)."""

@@ -92,6 +92,8 @@ function drawGantt(gantt, resized) {
   const handovers = drawHandovers(g, win, rowIndex, rowH, plotW);
   const legend = document.querySelector("[data-testid=legend-handover]");
   if (legend) legend.hidden = !win.steps.some(R.worker);        // hand-overs: the disaggregated pair only
+  const drafts = document.querySelector("[data-testid=legend-drafts]");
+  if (drafts) drafts.hidden = !win.steps.some((s) => R.items(s).some(R.drafted));   // speculative decoding only
   if (win.axis === "step") drawGaps(g, win, avail);
   const markers = drawMarkers(g, win, TOP - 20, h - AXIS, true);
   // after the markers, so that no setting flag ever hides a slow step's duration
@@ -272,9 +274,39 @@ function drawEdge(g, color, x0, y, wid, hh) {
   g.strokeStyle = edgeOf(color); g.lineWidth = 1; g.strokeRect(x0 + 0.5, y + 0.5, wid - 1, hh - 1);
 }
 
+// a decode that verified drafts (speculative decoding): its cell cut into 1 + drafted slices, left to right
+// (top to bottom where too narrow): its own token solid, each kept draft solid with a paper dot, each
+// rejected draft paper with a cross in the reply's colour. Shape tells them apart, not colour alone.
+function drawDrafts(g, it, x0, y, wid, hh, color) {
+  const n = 1 + R.drafted(it), across = wid / n >= 4;
+  const sw = across ? wid / n : wid, sh = across ? hh : hh / n;
+  for (let k = 0; k < n; k++) {
+    const x = across ? x0 + k * sw : x0, yy = across ? y : y + k * sh;
+    const w = Math.max(1, sw - (across && k < n - 1 ? 1 : 0)), h = Math.max(1, sh - (!across && k < n - 1 ? 1 : 0));
+    const cx = x + w / 2, cy = yy + h / 2, r = Math.max(1, Math.min(w, h) / 3);
+    if (k <= R.accepted(it)) {
+      g.fillStyle = color; g.fillRect(x, yy, w, h);
+      if (k > 0) { g.fillStyle = C().paper; g.beginPath(); g.arc(cx, cy, r, 0, 2 * Math.PI); g.fill(); }
+    } else {
+      g.fillStyle = C().paper; g.fillRect(x, yy, w, h);
+      g.strokeStyle = color; g.lineWidth = 1.5;
+      g.beginPath(); g.moveTo(cx - r, cy - r); g.lineTo(cx + r, cy + r); g.moveTo(cx + r, cy - r); g.lineTo(cx - r, cy + r);
+      g.stroke();
+    }
+  }
+}
+
 function drawItem(g, it, axis, x0, y, wid, hh) {
   const color = colorOf(R.label(it));
-  if (R.isDecode(it) && (axis === "step" || wid < 8)) {
+  if (R.isDecode(it) && R.drafted(it) && axis === "step") {
+    drawDrafts(g, it, x0, y, wid, hh, color);
+    drawEdge(g, color, x0, y, wid, hh);
+  } else if (R.isDecode(it) && R.drafted(it)) {
+    // wall time: the wait for the step pale, then its own token and the drafts where they arrive, at its end
+    const tail = Math.min(wid, Math.max(6, 5 * (1 + R.drafted(it)))), alpha = g.globalAlpha;
+    g.globalAlpha = alpha * 0.35; g.fillStyle = color; g.fillRect(x0, y, wid - tail, hh); g.globalAlpha = alpha;
+    drawDrafts(g, it, x0 + wid - tail, y, tail, hh, color);
+  } else if (R.isDecode(it) && (axis === "step" || wid < 8)) {
     g.fillStyle = color; g.fillRect(x0, y, wid, hh);
     drawEdge(g, color, x0, y, wid, hh);
   } else if (R.isDecode(it)) {

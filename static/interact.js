@@ -2,7 +2,7 @@
 // zoom, axis). Playback is client-side: the store keeps every record, the view only moves a
 // cursor over them. chartFrame() is called once per animation frame by main.js.
 import { draw, fmtMs, handoverText, laneTitle, shrinkDue } from "./draw.js";
-import { onLang, t } from "./i18n.js";
+import { fmt, onLang, t } from "./i18n.js";
 import { layout, view } from "./layout.js";
 import { rec as R } from "./record.js";   // record fields are read through record.js
 import { store } from "./socket.js";
@@ -49,6 +49,8 @@ function rowLines(s, row) {
   if (row.header) return [laneTitle(row.lane)];
   const head = row.label + " (" + row.rid + ")", req = store.reqs.get(row.rid);
   if (row.lane && req && req.transfer) return [...rowLines(s, { ...row, lane: null }), t("tip.handover") + ": " + handoverText(req.transfer)];
+  if (it && R.isDecode(it) && R.drafted(it)) return [head + ": " + t("kind.decode") + ", " + t("tip.position") + " " + R.start(it),
+    fmt("tip.drafts", { n: R.drafted(it), kept: R.accepted(it), rejected: R.drafted(it) - R.accepted(it), got: R.tokensGiven(it) })];
   if (it && R.isDecode(it)) return [head + ": " + t("kind.decode") + ", " + t("tip.one") + ", " + t("tip.position") + " " + R.start(it)];
   if (it) {
     let l = head + ": " + t("kind.prefill") + " " + R.tokens(it) + " " + t("tip.tokens") + ", " + R.start(it) + "–" +

@@ -5,13 +5,15 @@
 //   TBT        = gap between consecutive tokens of one request
 //   stall      = a TBT during which a step listed the request in its `stalled` field
 //   percentile = linear interpolation between order statistics, at (n - 1) * q / 100
+//   tokens     = a verifying decode gives 1 + its accepted drafts, all at its step's end (gaps of 0)
+//   acceptance = accepted / drafted tokens of the stretch's verifying decodes
 //   transfer   = a KV hand-over (disaggregated) whose import ends (its event's t) within the
 //                stretch's time span and after the end of the step before it (on a boundary
 //                it counts in the earlier stretch): their count, p50/p99 seconds and summed bytes
 // A token's time is the end of the step that produced it. A stretch is a run of
 // consecutive steps under one setting (policy, token budget, max sequences).
 import { fmtBytes } from "./draw.js";
-import { lang, t } from "./i18n.js";
+import { fmt, lang, t } from "./i18n.js";
 import { view } from "./layout.js";
 import { colorOf } from "./palette.js";
 import { rec as R } from "./record.js";   // record fields are read through record.js
@@ -46,7 +48,7 @@ export function segments(upto) {
 export function segmentMetrics(seg) {
   const s0 = R.step(seg.first), s1 = R.step(seg.last), steps = store.steps;
   const ttft = [], tbt = [];
-  let stall = 0, tokens = 0, kv = 0, waiting = 0, busy = 0;
+  let stall = 0, tokens = 0, kv = 0, waiting = 0, busy = 0, drafted = 0, accepted = 0;
   for (const r of store.reqs.values()) {
     if (!r.tokens.length || r.lastStep < s0 || r.firstStep > s1) continue;
     const t0 = r.tokens[0];
@@ -62,6 +64,7 @@ export function segmentMetrics(seg) {
     kv = Math.max(kv, R.kvFill(s));
     waiting = Math.max(waiting, R.waiting(s));
     busy += R.dur(s);
+    for (const it of R.items(s)) { drafted += R.drafted(it); accepted += R.accepted(it); }
   }
   ttft.sort((a, b) => a - b); tbt.sort((a, b) => a - b);
   const span = R.tEnd(seg.last) - R.tStart(seg.first);
@@ -71,22 +74,25 @@ export function segmentMetrics(seg) {
   const xsec = xfers.map((x) => x.seconds).sort((a, b) => a - b);
   return {
     policy: R.policy(seg.first), budget: R.budget(seg.first), maxSeqs: R.maxSeqs(seg.first),
+    speculative: R.speculative(seg.first),
     steps: seg.end - seg.start + 1, from: s0, to: s1,
     ttft50: pct(ttft, 50), ttft99: pct(ttft, 99), tbt50: pct(tbt, 50), tbt99: pct(tbt, 99),
     stall, tps: span > 0 ? tokens / span : null, tokens, kvFill: kv, waiting, busy,
     transfers: xfers.length, transfer50: pct(xsec, 50), transfer99: pct(xsec, 99),
     transferBytes: xfers.reduce((a, x) => a + x.bytes, 0),
+    drafted, accepted, acceptance: drafted ? accepted / drafted : null,
   };
 }
 
 // one column of the server's table (app/readers/metrics.py stretches(), a summary, not a record: its
 // keys are that function's, named once here) in the shape segmentMetrics gives
 const SERVER_KEYS = {
-  policy: "policy", budget: "token_budget", maxSeqs: "max_num_seqs", steps: "num_steps", from: "first_step",
+  policy: "policy", budget: "token_budget", maxSeqs: "max_num_seqs", speculative: "speculative", steps: "num_steps", from: "first_step",
   to: "last_step", ttft50: "ttft_p50_s", ttft99: "ttft_p99_s", tbt50: "tbt_p50_s", tbt99: "tbt_p99_s",
   stall: "stall_max_s", tps: "output_tokens_per_s", tokens: "output_tokens", kvFill: "kv_used_max",
   waiting: "waiting_max", busy: "busy_s", transfers: "transfers", transfer50: "transfer_p50_s",
-  transfer99: "transfer_p99_s", transferBytes: "transfer_bytes",
+  transfer99: "transfer_p99_s", transferBytes: "transfer_bytes", drafted: "draft_tokens",
+  accepted: "accepted_tokens", acceptance: "acceptance_rate",
 };
 export function serverMetrics(x) {
   const out = { server: true };
@@ -116,6 +122,7 @@ function cellText(m, row) {
     case "waiting": return String(m.waiting);
     case "transfer": return m.transfers ? m.transfers + " · " + sec(m.transfer50) + " / " + sec(m.transfer99) + " · " +
       fmtBytes(m.transferBytes) : "–";
+    case "spec": return m.drafted ? (m.acceptance * 100).toFixed(1) + " % (" + m.accepted + " / " + m.drafted + ")" : "–";
   }
   return "";
 }
@@ -133,6 +140,7 @@ function cellValues(m, row) {
     case "kv": return [m.kvFill];
     case "waiting": return [m.waiting];
     case "transfer": return [m.transfers, m.transfer50, m.transfer99, m.transferBytes];
+    case "spec": return [m.acceptance, m.accepted, m.drafted];
   }
   return [];
 }
@@ -156,11 +164,13 @@ function drawTable() {
   for (const m of ms) {
     const th = el("th", null, "bs-seg bs-seg-" + m.policy);
     th.append(el("span", t("policy." + m.policy), "bs-seg-policy"), el("span", " · " + m.budget + " " + t("metrics.tok"), "bs-seg-budget"));
+    if (m.speculative) th.append(el("span", " · " + fmt("metrics.spec_k", { k: m.speculative }), "bs-seg-spec"));
     th.dataset.policy = m.policy;
     head.append(th);
   }
   // the KV hand-over line only where a setting in view had workers hand over
-  const rows = ms.some((m) => m.transfers) ? [...ROWS, "transfer"] : ROWS;
+  // and the speculative line only where one verified drafts
+  const rows = [...ROWS, ...(ms.some((m) => m.transfers) ? ["transfer"] : []), ...(ms.some((m) => m.drafted) ? ["spec"] : [])];
   const body = rows.map((row) => {
     const tr = el("tr");
     tr.dataset.metric = row;

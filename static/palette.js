@@ -172,6 +172,13 @@ export function drawSwatches(root) {
       g.beginPath(); g.arc(4, 3.5, 2.5, 0, 2 * Math.PI); g.fill();
       g.beginPath(); g.moveTo(4, 3.5); g.lineTo(w - 5, h - 4); g.stroke();
       g.beginPath(); g.moveTo(w - 2, h - 2); g.lineTo(w - 10, h - 5); g.lineTo(w - 6, h - 10); g.closePath(); g.fill();
+    } else if (kind === "drafts") {       // as draw.js drawDrafts: own token, a kept draft (dot), a rejected one (cross)
+      const sw = w / 3;
+      g.fillStyle = color; g.fillRect(0, 0, 2 * sw - 1, h);
+      g.fillStyle = "#fff"; g.beginPath(); g.arc(1.5 * sw, h / 2, 2.5, 0, 2 * Math.PI); g.fill();
+      g.strokeStyle = color; g.lineWidth = 1.5; g.strokeRect(2 * sw + 0.75, 0.75, sw - 1.5, h - 1.5);
+      g.beginPath(); g.moveTo(2 * sw + 2, h / 2 - 3); g.lineTo(w - 2, h / 2 + 3); g.moveTo(w - 2, h / 2 - 3);
+      g.lineTo(2 * sw + 2, h / 2 + 3); g.stroke();
     } else if (kind === "marker") {
       g.fillStyle = "#111"; g.fillRect(w / 2 - 1.5, 0, 3, h);
     }

@@ -35,8 +35,10 @@ export const rec = {
   worker: (s) => s.worker || null,
   threads: (s) => s.threads ?? null,    // disaggregated: torch threads of that worker (its share of the cores)
   lane: (s) => s.lane ?? null,          // a vLLM server with several data-parallel engines: the engine's rank
-  // a stretch of steps runs under one setting: policy, token budget, max sequences
-  settingKey: (s) => s.policy + "/" + s.token_budget + "/" + s.max_num_seqs,
+  // speculative decoding in force: the most tokens drafted per reply; null when off
+  speculative: (s) => s.speculative ?? null,
+  // a stretch of steps runs under one setting: policy, token budget, max sequences, speculative tokens
+  settingKey: (s) => s.policy + "/" + s.token_budget + "/" + s.max_num_seqs + "/" + (s.speculative ?? ""),
 
   // ---- step item ----
   req: (it) => it.req,
@@ -50,6 +52,11 @@ export const rec = {
   completesPrompt: (it) => !!it.completes_prompt,
   // a decode, or the prefill chunk that finishes the prompt, gives the request a token (app/readers/metrics.py)
   producesToken: (it) => it.kind === "decode" || !!it.completes_prompt,
+  // speculative decoding: drafted tokens a decode verified, and of those the ones its reply kept
+  drafted: (it) => it.drafted || 0,
+  accepted: (it) => it.accepted || 0,
+  // output tokens the item gave its reply: a verifying decode 1 + its accepted drafts (metrics.py tokens_given)
+  tokensGiven: (it) => (it.kind === "decode" || it.completes_prompt ? 1 + (it.accepted || 0) : 0),
 
   // ---- stall cause (one entry of a step's stall_causes) ----
   scReq: (sc) => sc.req,

@@ -54,6 +54,8 @@ function account(rec) {
     if (R.producesToken(it)) {
       const prev = r.tokens[r.tokens.length - 1];
       r.tokens.push({ t: tEnd, step, gap: prev ? tEnd - prev.t : null, stalled: !!prev && r.stalledSince });
+      // accepted drafts arrive with it: a gap of 0 each
+      for (let k = 1; k < R.tokensGiven(it); k++) r.tokens.push({ t: tEnd, step, gap: 0, stalled: false });
       r.stalledSince = false;
       if (r.first == null) r.first = tEnd;
     }

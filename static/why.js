@@ -220,7 +220,10 @@ function drawXray(steps) {
       "data-context": ctx, "data-blocks": blocks });
     const who = el("td"); const sw = el("span", "■ "); sw.style.color = colorOf(R.label(it));
     who.append(sw, document.createTextNode(R.label(it) + " (" + R.req(it) + ")"));
-    row.append(who, el("td", R.isDecode(it) ? t("kind.decode") : t("kind.prefill") + " " + R.tokens(it)),
+    const part = !R.isDecode(it) ? t("kind.prefill") + " " + R.tokens(it) : !R.drafted(it) ? t("kind.decode") :
+      fmt("xray.drafts", { n: R.drafted(it), kept: R.accepted(it), rejected: R.drafted(it) - R.accepted(it) });
+    if (R.drafted(it)) Object.assign(row.dataset, { drafted: R.drafted(it), accepted: R.accepted(it) });
+    row.append(who, el("td", part),
       el("td", R.start(it) === end ? String(end) : R.start(it) + "–" + end), el("td", String(ctx)), el("td", String(blocks)));
     return row;
   });

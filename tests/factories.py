@@ -11,8 +11,12 @@ def step(i, t0, t1, items, budget=256, waiting=0, max_num_seqs=16, stalled=(), p
             "kv": {"used": 4, "total": 64, "cached": 0, "block_size": 16}, **extra}
 
 
-def dec(req, start=10):
-    return {"req": req, "label": req.upper(), "kind": "decode", "tokens": 1, "start": start}
+def dec(req, start=10, drafted=0, accepted=0):
+    """A decode; with drafted > 0, one verifying that many drafts, of which `accepted` were kept."""
+    item = {"req": req, "label": req.upper(), "kind": "decode", "tokens": 1 + drafted, "start": start}
+    if drafted:
+        item.update(drafted=drafted, accepted=accepted)
+    return item
 
 
 def pre(req, n, start, prompt_len, cached=None):
@@ -64,18 +68,21 @@ def stall_stream(stall_s=1.0, tick=0.01):
 
 
 @st.composite
-def random_streams(draw):
+def random_streams(draw, speculative=False):
     """Engine-shaped streams: requests arrive, prefill in chunks, decode or are left out (stalled),
-    sometimes are preempted and recomputed; settings change now and then."""
+    sometimes are preempted and recomputed; settings change now and then. speculative: decodes verify
+    0 to k drafts and keep some, and k (the step's `speculative`, None: off) changes now and then too."""
     n_req = draw(st.integers(1, 5))
     state = {f"r{i}": "new" for i in range(n_req)}
     s, t = [], 0.0
     for i in range(n_req):
         s.append(arrived(f"r{i}", 0.0))
-    policy = "chunked"
+    policy, k = "chunked", 3 if speculative else None
     for i in range(draw(st.integers(1, 40))):
         if draw(st.booleans()) and draw(st.booleans()):
             policy = draw(st.sampled_from(["static", "continuous", "chunked"]))
+        if speculative and draw(st.booleans()) and draw(st.booleans()):
+            k = draw(st.sampled_from([None, 1, 3]))
         items, stalled, preempted = [], [], []
         for req, st_ in state.items():
             act = draw(st.sampled_from(["run", "run", "skip", "preempt"]))
@@ -85,13 +92,15 @@ def random_streams(draw):
                 state[req] = "decoding" if done else "new"
             elif st_ == "decoding":
                 if act == "run":
-                    items.append(dec(req))
+                    drafted = draw(st.integers(0, k)) if k else 0
+                    items.append(dec(req, drafted=drafted, accepted=draw(st.integers(0, drafted))))
                 elif act == "skip":
                     stalled.append(req)
                 else:
                     preempted.append(req)
                     state[req] = "new"
         dt = draw(st.floats(0.001, 1.0))
-        s.append(step(i, t, t + dt, items, stalled=stalled, preempted=preempted, policy=policy))
+        extra = {"speculative": k} if k else {}
+        s.append(step(i, t, t + dt, items, stalled=stalled, preempted=preempted, policy=policy, **extra))
         t += dt
     return s

@@ -52,6 +52,9 @@ def expected(m: dict) -> dict:
         "transfer": ([m["transfers"], m["transfer_p50_s"], m["transfer_p99_s"], m["transfer_bytes"]],
                      f"{m['transfers']} · {sec(m['transfer_p50_s'])} / {sec(m['transfer_p99_s'])} · "
                      f"{size(m['transfer_bytes'])}" if m["transfers"] else "–"),
+        "spec": ([m["acceptance_rate"], m["accepted_tokens"], m["draft_tokens"]],
+                 f"{fixed(m['acceptance_rate'] * 100, 1)} % ({m['accepted_tokens']} / {m['draft_tokens']})"
+                 if m["draft_tokens"] else "–"),
     }
     return rows
 
@@ -65,10 +68,11 @@ def check(page_cols: list[dict], stream: list[dict]):
     want = metrics.stretches(stream)[-MAX_COLUMNS:]
     assert [c["policy"] for c in page_cols] == [m["policy"] for m in want]
     handed_over = any(m["transfers"] for m in want)       # the KV hand-over line shows only then
+    drafted = any(m["draft_tokens"] for m in want)        # and the speculative line
     for col, m in zip(page_cols, want):
-        assert ("transfer" in col) == handed_over
+        assert ("transfer" in col) == handed_over and ("spec" in col) == drafted
         for row, (values, text) in expected(m).items():
-            if row == "transfer" and not handed_over:
+            if (row == "transfer" and not handed_over) or (row == "spec" and not drafted):
                 continue
             got = col[row]
             assert len(got["values"]) == len(values) and all(map(same, got["values"], values)), (m["policy"], row,

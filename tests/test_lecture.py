@@ -1,4 +1,4 @@
-"""A whole lecture: lessons 1 to 5 in order, then lesson 3 again.
+"""A whole lecture: every lesson in order, then lesson 3 again.
 
 Each lesson must set everything it needs and leave nothing behind, so its steps come out the
 same whatever ran before it: every pass is compared, step by step, with the same lesson run
@@ -24,7 +24,8 @@ from app.replay.scenarios import LESSONS, SETTING_KEYS
 FAST = {"static-vs-continuous": dict(reply_tokens=(2, 7, 3, 5, 2, 8, 1, 4)),
         "long-prompt-interrupts": dict(reply_tokens=8, doc_tokens=2, doc_at=6),
         "budget-shapes": dict(reply_tokens=4),
-        "split-prefill-decode": dict(reply_tokens=8, doc_tokens=2, doc_at=6)}
+        "split-prefill-decode": dict(reply_tokens=8, doc_tokens=2, doc_at=6),
+        "speculative-room": dict(reply_tokens=48, room_at=6, room_tokens=24)}
 STEP_DELAY = 0.0
 
 
@@ -98,8 +99,8 @@ def per_worker(steps: list[dict]) -> Counter:
     return out
 
 
-def test_lessons_one_to_five_then_three_again_each_as_if_alone(tiny_model):
-    order = [1, 2, 3, 4, 5, 3]
+def test_every_lesson_then_three_again_each_as_if_alone(tiny_model):
+    order = [*range(1, len(LESSONS) + 1), 3]
     lecture = run_lessons(order, str(tiny_model))
     alone = {k: run_lessons([k], str(tiny_model))[0] for k in sorted(set(order))}
     for run in lecture:
@@ -107,10 +108,10 @@ def test_lessons_one_to_five_then_three_again_each_as_if_alone(tiny_model):
         got, want = passes(run), passes(alone[k])
         assert [e["policy"] for e, _ in got] == list(lesson.policies), (k, [e["policy"] for e, _ in got])
         assert len(want) == len(got)
-        for (event, steps), (_, ref) in zip(got, want):
+        for index, ((event, steps), (_, ref)) in enumerate(zip(got, want)):
             # the setting in force is the lesson's, all of it (the chunk cap of lesson 4 included)
             setting = {key: event[key] for key in SETTING_KEYS}
-            assert setting == ui_setting(lesson, event["policy"]), (k, setting)
+            assert setting == ui_setting(lesson, event["policy"], index), (k, setting)
             if event["policy"] == "disaggregated":
                 assert per_worker(steps) == per_worker(ref), k
                 assert {s.get("worker") for s in steps} == {"prefill", "decode"}
@@ -118,6 +119,22 @@ def test_lessons_one_to_five_then_three_again_each_as_if_alone(tiny_model):
                 assert [shape(s) for s in steps] == [shape(s) for s in ref], (k, event["policy"])
 
 
-def ui_setting(lesson, policy: str) -> dict:
+def ui_setting(lesson, policy: str, index: int = 0) -> dict:
     from app.replay.scenarios import get_scenario
-    return lesson.setting(get_scenario(lesson.scenario, **FAST[lesson.scenario]), policy, STEP_DELAY)
+    return lesson.setting(get_scenario(lesson.scenario, **FAST[lesson.scenario]), policy, STEP_DELAY, index)
+
+
+def test_the_speculative_lesson_after_another_runs_as_alone_and_leaves_speculation_off(tiny_model):
+    """The last lesson (speculation off, then on) after lesson 1 takes the same steps as alone, drafts in
+    its second pass only, and lesson 3 after it runs as alone: nothing of its speculation stays behind."""
+    k = len(LESSONS)
+    lecture = run_lessons([1, k, 3], str(tiny_model))
+    alone = {n: run_lessons([n], str(tiny_model))[0] for n in (k, 3)}
+    for run in lecture[1:]:
+        got, want = passes(run), passes(alone[run["lesson"]])
+        assert [[shape(s) for s in steps] for _, steps in got] == [[shape(s) for s in steps] for _, steps in want]
+    (off, off_steps), (on, on_steps) = passes(lecture[1])
+    assert off["speculative_config"] is None and on["speculative_config"]["num_speculative_tokens"] == 3
+    assert not any(i.get("drafted") for s in off_steps for i in s["items"])
+    assert any(i.get("drafted") for s in on_steps for i in s["items"])
+    assert passes(lecture[2])[0][0]["speculative_config"] is None

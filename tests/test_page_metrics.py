@@ -53,6 +53,17 @@ def test_recorded_disaggregated_trace_page_table_matches_python(stage):
     check(stage(objs), objs)
 
 
+def test_recorded_speculative_trace_page_table_matches_python(stage):
+    """A real speculative run (tests/data/spec_trace.json, `python -m tests.record_spec_trace`): the same
+    traffic without then with n-gram drafts, two stretches, the acceptance line in both."""
+    objs = trace.load(Path(__file__).parent / "data" / "spec_trace.json")
+    off, on = metrics.stretches(objs)
+    assert off["draft_tokens"] == 0 and 0 < on["accepted_tokens"] < on["draft_tokens"]
+    assert off["output_tokens"] == on["output_tokens"]          # the same replies, in fewer steps
+    assert on["num_steps"] < off["num_steps"]
+    check(stage(objs), objs)
+
+
 def test_preemption_stream_page_table_matches_python(stage):
     """The case the two old stall definitions disagreed on: a's wait after its preemption."""
     from tests.factories import arrived, dec, pre, step
@@ -77,6 +88,35 @@ def test_random_streams_page_table_matches_python(stage):
         check(stage(s), s)
 
     one()
+
+
+def test_random_speculative_streams_page_table_matches_python(stage):
+    """Speculative decoding: decodes that verify drafts give 1 + accepted tokens each, the acceptance line
+    shows, and a change of the drafts' bound starts a stretch, on the page as in Python."""
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(random_streams(speculative=True))
+    def one(s):
+        check(stage(s), s)
+
+    one()
+
+
+def test_a_verifying_decode_counts_its_accepted_tokens():
+    """Python's side alone: 1 + accepted tokens at the step's end, the first with the gap, the rest 0 s apart."""
+    from tests.factories import arrived, dec, pre, step
+    s = [arrived("a", 0.0), step(0, 0.0, 0.1, [pre("a", 4, 0, 4)]),
+         step(1, 0.1, 0.3, [dec("a", 4, drafted=3, accepted=2)], speculative=3),
+         step(2, 0.3, 0.4, [dec("a", 7, drafted=3, accepted=0)], speculative=3),
+         step(3, 0.4, 0.5, [dec("a", 8)])]
+    assert metrics.tbts(s)["a"] == pytest.approx([0.2, 0.0, 0.0, 0.1, 0.1])
+    m = metrics.stretches(s)
+    assert [x["speculative"] for x in m] == [None, 3, None]
+    assert (m[1]["output_tokens"], m[1]["draft_tokens"], m[1]["accepted_tokens"]) == (4, 6, 2)
+    assert m[1]["acceptance_rate"] == pytest.approx(2 / 6) and m[0]["acceptance_rate"] is None
+    assert metrics.summarize(s)["acceptance_rate"] == pytest.approx(2 / 6)
+    assert metrics.summarize(s)["tbt_mean_s"] == pytest.approx(0.4 / 5)
 
 
 def test_random_kv_hand_overs_page_table_matches_python(stage):

@@ -36,6 +36,29 @@ def test_flags_environment_and_defaults():
             parse_args(argv, env=env)
 
 
+def test_speculative_config_flag_takes_vllms_json(capsys):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    assert parse_args(["--speculative-config", spec], env={}).speculative_config == json.loads(spec)
+    assert parse_args([], env={"BATCHSCOPE_SPECULATIVE_CONFIG": spec}).speculative_config["prompt_lookup_max"] == 4
+    assert parse_args([], env={}).speculative_config is None
+    for argv, env, words in [(["--speculative-config", spec[:-1]], {}, "not valid JSON"),
+                             (["--speculative-config", spec.replace("prompt_lookup_max", "lookup")], {}, "'lookup'"),
+                             (["--speculative-config", "[3]"], {}, "must be a dict"),
+                             ([], {"BATCHSCOPE_SPECULATIVE_CONFIG": '{"method": "eagle"}'}, "'method'")]:
+        with pytest.raises(SystemExit) as done:
+            parse_args(argv, env=env)
+        assert done.value.code == 2 and words in capsys.readouterr().err, (argv, env)
+
+
+def test_the_pair_refuses_speculation_before_loading_anything():
+    from engine import EngineConfig
+    from engine.engines import EngineSwitch
+    from engine.errors import SpeculationRefused
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    with pytest.raises(SpeculationRefused, match="disaggregated pair does not run speculative decoding"):
+        EngineSwitch(EngineConfig(policy="disaggregated", speculative_config=spec))
+
+
 def test_server_config_is_checked():
     assert ServerConfig(presenter_key="").presenter_key is None
     assert ServerConfig(max_tokens_cap=100).default_max_tokens == 100

@@ -266,3 +266,60 @@ def test_tiny_models_with_drafts_match_transformers(tmp_path, arch):
         for p, ref, r in zip(prompts, refs, rids):
             assert eng.get_request(r).output_token_ids == ref, f"{arch} {policy}: prompt of {len(p)} tokens"
         assert eng.block_manager.num_used == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**31), k=st.integers(1, 5), vocab=st.integers(2, 6), penalty=st.sampled_from([1.0, 1.3]),
+       min_tokens=st.integers(0, 4), data=st.data())
+def test_greedy_verification_is_one_by_one_decoding(seed, k, vocab, penalty, min_tokens, data):
+    """Search: any logits, any drafts, a repetition penalty and min_tokens that change each row by what came
+    before it: verify() gives the tokens that decoding one row at a time (sample()) gives, up to the first miss."""
+    from engine.execution.sampler import sample
+    logits = torch.randn(k + 1, vocab, generator=torch.Generator().manual_seed(seed)) * 2
+    drafts = data.draw(st.lists(st.integers(0, vocab - 1), min_size=k, max_size=k))
+    params = SamplingParams(max_tokens=20, repetition_penalty=penalty, min_tokens=min_tokens)
+    out = verify(logits, Sequence("r", "r", [0, 1], params, 0.0, output_token_ids=[1]), drafts, frozenset({0}))
+    expected = []
+    for i in range(k + 1):
+        one = Sequence("r", "r", [0, 1], params, 0.0, output_token_ids=[1, *expected])
+        token = sample(logits[i:i + 1], [one], frozenset({0}))[0]
+        expected.append(token)
+        if i == k or token != drafts[i]:
+            break
+    assert out == expected
+
+
+@pytest.mark.model
+def test_a_stop_inside_an_accepted_run_ends_the_reply_there(default_engine_fp32):
+    """A stop token among the drafts a step kept ends the reply at it, as without drafts, and the step
+    record counts only the tokens the reply kept (`accepted` + 1 of them)."""
+    eng = default_engine_fp32
+    ids = eng.tokenize(messages=[{"role": "user", "content": "Repeat this list three times: red apple, green "
+                                                              "pear, yellow lemon, purple plum."}])
+
+    def run(spec, stop):
+        steps = []
+        eng.subscribe(steps.append)
+        eng.set_speculative(spec)
+        try:
+            r = eng.add_request(prompt_token_ids=ids, params=SamplingParams(max_tokens=40, stop_token_ids=stop,
+                                                                       ignore_eos=True))
+            while eng.has_unfinished():
+                eng.step()
+        finally:
+            eng.set_speculative(None)
+            eng.unsubscribe(steps.append)
+        items = [it for s in steps if s.get("type") == "step" for it in s["items"] if it["req"] == r]
+        return eng.get_request(r).output_token_ids, items
+
+    out, items = run(SPEC, [])
+    # a step that kept two drafts or more; its second kept token, seen nowhere earlier in the reply, becomes a stop
+    runs = [(it["start"] + 1 - len(ids), it["accepted"]) for it in items if it.get("accepted", 0) >= 2]
+    first, _ = next((i, a) for i, a in runs if out[i + 1] not in out[:i + 1])
+    stop = out[first + 1]
+    plain, _ = run(None, [stop])
+    spec_out, spec_items = run(SPEC, [stop])
+    assert spec_out == plain == out[:first + 2]
+    last = spec_items[-1]
+    assert last["accepted"] == 1 and last["drafted"] >= 2, last
+    assert sum(1 + it.get("accepted", 0) for it in spec_items if it["kind"] == "decode") + 1 == len(spec_out)

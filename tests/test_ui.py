@@ -37,10 +37,12 @@ def test_every_string_exists_in_both_languages():
 def test_every_lesson_has_its_words_a_scenario_and_known_policies():
     from app.ui.page import LESSONS
     from engine.config import POLICIES
-    assert [x.policies[-1] for x in LESSONS] == ["static", "continuous", "chunked", "chunked", "disaggregated"]
+    assert [x.policies[-1] for x in LESSONS][:5] == ["static", "continuous", "chunked", "chunked", "disaggregated"]
+    assert LESSONS[-1].scenario == "speculative-room"
     for k, lesson in enumerate(LESSONS, 1):
         assert lesson.policies and set(lesson.policies) <= set(POLICIES) and lesson.scenario in SCENARIOS
-        assert all(f"step{k}" in TEXT[code] and f"step{k}_btn" in TEXT[code] for code in LANGS.values())
+        key = lesson.text_key(k)
+        assert all(key in TEXT[code] and f"{key}_btn" in TEXT[code] for code in LANGS.values())
 
 
 def test_every_lesson_pass_states_its_full_setting_and_the_caption_shows_it():
@@ -50,8 +52,8 @@ def test_every_lesson_pass_states_its_full_setting_and_the_caption_shows_it():
     from engine.config import EngineConfig
     for k, lesson in enumerate(LESSONS):
         sc = get_scenario(lesson.scenario)
-        for policy in lesson.policies:
-            s = lesson.setting(sc, policy, 0.25)
+        for i, policy in enumerate(lesson.policies):
+            s = lesson.setting(sc, policy, 0.25, i)
             assert set(s) == set(SETTING_KEYS) and s["policy"] == policy and s["step_delay"] == 0.25
             EngineConfig(**{key: s[key] for key in SETTING_KEYS if key not in ("policy", "step_delay")})
             assert s["max_prefill_chunk"] == (4 if lesson.scenario == "budget-shapes" else None)
@@ -59,6 +61,9 @@ def test_every_lesson_pass_states_its_full_setting_and_the_caption_shows_it():
                 assert "250 ms" in setting_line(code, s)
     assert "no chunk cap" in setting_line("en", LESSONS[0].setting(get_scenario(LESSONS[0].scenario), "static", 0))
     assert "at most 4 tokens" in setting_line("en", LESSONS[3].setting(get_scenario("budget-shapes"), "chunked", 0))
+    spec = LESSONS[-1]          # speculation off, then on: the caption names both
+    lines = [setting_line("en", spec.setting(get_scenario(spec.scenario), p, 0, i)) for i, p in enumerate(spec.policies)]
+    assert "no speculation" in lines[0] and "up to 3 drafted tokens, matches of 1–3 tokens" in lines[1]
 
 
 def test_stage_has_the_test_ids_and_the_i18n_keys_it_uses():

@@ -259,3 +259,29 @@ def test_compare_reads_a_saved_log_with_the_live_budgets(tmp_path):
     (tmp_path / "viewer.json").write_text(json.dumps({"records": []}))
     with pytest.raises(SystemExit, match="not an arrival log"):
         saved_session(str(tmp_path / "viewer.json"))
+
+
+def test_the_speculative_lessons_traffic_replays_without_and_with_speculation(tiny_model):
+    """The speculative lesson's arrivals, served live with speculation, replayed by the what-if job: a
+    setting that does not ask for speculation runs without it (even where the live engine was started with
+    it), one that asks runs with it; both produce every token (1 + accepted per verifying decode counted)."""
+    from app.replay.scenarios import LESSON_SPECULATION, get_scenario
+    from app.replay.whatif import WhatIfJob
+    from demos.compare.runner import run_scenario
+    from engine import EngineConfig, LLMEngine
+    config = EngineConfig(model=str(tiny_model), dtype="float32", kv_cache_gb=0.1,
+                          speculative_config=LESSON_SPECULATION)
+    scenario = get_scenario("speculative-room", reply_tokens=64, room=3, room_at=4, room_tokens=40)
+    actual = run_scenario(LLMEngine(config), scenario).stream
+    assert metrics.summarize(actual)["draft_tokens"] > 0
+    with pytest.raises(WhatIfError, match="'lookup'"):
+        check_settings([{"speculative_config": {**LESSON_SPECULATION, "lookup": 2}}])
+    settings = check_settings([{"policy": "chunked"}, {"policy": "chunked", "speculative_config": LESSON_SPECULATION}])
+    job = WhatIfJob(scenario, actual, settings, config, {"settings": {"policy": "chunked"}})
+    while job.slice():
+        pass
+    assert job.error is None and job.progress["fraction"] == 1.0
+    off, on = (m["metrics"] for m in job.result["whatif"])
+    assert off["draft_tokens"] == 0 and off["acceptance_rate"] is None and on["draft_tokens"] > 0
+    assert off["output_tokens"] == on["output_tokens"] == scenario.total_output_tokens
+    assert "speculation k=3" in list(job.report_runs())[2]

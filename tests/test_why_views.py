@@ -153,6 +153,26 @@ def test_xray_of_a_picked_step_lists_exactly_its_items_live_and_paused(page):
     assert n == len(analysis.cost_points([r for r in objs if r.get("type") != "step" or r["step"] <= mixed["step"]]))
 
 
+def test_the_xray_and_the_chart_name_a_verifying_decodes_kept_and_rejected_drafts(page):
+    objs = trace.load(Path(__file__).parent / "data" / "spec_trace.json")
+    pg = page(objs)
+    rec = next(r for r in metrics.steps(objs)
+               if any(0 < i.get("accepted", 0) < i.get("drafted", 0) for i in r["items"]))
+    pg.evaluate("(n) => BS.play.seek(n)", rec["step"])
+    pg.evaluate("(n) => BS.onStepClick(BS.store.steps.find((s) => s.step === n))", rec["step"])
+    pg.wait_for_function("(n) => document.querySelector('[data-testid=step-xray]').dataset.step == n", arg=rec["step"])
+    rows = pg.evaluate("""() => [...document.querySelectorAll('[data-testid=step-xray] tr[data-req]')].map((r) =>
+        ({req: r.dataset.req, drafted: r.dataset.drafted, accepted: r.dataset.accepted, text: r.cells[1].textContent}))""")
+    for it, row in zip(rec["items"], rows):
+        if it.get("drafted"):
+            kept, rejected = it["accepted"], it["drafted"] - it["accepted"]
+            assert (row["drafted"], row["accepted"]) == (str(it["drafted"]), str(kept))
+            assert row["text"] == f"decode + {it['drafted']} drafts: {kept} kept ●, {rejected} rejected ×"
+        else:
+            assert row["drafted"] is None
+    assert pg.evaluate("() => !document.querySelector('[data-testid=legend-drafts]').hidden")
+
+
 def test_a_clicked_chart_column_opens_in_the_xray_and_stalls_link_to_their_cause(page):
     objs = trace.load(TRACE)
     pg = page(objs)

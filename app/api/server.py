@@ -35,6 +35,7 @@ class EngineUpdate(BaseModel):
     max_num_seqs: int | None = None
     max_prefill_chunk: int | None = None    # null switches the cap off; leave it out to keep it
     step_delay: float | None = None
+    speculative_config: dict | None = None  # vLLM's form; null switches speculation off; leave it out to keep it
 
 
 def create_app(service: EngineService, manage_service: bool = True) -> FastAPI:

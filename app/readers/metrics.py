@@ -13,6 +13,11 @@ trace and a GPU run give the same numbers.
 
   token time   t_end of a step in which one of the request's items produced a
                token: a decode item, or a prefill item with completes_prompt.
+               A decode verifying drafts (speculative decoding) produces
+               1 + `accepted` tokens at once: the first has the gap since the
+               reply's previous token as its TBT, the others a TBT of 0.
+  acceptance rate   speculative decoding: accepted / drafted tokens, summed over
+               the decode items that verified drafts (None when none did).
   TTFT         first token time - arrival time (the request's "arrived" event).
   TBT          gap between consecutive tokens of one request (vLLM's ITL).
   longest gap  the largest TBT.
@@ -34,8 +39,10 @@ trace and a GPU run give the same numbers.
                the value at position (n - 1) * q / 100 of the sorted sample.
                Empty samples give None.
   stretch      a maximal run of consecutive step records (in step order) under
-               one setting (policy, token budget, max sequences); the page's
-               metrics table has one column per stretch.
+               one setting (policy, token budget, max sequences, speculative
+               tokens); the page's metrics table has one column per stretch.
+  mean TBT     the mean of the TBTs: per reply, (last - first token) / (tokens - 1),
+               weighted by tokens; what speculative decoding shortens.
   output tokens/s   all output tokens / (last token time - first arrival).
   budget fill  step num_tokens / token_budget (above 1 when a whole prompt
                longer than the budget runs in one step).
@@ -99,6 +106,21 @@ def produces_token(item: dict) -> bool:
     return item["kind"] == "decode" or bool(item.get("completes_prompt"))
 
 
+def tokens_given(item: dict) -> int:
+    """Output tokens a step's item gave its reply: a verifying decode 1 + its accepted drafts."""
+    return 1 + (item.get("accepted") or 0) if produces_token(item) else 0
+
+
+def acceptance_rate(drafted: int, accepted: int) -> float | None:
+    return accepted / drafted if drafted else None
+
+
+def drafts(recs: Iterable[dict]) -> tuple[int, int]:
+    """(drafted, accepted) tokens over the decode items of these step records."""
+    items = [it for r in recs for it in r["items"] if it.get("drafted")]
+    return sum(it["drafted"] for it in items), sum(it.get("accepted") or 0 for it in items)
+
+
 class TokenClock:
     """The tokens of each step as it comes (steps in step order): the one place a TBT and a stall are made."""
 
@@ -113,6 +135,7 @@ class TokenClock:
                 req, prev = item["req"], self.last.get(item["req"])
                 gap = rec["t_end"] - prev if prev is not None else None
                 out.append((req, Token(rec["step"], rec["t_end"], gap, gap is not None and req in self.left_out)))
+                out.extend((req, Token(rec["step"], rec["t_end"], 0.0, False)) for _ in range(tokens_given(item) - 1))
                 self.last[req] = rec["t_end"]
                 self.left_out.discard(req)
         self.left_out.update(rec.get("stalled", ()))
@@ -136,6 +159,23 @@ def tokens(stream: Iterable[dict]) -> dict[str, list[Token]]:
 
 def token_times(stream: Iterable[dict]) -> dict[str, list[float]]:
     return {req: [tk.t for tk in tks] for req, tks in tokens(stream).items()}
+
+
+def tbt_by_streams(stream: Iterable[dict], reqs: Iterable[str] | None = None) -> dict[int, float]:
+    """Mean TBT of the tokens of decode-only steps, by how many replies (streams) such a step decoded:
+    {1: s, 16: s, ...}. reqs: count only their tokens (and steps that ran any of them)."""
+    keep = set(reqs) if reqs is not None else None
+    gaps_at: dict[int, list[float]] = {}
+    clock = TokenClock()
+    for rec in steps(stream):
+        new = clock.step(rec)
+        items = rec["items"]
+        if not items or any(it["kind"] != "decode" for it in items):
+            continue
+        for req, tk in new:
+            if tk.gap is not None and (keep is None or req in keep):
+                gaps_at.setdefault(len(items), []).append(tk.gap)
+    return {n: sum(g) / len(g) for n, g in sorted(gaps_at.items())}
 
 
 def arrivals(stream: Iterable[dict]) -> dict[str, float]:
@@ -230,6 +270,7 @@ def latency_summary(arrival: dict[str, float], times: dict[str, list[float]]) ->
         "output_tokens_per_s": n_out / duration if duration else None,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "ttft_max_s": max(ttft, default=None),
         "tbt_p50_s": percentile(tbt, 50), "tbt_p99_s": percentile(tbt, 99), "tbt_max_s": max(tbt, default=None),
+        "tbt_mean_s": sum(tbt) / len(tbt) if tbt else None,
     }
 
 
@@ -245,6 +286,7 @@ def summarize(stream: Iterable[dict], reqs: Iterable[str] | None = None) -> dict
     if keep is not None:
         mine = latency_summary({r: t for r, t in arr.items() if r in keep}, {r: t for r, t in times.items() if r in keep})
         out.update({k: v for k, v in mine.items() if k.startswith(("ttft", "tbt")) or k == "requests"})
+    drafted, accepted = drafts(recs)
     stall = [tk.gap for req, st in stalls(stream).items() if keep is None or req in keep for tk in st]
     fills = [f for _, _, f in budget_fill(stream)]
     waiting_slots = [r["max_num_seqs"] - len(r["items"]) for r in recs if r.get("waiting", 0) > 0]
@@ -257,6 +299,7 @@ def summarize(stream: Iterable[dict], reqs: Iterable[str] | None = None) -> dict
         # slots left empty in steps where a request was waiting: static batching's waste
         "idle_slots_while_waiting": sum(waiting_slots),
         "cached_prompt_tokens": sum(i.get("cached", 0) for r in recs for i in r["items"]),
+        "draft_tokens": drafted, "accepted_tokens": accepted, "acceptance_rate": acceptance_rate(drafted, accepted),
     })
     out.update({"kv_" + k: v for k, v in transfer_summary(events(stream, "kv_transfer")).items()})
     return out
@@ -307,7 +350,7 @@ def user_rows(stream: Iterable[dict], reqs: Iterable[str] | None = None) -> list
 
 # ---- per-setting stretches: the page's metrics table ----
 def setting(rec: dict) -> tuple:
-    return rec["policy"], rec["token_budget"], rec["max_num_seqs"]
+    return rec["policy"], rec["token_budget"], rec["max_num_seqs"], rec.get("speculative")
 
 
 def stretches(stream: Iterable[dict]) -> list[dict]:
@@ -361,7 +404,7 @@ class _Run:
 
     def __init__(self, first: dict, after: float | None):
         self.setting, self.first, self.last, self.after = setting(first), first, first, after
-        self.num_steps = self.output_tokens = self.waiting_max = 0
+        self.num_steps = self.output_tokens = self.waiting_max = self.drafted = self.accepted = 0
         self.ttft: list[float] = []
         self.tbt: list[float] = []
         self.stall_max = self.kv_used_max = self.busy = 0.0
@@ -383,17 +426,22 @@ class _Run:
         self.kv_used_max = max(self.kv_used_max, kv["used"] / kv["total"] if kv["total"] else 0.0)
         self.waiting_max = max(self.waiting_max, rec["waiting"])
         self.busy += rec["t_end"] - rec["t_start"]
+        drafted, accepted = drafts([rec])
+        self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
 
     def summary(self, moved: list[dict]) -> dict:
         if self._summary is None or self._summary["num_steps"] != self.num_steps:     # grown since
             span = self.last["t_end"] - self.first["t_start"]
-            policy, budget, max_seqs = self.setting
+            policy, budget, max_seqs, speculative = self.setting
             self._summary = {
-                "policy": policy, "token_budget": budget, "max_num_seqs": max_seqs,
+                "policy": policy, "token_budget": budget, "max_num_seqs": max_seqs, "speculative": speculative,
                 "first_step": self.first["step"], "last_step": self.last["step"], "num_steps": self.num_steps,
                 "ttft_p50_s": percentile(self.ttft, 50), "ttft_p99_s": percentile(self.ttft, 99),
                 "tbt_p50_s": percentile(self.tbt, 50), "tbt_p99_s": percentile(self.tbt, 99),
                 "longest_gap_s": max(self.tbt, default=None),
+                "tbt_mean_s": sum(self.tbt) / len(self.tbt) if self.tbt else None,
+                "draft_tokens": self.drafted, "accepted_tokens": self.accepted,
+                "acceptance_rate": acceptance_rate(self.drafted, self.accepted),
                 "stall_max_s": self.stall_max,
                 "output_tokens": self.output_tokens,
                 "output_tokens_per_s": self.output_tokens / span if span > 0 else None,

@@ -238,6 +238,35 @@ def budget_shapes(reply_tokens: int = 12) -> Scenario:
     )
 
 
+# replies that repeat their prompt (an edit, a copy, code with its identifiers): where prompt lookup guesses right
+COPY_TASKS = (
+    "Repeat this shopping list, one item per line: apples, bread, milk, eggs, cheese, butter, rice, beans, tea.",
+    "Rename the variable count to total in this Python code and write out the whole code:\n\n"
+    "def add_items(items):\n    count = 0\n    for item in items:\n        count = count + item\n    return count\n",
+    "Fix the spelling in this sentence and write it out again: The quick brwon fox jumpd over the lazzy dog "
+    "by the river bank, and the lazzy dog did not wake up.",
+    "Write this address again, one part per line: Harbour Road 12, Port Ellen, Isle of Islay, Scotland.",
+)
+
+
+def speculative_room(reply_tokens: int = 48, room: int = 15, room_at: int = 24, room_tokens: int = 24) -> Scenario:
+    """One user alone, then the room: copy-and-edit tasks at 1 stream and at 1 + room streams."""
+    arrivals = [Arrival(at=0, label="Solo", max_tokens=reply_tokens, messages=_chat(COPY_TASKS[0]))]
+    arrivals += [Arrival(at=room_at, label=f"R{i + 1}", max_tokens=room_tokens,
+                         messages=_chat(COPY_TASKS[(i + 1) % len(COPY_TASKS)]))
+                 for i in range(room)]
+    return Scenario(
+        name="speculative-room",
+        description=("Solo asks for a list to be copied, alone; at step " + str(room_at) + f", {room} more users ask for "
+                     "copies and edits. With n-gram speculation, a reply's next tokens are guessed from its own "
+                     "context and checked in the same forward pass: alone, a step costs about the same with three "
+                     "guesses more, so each kept guess shortens the time between tokens. With the room busy, "
+                     "every reply's guesses spend the token budget: steps grow, and everyone waits longer for "
+                     "each of them (SmartSpec)."),
+        arrivals=tuple(arrivals), focus="Solo",
+        engine={"max_num_batched_tokens": 256, "max_num_seqs": 16, "max_prefill_chunk": None})
+
+
 SCENARIOS = {
     "budget-shapes": budget_shapes,
     "long-prompt-interrupts": long_prompt_interrupts,
@@ -245,12 +274,14 @@ SCENARIOS = {
     "static-vs-continuous": static_vs_continuous,
     "bursty": bursty,
     "shared-system-prompt": shared_system_prompt,
+    "speculative-room": speculative_room,
 }
 
 
 # ---- the lessons: a scenario and the full setting of each of its passes ----
 
-SETTING_KEYS = ("policy", "max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk", "step_delay")
+SETTING_KEYS = ("policy", "max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk", "step_delay",
+                "speculative_config")
 
 
 @dataclass(frozen=True)
@@ -261,25 +292,44 @@ class Lesson:
     earlier lesson, scenario or presenter changed survives into it: the
     scenario's budgets, its chunk cap or none, and the step delay the server
     was started with (its --step-delay) unless the lesson names its own.
-    Its texts are app/ui/text.py's step{k} and step{k}_btn.
+    Its texts are app/ui/text.py's step{k} and step{k}_btn, k its place in LESSONS (from 1).
+    `speculative`, where given, is each pass's speculative_config in turn (None: off, as every pass
+    of a lesson without it).
     """
     scenario: str
     policies: tuple[str, ...]
     step_delay: float | None = None          # seconds; None: the server's own
+    speculative: tuple[dict | None, ...] | None = None
+    text: str | None = None                  # its texts' key (`{k}` in them is its number); None: step{k}
 
-    def setting(self, scenario: Scenario, policy: str, server_step_delay: float) -> dict:
-        """The full setting of one pass (POST /api/engine's fields, all of them)."""
+    def text_key(self, k: int) -> str:
+        """The key of its caption (its button's: + "_btn") when it is lesson k (from 1)."""
+        return self.text or f"step{k}"
+
+    def __post_init__(self):
+        if self.speculative is not None and len(self.speculative) != len(self.policies):
+            raise ValueError(f"lesson {self.scenario!r}: one speculative_config per pass "
+                             f"({len(self.policies)}), got {len(self.speculative)}")
+
+    def setting(self, scenario: Scenario, policy: str, server_step_delay: float, index: int = 0) -> dict:
+        """The full setting of pass `index`, run under `policy` (POST /api/engine's fields, all of them)."""
         out = {"max_prefill_chunk": None, **scenario.engine, "policy": policy,
-               "step_delay": server_step_delay if self.step_delay is None else self.step_delay}
+               "step_delay": server_step_delay if self.step_delay is None else self.step_delay,
+               "speculative_config": self.speculative[index] if self.speculative else None}
         missing = set(SETTING_KEYS) - set(out)
         if missing:
             raise ValueError(f"lesson {self.scenario!r} leaves {sorted(missing)} to chance")
         return out
 
 
+# the speculative lesson's drafts: up to 3 tokens, after the longest match of 3 down to 1 tokens
+LESSON_SPECULATION = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
 LESSONS = (Lesson("static-vs-continuous", ("static",)), Lesson("long-prompt-interrupts", ("continuous",)),
            Lesson("long-prompt-interrupts", ("chunked",)), Lesson("budget-shapes", ("chunked",)),
-           Lesson("split-prefill-decode", ("chunked", "disaggregated")))
+           Lesson("split-prefill-decode", ("chunked", "disaggregated")),
+           Lesson("speculative-room", ("chunked", "chunked"), speculative=(None, LESSON_SPECULATION),
+                  text="speculative"))
 
 
 def get_scenario(name: str, **params) -> Scenario:

@@ -9,8 +9,8 @@ sampling parameters, joining at the same step offsets (the first replayed
 arrival's step is step 0). Each reply is replayed at the length it had live
 (ignore_eos, max_tokens = its live output tokens), so a what-if compares
 scheduling, not different reply lengths. Each setting gets a fresh engine (the
-live config: same model, device, dtype and KV size, with the setting's policy
-and budgets), warmed up like demos.compare, then steps through
+live config: same model, device, dtype and KV size, with the setting's policy,
+budgets and speculative_config: speculation only where the setting asks for it), warmed up like demos.compare, then steps through
 app.replay.scenarios.play: the same loop demos.compare uses, so a replay and
 `python -m demos.compare` give the same steps.
 
@@ -34,9 +34,11 @@ from app.readers import metrics
 from app.replay.arrival_log import Logged
 from app.replay.scenarios import Arrival, Scenario, engine_meta, longest_prompt, play, warm_up_steps
 from engine import EngineConfig, LLMEngine
+from engine.scheduling.ngram import SpeculativeConfig
 
 log = logging.getLogger("batchscope.whatif")
-SETTING_KEYS = ("policy", "max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk")
+SETTING_KEYS = ("policy", "max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk", "speculative_config")
+BUDGET_KEYS = SETTING_KEYS[1:4]
 POLICIES = ("static", "continuous", "chunked")
 MAX_SETTINGS = 4
 
@@ -81,10 +83,14 @@ def check_settings(settings) -> list[dict]:
             raise WhatIfError(f"settings[{i}]: unknown key(s) {unknown}; use {list(SETTING_KEYS)}")
         if "policy" in s and s["policy"] not in POLICIES:
             raise WhatIfError(f"settings[{i}]: policy must be one of {list(POLICIES)}, got {s['policy']!r}")
-        for k in SETTING_KEYS[1:]:
+        for k in BUDGET_KEYS:
             v = s.get(k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise WhatIfError(f"settings[{i}]: {k} must be a positive integer, got {v!r}")
+        try:
+            SpeculativeConfig.of(s.get("speculative_config"))
+        except ValueError as e:
+            raise WhatIfError(f"settings[{i}]: {e}") from None
         out.append(dict(s))
     return out
 
@@ -171,7 +177,7 @@ class WhatIfJob:
     def _load(self, setting: dict):
         """Build the engine on a helper thread; the live engine keeps stepping meanwhile."""
         box: dict = {}
-        config = replace(self.engine_config, **setting)
+        config = replace(self.engine_config, **{"speculative_config": None, **setting})   # speculation: only if asked
 
         def build():
             try:
@@ -201,7 +207,7 @@ class WhatIfJob:
 
     def _count(self, rec: dict):
         p = self.progress
-        p["tokens"] += sum(metrics.produces_token(i) for i in rec["items"])
+        p["tokens"] += sum(metrics.tokens_given(i) for i in rec["items"])
         p["fraction"] = round(p["tokens"] / p["tokens_total"], 4) if p["tokens_total"] else 1.0
 
     @property
@@ -238,4 +244,6 @@ def describe(setting: dict) -> str:
         parts.append(f"{setting['max_num_seqs']} seqs")
     if setting.get("max_prefill_chunk"):
         parts.append(f"chunk cap {setting['max_prefill_chunk']}")
+    if spec := setting.get("speculative_config"):
+        parts.append(f"speculation k={spec['num_speculative_tokens']}")
     return ", ".join(parts)

@@ -3,7 +3,8 @@
     batchscope serve --attach http://127.0.0.1:8000            # records at 127.0.0.1:8765 (+1 per engine)
     batchscope serve --attach http://gpu-box:8000 --attach-records gpu-box:9000
 
-AttachedService stands where EngineService stands (app/serving/service.py), with no engine of its own:
+AttachedService stands where EngineService stands (app/serving/service.py), on the same base
+(app/serving/front.py), with no engine of its own:
   - records: vLLM's recording scheduler (integrations/vllm) streams them (app/serving/attach_records.py);
     they reach the viewers, traces and metrics exactly as the own engine's do;
   - chats: every request (the page's chats, /join students, this app's /v1 API) is relayed to
@@ -19,7 +20,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -28,10 +29,9 @@ import httpx
 from app.config import ServerConfig
 from app.replay.arrival_log import ArrivalLog
 from app.serving.attach_records import Lanes, RecordsUnavailable
-from app.serving.broadcast import Broadcaster, RecordRing
-from app.serving.prometheus import Metrics
-from app.serving.rate_limit import Caller, ClientKeys, RateLimiter
-from app.serving.request_stream import Delta, QueueFull, RequestStream, ServiceUnavailable, reply_text
+from app.serving.front import ServiceFront
+from app.serving.rate_limit import Caller
+from app.serving.request_stream import Delta, QueueFull, RequestStream, ServiceUnavailable
 from engine import EngineConfig, SamplingParams
 
 log = logging.getLogger("batchscope.attach")
@@ -81,26 +81,15 @@ class _Idle:
         pass
 
 
-class AttachedService:
+class AttachedService(ServiceFront):
     def __init__(self, attach: AttachConfig, config: ServerConfig | None = None):
+        super().__init__(config, NoArrivalLog())    # cuda_graphs stays None: vLLM keeps its own graphs
         self.attach = attach
-        self.config = config or ServerConfig()
         self.engine_config = EngineConfig()     # only named by the what-if route, which refuses here
-        self.ring = RecordRing(self.config.history)
-        self.broadcaster = Broadcaster(self.ring, self.config.ws_buffer, self.config.max_ws_subscribers)
-        self.broadcaster.describe = self.describe
-        self.limiter = RateLimiter(self.config.rate_limit_per_minute, self.config.rate_limit_burst)
-        self.client_keys = ClientKeys(self.config.forwarded_allow_ips, self.config.presenter_key, self.config.api_keys)
-        self.metrics = Metrics()
-        self.arrival_log = NoArrivalLog()
         self.whatif, self.loop, self.engine = None, _Idle(), None
         self.step_delay, self.crashes, self.last_error = 0.0, 0, None
-        self.model_name = self.device = self.dtype = self.engine_name = None
-        self.max_model_len = 0
-        self.cuda_graphs = None                 # vLLM keeps its own graphs; /healthz reports none of ours
-        self.settings: dict = {}
+        self.engine_name = None
         self.fixed: dict = {}                   # the recorder's other settings (prefix caching, async scheduling...)
-        self.accepting = False
         self.t0 = time.time()
         host, port = attach.records_address
         self.lanes = Lanes(host, port, self._on_record, self.t0)
@@ -156,10 +145,8 @@ class AttachedService:
         return True, "ok"
 
     def describe(self) -> dict:
-        return {"model": self.model_name, "device": self.device, "dtype": self.dtype,
-                "max_model_len": self.max_model_len, "settings": {**self.settings, "step_delay": 0.0},
-                "engine": self.engine_name, "attached": self.attach.base, "lanes": self.lanes.lanes,
-                "read_only": READ_ONLY}
+        return {**super().describe(), "engine": self.engine_name, "attached": self.attach.base,
+                "lanes": self.lanes.lanes, "read_only": READ_ONLY}
 
     def _on_record(self, obj: dict):
         """A lane thread (or start): what the own engine's listener does, minus the arrival log."""
@@ -176,10 +163,7 @@ class AttachedService:
         """As EngineService.submit: ValueError (vLLM refused the request), QueueFull, ServiceUnavailable."""
         if not self.accepting:
             raise ServiceUnavailable("not attached to vLLM")
-        wait = self.limiter.retry_after(self.client_keys.key(client))
-        if wait:
-            raise QueueFull(f"too many requests from this client ({self.config.rate_limit_per_minute} a minute); "
-                            f"try again in {wait} s", wait)
+        self.check_rate(client)
         self._ids += 1
         stream = RequestStream(asyncio.get_running_loop(), self._abort_stream)
         stream.id, stream.label = f"v{self._ids}", label or f"v{self._ids}"
@@ -250,12 +234,6 @@ class AttachedService:
         entry = self._streams.get(request_id)
         if entry is not None:
             self._abort_stream(entry[0], reason)
-
-    async def stream(self, messages: list[dict], params: SamplingParams | None = None,
-                     label: str | None = None) -> AsyncIterator[str]:
-        stream = await self.submit(messages=messages, params=params, label=label)
-        async for text in reply_text(stream):
-            yield text
 
     # ================= settings: read-only =================
     async def set_policy(self, **changes) -> dict:

@@ -26,6 +26,12 @@ Where a number means what a vLLM metric means it has vLLM's name, labels
     vllm:request_prompt_tokens             histograms of a finished request's prompt and reply lengths;
     vllm:request_generation_tokens           max_num_generation_tokens is the reply's length too (each
     vllm:request_max_num_generation_tokens   choice of n is a request of its own here)
+    vllm:spec_decode_num_drafts_total      speculative decoding: decodes that verified drafts (one per reply
+                                           and step, as vLLM counts a draft)
+    vllm:spec_decode_num_draft_tokens_total    tokens drafted and verified
+    vllm:spec_decode_num_accepted_tokens_total ... of those, kept in the reply
+    vllm:spec_decode_num_accepted_tokens_per_pos_total  {position}: drafts kept at position 0, 1, ... of their
+                                           draft (a draft is kept only if the ones before it were)
 
 batchscope's own, by scheduling policy:
 
@@ -123,6 +129,14 @@ class Metrics:
         self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Decode time / (output tokens - 1)",
                               m, buckets=TBT_BUCKETS, registry=r)
         self.lengths: dict[str, Histogram] = {}           # made at attach: their buckets follow max_model_len
+        self.drafts = Counter("vllm:spec_decode_num_drafts", "Speculative decoding: drafts verified", m, registry=r)
+        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens",
+                                    m, registry=r)
+        self.accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens",
+                                       "Speculative decoding: draft tokens accepted", m, registry=r)
+        self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                        "Speculative decoding: draft tokens accepted, by position in the draft",
+                                        m + ["position"], registry=r)
         p = ["model_name", "policy"]
         self.steps = Counter("batchscope:steps", "Engine steps, by scheduling policy", p, registry=r)
         self.stall = Counter("batchscope:stall_seconds", "Seconds running replies spent left out of a step",
@@ -135,6 +149,8 @@ class Metrics:
         self._lane(ENGINE, kv)                        # kv: the cache's block_size and total, where known
         for reason in FINISH_REASONS:
             self.success.labels(model_name, ENGINE, reason)
+        for counter in (self.drafts, self.draft_tokens, self.accepted_tokens):
+            counter.labels(model_name, ENGINE)
         if not self.lengths:
             top = buckets_1_2_5(max_model_len)
             for key, name, text in (("prompt", "vllm:request_prompt_tokens", "Prompt tokens of a finished request"),
@@ -178,6 +194,8 @@ class Metrics:
         if rec["items"]:
             self.step_tokens.labels(*m).observe(rec["num_tokens"])
         for item in rec["items"]:
+            if item.get("drafted"):
+                self._draft(m, item["drafted"], item.get("accepted") or 0)
             q = self.live.get(item["req"])
             if q is not None and q.scheduled is None:
                 q.scheduled, q.lane = rec["t_start"], lane
@@ -198,6 +216,13 @@ class Metrics:
                     self._finished(req, q)
         self.steps.labels(self.model, rec["policy"]).inc()
         self.stall.labels(self.model, rec["policy"]).inc((rec["t_end"] - rec["t_start"]) * len(rec.get("stalled", ())))
+
+    def _draft(self, m: tuple[str, str], drafted: int, accepted: int):
+        self.drafts.labels(*m).inc()
+        self.draft_tokens.labels(*m).inc(drafted)
+        self.accepted_tokens.labels(*m).inc(accepted)
+        for pos in range(drafted):                   # every position drafted is shown, from 0
+            self.accepted_per_pos.labels(*m, str(pos)).inc(1 if pos < accepted else 0)
 
     def _request(self, ev: dict):
         event, req = ev["event"], ev["req"]

@@ -17,44 +17,30 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 from app.config import ServerConfig, check_step_delay
 from app.replay.arrival_log import ArrivalLog
-from app.serving.broadcast import Broadcaster, RecordRing
 from app.serving.engine_loop import EngineLoop
-from app.serving.prometheus import Metrics
-from app.serving.rate_limit import Caller, ClientKeys, RateLimiter
-from app.serving.request_stream import QueueFull, RequestStream, ServiceUnavailable, ShuttingDown, reply_text
+from app.serving.front import ServiceFront
+from app.serving.rate_limit import Caller
+from app.serving.request_stream import QueueFull, RequestStream, ServiceUnavailable, ShuttingDown
 from engine import EngineConfig, SamplingParams
 from engine.protocol import Engine
 
 __all__ = ["EngineService", "QueueFull", "ServiceUnavailable", "ShuttingDown"]
 
 
-class EngineService:
+class EngineService(ServiceFront):
     def __init__(self, engine_config: EngineConfig | None = None, config: ServerConfig | None = None,
                  make_engine: Callable[[Callable], Engine] | None = None):
         """make_engine(call_soon) -> Engine: what the engine thread runs (default: engine/engines.py's
         EngineSwitch of engine_config); tests pass one on a tiny model."""
+        super().__init__(config, ArrivalLog())
         self.engine_config = engine_config or EngineConfig()
-        self.config = config or ServerConfig()
-        self.ring = RecordRing(self.config.history)
-        self.broadcaster = Broadcaster(self.ring, self.config.ws_buffer, self.config.max_ws_subscribers)
-        self.broadcaster.describe = self.describe
-        self.limiter = RateLimiter(self.config.rate_limit_per_minute, self.config.rate_limit_burst)
-        self.client_keys = ClientKeys(self.config.forwarded_allow_ips, self.config.presenter_key, self.config.api_keys)
-        self.metrics = Metrics()
-        self.arrival_log = ArrivalLog()         # private: token ids for the what-if replay (app/replay/whatif.py)
         self.loop = EngineLoop(self.engine_config, self.broadcaster, self.config.step_delay, make_engine)
         self.loop.subscribe(self._on_record)
-        # ---- filled in from the loaded engine when start() returns; read-only afterwards ----
-        self.model_name = self.device = self.dtype = None
-        self.cuda_graphs: dict | None = None    # buckets, capture seconds and graph memory (None: eager steps)
-        self.max_model_len = 0
-        self.settings: dict = {}                # replaced whole whenever the policy changes
-        self.accepting = False
 
     # ================= lifecycle (any thread) =================
     def start(self, timeout: float = 600.0):
@@ -120,25 +106,16 @@ class EngineService:
             return False, f"engine loop restarted after an error: {self.last_error}"
         return True, "ok"
 
-    def describe(self) -> dict:
-        """The engine as a viewer needs to know it: what runs where, and the settings in force."""
-        return {"model": self.model_name, "device": self.device, "dtype": self.dtype,
-                "max_model_len": self.max_model_len, "settings": {**self.settings, "step_delay": self.step_delay}}
-
     # ================= admission (event loop) =================
     async def submit(self, *, messages: list[dict] | None = None, prompt: str | None = None,
                      prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
                      label: str | None = None, client: Caller | None = None) -> RequestStream:
         """Queue a request; raises ValueError (bad prompt), QueueFull (queue full or client over its
-        rate limit) or ServiceUnavailable. client: the sender (app.serving.rate_limit.client_of), whose bucket
-        the request spends; None (in-process callers) is not limited."""
+        rate limit, ServiceFront.check_rate) or ServiceUnavailable."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down") if self.loaded else \
                 ServiceUnavailable("the model is loading")
-        wait = self.limiter.retry_after(self.client_keys.key(client))
-        if wait:
-            raise QueueFull(f"too many requests from this client ({self.config.rate_limit_per_minute} a minute); "
-                            f"try again in {wait} s", wait)
+        self.check_rate(client)
         stream = RequestStream(asyncio.get_running_loop(), self.loop.abort_stream)
 
         def add():
@@ -158,13 +135,6 @@ class EngineService:
             stream.close("client went away")   # commands run in order, so this abort follows the add
             raise
 
-    async def stream(self, messages: list[dict], params: SamplingParams | None = None,
-                     label: str | None = None) -> AsyncIterator[str]:
-        """The reply's text, piece by piece. Leaving the loop early aborts the request."""
-        stream = await self.submit(messages=messages, params=params, label=label)
-        async for text in reply_text(stream):
-            yield text
-
     def abort(self, request_id: str, reason: str = "aborted"):
         """Fire and forget, from any thread."""
         self.loop.abort(request_id, reason)
@@ -172,9 +142,10 @@ class EngineService:
     # ================= settings (event loop) =================
     async def set_policy(self, policy: str | None = None, max_num_batched_tokens: int | None = None,
                          max_num_seqs: int | None = None, step_delay: float | None = None,
-                         **chunk) -> dict:
+                         **nullable) -> dict:
         """Change policy and budgets (in effect from the next step); None keeps a value. The engine checks
-        its own settings. chunk: max_prefill_chunk=int|None (None removes the cap)."""
+        its own settings. nullable: max_prefill_chunk=int|None (None removes the cap) and
+        speculative_config=dict|None (vLLM's form; None turns speculation off)."""
         if step_delay is not None:
             check_step_delay(step_delay)
 
@@ -184,7 +155,7 @@ class EngineService:
                 self.loop.step_delay = float(step_delay)    # first, so the policy event carries it
             try:   # `disaggregated` moves new requests to the two-worker engine (engine/engines.py)
                 self.engine.set_policy(policy, max_num_batched_tokens=max_num_batched_tokens,
-                                       max_num_seqs=max_num_seqs, **chunk)
+                                       max_num_seqs=max_num_seqs, **nullable)
             except Exception:
                 self.loop.step_delay = old_delay            # a rejected change changes nothing
                 raise

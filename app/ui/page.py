@@ -21,6 +21,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from app.api.auth import key_matches
+from app.readers import metrics
 from app.replay.scenarios import LESSONS, SCENARIOS, Lesson, get_scenario, load_text
 from app.serving.rate_limit import client_of
 from app.serving.room import Room
@@ -135,10 +136,10 @@ class UI:
             yield self.render_all(s, columns=False) + ["" if clear else gr.skip()]
             clear = False
 
-    def lesson_setting(self, lesson: Lesson, policy: str) -> dict:
-        """Everything one pass of a lesson sets (app/replay/scenarios.py Lesson.setting)."""
+    def lesson_setting(self, lesson: Lesson, policy: str, index: int = 0) -> dict:
+        """Everything pass `index` of a lesson sets (app/replay/scenarios.py Lesson.setting)."""
         scenario = get_scenario(lesson.scenario, **self.scenario_params.get(lesson.scenario, {}))
-        return lesson.setting(scenario, policy, self.service.config.step_delay)
+        return lesson.setting(scenario, policy, self.service.config.step_delay, index)
 
     async def run_scenario(self, name: str, policies: tuple[str, ...] | str | None, key: str, request: gr.Request):
         """Play the scenario once per policy, one after the other, each pass under its lesson's full
@@ -146,13 +147,14 @@ class UI:
         policies = (policies,) if isinstance(policies, str) else tuple(policies or ())
         s = self.session(request)
         scenario = get_scenario(name, **self.scenario_params.get(name, {}))
-        lesson = Lesson(name, policies) if policies else None
+        lesson = next((x for x in LESSONS if (x.scenario, x.policies) == (name, policies)),
+                      Lesson(name, policies)) if policies else None
         allowed = self.authorised(key)
         note = "" if allowed or not policies else t(s.lang, "locked")
-        first = True
-        for policy in (policies if allowed and policies else (None,)):
+        first, passes = True, []
+        for index, policy in enumerate(policies if allowed and policies else (None,)):
             if allowed and lesson is not None:
-                change = lesson.setting(scenario, policy, self.service.config.step_delay)
+                change = lesson.setting(scenario, policy, self.service.config.step_delay, index)
                 await self.service.set_policy(**change)
                 note = t(s.lang, "in_force", setting=setting_line(s.lang, change))
                 if policy == "disaggregated":
@@ -162,10 +164,15 @@ class UI:
                         yield self.render_all(s, columns=False) + [problem]
                         return
             changed = asyncio.Event()
+            before = {id(turn) for p in s.panels for turn in p.turns}
             job = lessons.play(self.service, s, scenario, changed, s.lang)
             async for _ in stream_all([job], changed, lambda: None):
                 yield self.render_all(s, columns=first) + [note]
                 first = False
+            passes.append({turn.rid for p in s.panels for turn in p.turns if id(turn) not in before and turn.rid})
+        if allowed and lesson is not None and lesson.speculative and len(passes) == 2:
+            _, stream = self.service.ring.last_steps(self.service.config.history)
+            yield self.render_all(s, columns=False) + [note + "\n\n" + speculation_result(s.lang, stream, *passes)]
 
     async def pair_ready(self, lang: str, timeout: float = 600.0) -> str | None:
         """Wait until the prefill and decode workers are loaded and in force (the first switch starts
@@ -183,8 +190,8 @@ class UI:
     def lesson_text(self, lang: str, k: int) -> str:
         """Lesson k's caption and, last, the settings each of its passes runs under."""
         lesson = LESSONS[k]
-        lines = [setting_line(lang, self.lesson_setting(lesson, p)) for p in lesson.policies]
-        return t(lang, f"step{k + 1}") + "\n\n" + t(lang, "lesson_setting", setting=t(lang, "set.then").join(lines))
+        lines = [setting_line(lang, self.lesson_setting(lesson, p, i)) for i, p in enumerate(lesson.policies)]
+        return lesson_words(lang, k) + "\n\n" + t(lang, "lesson_setting", setting=t(lang, "set.then").join(lines))
 
     # ---- panel management ----
     def resize(self, delta: int, request: gr.Request):
@@ -218,7 +225,7 @@ def build_ui(service, **options) -> gr.Blocks:
             for k in range(len(LESSONS)):
                 with gr.Column(elem_classes="bs-lesson", min_width=160):
                     lesson_md.append(gr.Markdown(ui.lesson_text("en", k), elem_id=f"bs-lesson-text-{k + 1}"))
-                    lesson_btn.append(gr.Button(t("en", f"step{k + 1}_btn"), variant="primary",
+                    lesson_btn.append(gr.Button(lesson_words("en", k, "_btn"), variant="primary",
                                                 elem_id=f"bs-lesson-{k + 1}"))
         with gr.Row(equal_height=True):
             scen_label = gr.Markdown(t("en", "scenarios"))
@@ -284,7 +291,7 @@ def build_ui(service, **options) -> gr.Blocks:
             ui.session(request).lang = code
             return ([t(code, "title"), t(code, "subtitle"), gr.update(label=t(code, "lang")), t(code, "steps_title")]
                     + [ui.lesson_text(code, k) for k in range(len(LESSONS))]
-                    + [gr.update(value=t(code, f"step{k + 1}_btn")) for k in range(len(LESSONS))]
+                    + [gr.update(value=lesson_words(code, k, "_btn")) for k in range(len(LESSONS))]
                     + [t(code, "scenarios")]
                     + [gr.update(value=SCENARIO_BUTTONS[code].get(n, n)) for n in scen_btn]
                     + [gr.update(value=t(code, w)) for w in ("add", "remove", "clear", "stop")]
@@ -346,6 +353,28 @@ def _typed_send_all(ui: UI, i: int):
         async for out in ui.send_all(i, text, request):
             yield out
     return handler
+
+
+def lesson_words(lang: str, k: int, part: str = "") -> str:
+    """LESSONS[k]'s caption (part "") or button ("_btn"); its number is its place in LESSONS."""
+    lesson = LESSONS[k]
+    key = lesson.text_key(k + 1) + part
+    return t(lang, key, k=k + 1) if lesson.text else t(lang, key)
+
+
+def speculation_result(lang: str, stream: list[dict], off: set[str], on: set[str]) -> str:
+    """The speculative lesson's two numbers, from its records: mean time between tokens without and with
+    speculation, at 1 stream and at the most streams both passes decoded at once; and the acceptance rate."""
+    a, b = metrics.tbt_by_streams(stream, off), metrics.tbt_by_streams(stream, on)
+    mine = [r for r in metrics.steps(stream) if any(it["req"] in on for it in r["items"])]
+    rate = metrics.acceptance_rate(*metrics.drafts(mine))
+    shared = sorted(set(a) & set(b))
+    if not shared or rate is None:
+        return t(lang, "spec_result_none")
+    ms = lambda v: f"{v * 1000:.0f} ms"
+    n = shared[-1]
+    return t(lang, "spec_result", one_off=ms(a[shared[0]]), one_on=ms(b[shared[0]]), lo=shared[0], n=n,
+             n_off=ms(a[n]), n_on=ms(b[n]), rate=f"{rate * 100:.0f} %")
 
 
 def _typed_scenario(ui: UI, name: str, policies: tuple[str, ...]):

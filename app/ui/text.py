@@ -53,6 +53,11 @@ def setting_line(lang: str, setting: dict) -> str:
              t(lang, "set.seqs", n=setting["max_num_seqs"]),
              t(lang, "set.chunk", n=chunk) if chunk else t(lang, "set.no_chunk"),
              t(lang, "set.delay", ms=round(delay * 1000)) if delay else t(lang, "set.no_delay")]
+    if spec := setting.get("speculative_config"):
+        lo, hi = spec.get("prompt_lookup_min") or spec["prompt_lookup_max"], spec["prompt_lookup_max"]
+        parts.append(t(lang, "set.spec", k=spec["num_speculative_tokens"], n=f"{lo}–{hi}" if lo != hi else hi))
+    elif "speculative_config" in setting:
+        parts.append(t(lang, "set.no_spec"))
     return " · ".join(parts)
 
 

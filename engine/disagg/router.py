@@ -63,10 +63,11 @@ from engine.disagg.messages import (
     Stop,
 )
 from engine.disagg.worker import Staging, worker_main
+from engine.errors import SpeculationRefused
 from engine.llm_engine import LLMEngine
 from engine.outputs.records import KVState, PolicyEvent, RequestEvent
-from engine.outputs.requests import RequestBook, StepCounter
-from engine.protocol import RequestInfo, RequestOutput, StepOutputs
+from engine.outputs.requests import RequestBook, RequestFront, StepCounter
+from engine.protocol import StepOutputs
 from engine.sampling_params import SamplingParams
 from engine.scheduling.sequence import Sequence, Status
 
@@ -118,13 +119,15 @@ class _Router:
     aborting: dict[str, str] = field(default_factory=dict)        # aborted request -> the worker yet to answer
 
 
-class DisaggregatedEngine:
+class DisaggregatedEngine(RequestFront):
     def __init__(self, config: EngineConfig | None = None, transfer_blocks: int | None = None,
                  load_timeout: float = 300.0, t0: float | None = None, steps: StepCounter | None = None,
                  **overrides):
         """t0, steps: another engine's clock zero and step counter, to share its time line and numbering."""
         config = replace(config, **overrides) if config else EngineConfig(**overrides)
         self.config = config = replace(config, policy="disaggregated")
+        if config.speculative_config is not None:
+            raise SpeculationRefused()
         from transformers import AutoConfig, AutoTokenizer
 
         from engine.models.llama import head_dim_of
@@ -166,14 +169,6 @@ class DisaggregatedEngine:
         self.workers = {name: self._spawn(name, []) for name in WORKERS}
         self._wait_ready(load_timeout)
         self.max_model_len = min(w.info["max_model_len"] for w in self.workers.values())
-
-    def clock(self) -> float:
-        return time.perf_counter() - self.t0
-
-    @property
-    def step_index(self) -> int:
-        """The number the next relayed step record gets."""
-        return self.steps.value
 
     # ---- worker processes ----
     def _spawn(self, name: str, busy_slots: list[int], restarts: int = 0) -> Handle:
@@ -314,21 +309,6 @@ class DisaggregatedEngine:
                                        request_id=seq.id), seq.arrival_time))
         return seq.id
 
-    def tokenize(self, prompt=None, messages=None, prompt_token_ids=None) -> list[int]:
-        from engine.outputs.prompts import tokenize
-        return tokenize(self.tokenizer, self.vocab_size, self.max_model_len, self.model_name,
-                        prompt, messages, prompt_token_ids)
-
-    def get_request(self, request_id: str) -> Sequence:
-        """The router's copy of the request: the workers' progress applied to it as it comes."""
-        return self.book.get(request_id)
-
-    def request_info(self, request_id: str) -> RequestInfo:
-        return self.book.info(request_id)
-
-    def take_outputs(self) -> list[RequestOutput]:
-        return self.book.take_outputs()
-
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Stop a request wherever it is (prefill, hand-over, decode); its worker frees its blocks."""
         seq = self.book.get(request_id)
@@ -377,10 +357,12 @@ class DisaggregatedEngine:
 
     # ---- settings and state ----
     def set_policy(self, policy: str | None = None, max_num_batched_tokens: int | None = None,
-                   max_num_seqs: int | None = None, max_prefill_chunk=_UNSET):
+                   max_num_seqs: int | None = None, max_prefill_chunk=_UNSET, speculative_config=None):
         """Budgets for both workers (each its own step); the policy stays `disaggregated`."""
         if policy not in (None, "disaggregated"):
             raise ValueError(f"this engine runs the `disaggregated` setting only; {policy!r} needs an LLMEngine")
+        if speculative_config is not None:
+            raise SpeculationRefused()
         s = dict(self._settings)
         for k, v in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if v is not None:
@@ -395,7 +377,7 @@ class DisaggregatedEngine:
         self.book.emit(PolicyEvent(self.step_index, self.clock(), **s))
 
     def settings(self) -> dict:
-        return dict(self._settings)
+        return {**self._settings, "speculative_config": None}
 
     @property
     def device(self) -> str:
@@ -437,13 +419,6 @@ class DisaggregatedEngine:
                 "running": last("prefill", "running") + last("decode", "running"),
                 "live_requests": len(self.book.live), "step": self.step_index,
                 "workers": workers, "in_transfer": len(self.router.transfers), **self.counters}
-
-    # ---- listeners: every record and event goes to each, as a dict of its own ----
-    def subscribe(self, fn):
-        self.book.listeners.subscribe(fn)
-
-    def unsubscribe(self, fn):
-        self.book.listeners.unsubscribe(fn)
 
     # ---- the end ----
     def close(self, timeout: float = 10.0):

@@ -73,7 +73,8 @@ class StepItem(Record):
                               "after its own (`tokens` = 1 + `drafted`)", optional=True)
     accepted: int | None = doc("with `drafted`: of those, the ones the model agreed with, kept in the reply "
                                "(the step gave it `accepted` + 1 tokens; the KV of the other "
-                               "`drafted - accepted` was rolled back)", optional=True)
+                               "`drafted - accepted` was rolled back; a stop among them ends the reply "
+                               "there and drops the rest)", optional=True)
 
     @classmethod
     def of(cls, seq: Sequence, n: int) -> StepItem:
@@ -207,6 +208,9 @@ class StepRecord(Record):
     lane: int | None = doc("a vLLM server with several data-parallel engines only: the engine (its data-parallel "
                            "rank) that ran the step; each engine schedules its own requests", optional=True)
     lane_step: int | None = doc("with `lane`: the step's index among its own engine's steps", optional=True)
+    speculative: int | None = doc("speculative decoding in force for this step: the most tokens drafted per "
+                                  "reply (`num_speculative_tokens`); left out when off. Part of the setting: "
+                                  "a change of it starts a new stretch of the metrics table", optional=True)
 
     def to_dict(self) -> dict:
         return {"type": self.type, **super().to_dict()}
@@ -262,6 +266,9 @@ class PolicyEvent(Record):
     max_prefill_chunk: int | None = doc("cap on one request's prefill chunk; null: no cap")
     engine: str | None = doc("records from another serving engine: its name and version (`vllm 0.32.0`); "
                              "left out for batchscope's own", optional=True)
+    speculative_config: dict | None = doc("speculative decoding in force, in vLLM's form (`method`, "
+                                          "`num_speculative_tokens`, `prompt_lookup_max`, `prompt_lookup_min`); "
+                                          "null: off", default=None)
 
     def to_dict(self) -> dict:
         return {"type": self.type, **super().to_dict()}
@@ -314,7 +321,7 @@ def read_batch(batch: Batch, running: Iterable[Sequence]) -> Before:
 
 def step_record(step: int, sched: Scheduler, batch: Batch, before: Before, finished: list[str],
                 error: str | None, times: tuple[float, float, float, float], clock: Callable[[], float],
-                device: str) -> StepRecord:
+                device: str, speculative: int | None = None) -> StepRecord:
     """The record of a step that has run. before: read_batch's reading; times: (start, scheduled,
     items read, end) on `clock`, which also times this assembly (`timing.record`)."""
     items, stalled, causes = before
@@ -330,7 +337,7 @@ def step_record(step: int, sched: Scheduler, batch: Batch, before: Before, finis
                   kv_map=kv_map(bm, sched.running) if step % KV_MAP_EVERY == 0 else None)
     timing = StepTiming(schedule=t_sched - t_start, items=t_items - t_sched, forward=t_end - t_items,
                         record=clock() - t_end)
-    return StepRecord(**fields, timing=timing, device=device)
+    return StepRecord(**fields, timing=timing, device=device, speculative=speculative)
 
 
 class Listeners:

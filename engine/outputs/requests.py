@@ -11,9 +11,11 @@ Pure Python: importing this module does not import torch.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from engine.outputs.prompts import tokenize
 from engine.outputs.records import Listeners, Record, RequestEvent
 from engine.protocol import RequestInfo, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -146,3 +148,47 @@ class RequestBook:
     def emit_request(self, seq: Sequence, event: str, t: float | None = None, **extra):
         if self.listeners:
             self.listeners.emit(RequestEvent(event, seq.id, seq.label, self.clock() if t is None else t, **extra))
+
+
+class RequestFront:
+    """What an engine answers from its request book, the same for LLMEngine and the disaggregated pair
+    (engine/disagg/router.py): the clock, step numbers, tokenizing, a request's state and outputs, listeners.
+    The engine sets book, steps, t0, tokenizer, vocab_size, max_model_len and model_name."""
+    book: RequestBook
+    steps: StepCounter
+    t0: float
+
+    def clock(self) -> float:
+        return time.perf_counter() - self.t0
+
+    @property
+    def step_index(self) -> int:
+        """The number the next step record gets."""
+        return self.steps.value
+
+    def tokenize(self, prompt=None, messages=None, prompt_token_ids=None) -> list[int]:
+        return tokenize(self.tokenizer, self.vocab_size, self.max_model_len, self.model_name,
+                        prompt, messages, prompt_token_ids)
+
+    def get_request(self, request_id: str) -> Sequence:
+        """The request's whole state (engine-side readers and tests; app/ reads outputs instead). The pair's
+        is the router's copy, the workers' progress applied to it as it comes."""
+        return self.book.get(request_id)
+
+    def request_info(self, request_id: str) -> RequestInfo:
+        return self.book.info(request_id)
+
+    def take_outputs(self) -> list[RequestOutput]:
+        """What replies gained outside a step: an abort's last output (step() returns the rest)."""
+        return self.book.take_outputs()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.book.live)
+
+    # ---- listeners: every record and event goes to each (records.Listeners) ----
+    def subscribe(self, fn: Callable[[dict], None]):
+        self.book.listeners.subscribe(fn)
+
+    def unsubscribe(self, fn: Callable[[dict], None]):
+        self.book.listeners.unsubscribe(fn)
+

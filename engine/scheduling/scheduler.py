@@ -193,15 +193,16 @@ class Scheduler:
             # the KV of the last token and of the accepted drafts stays; the rejected drafts' is rolled back
             seq.num_computed_tokens += n - (drafted - accepted)
             if drafted:
-                batch.accepted[seq.id] = accepted
                 self.bm.trim(seq, seq.num_computed_tokens)
             self.bm.commit_full_blocks(seq, run[:accepted])
-            for t in run:
+            for kept, t in enumerate(run, 1):
                 seq.append_token(t, now)
                 out.append((seq, t))
                 if ended is not None and ended(seq):
                     del seq.logprobs[seq.num_output_tokens:]     # those of the tokens dropped after the end
                     break
+            if drafted:                 # what the reply kept: a stop among the accepted drafts drops the rest
+                batch.accepted[seq.id] = kept - 1
         return out
 
     def _build(self, step: StepView):
