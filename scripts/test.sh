@@ -18,6 +18,9 @@ python3 -m pip install --quiet -e ".[dev]"
 cores=$(nproc); mem_gb=$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 64)
 by_cores=$(( cores < 5 ? cores + 1 : 6 )); by_mem=$(( mem_gb / 9 > 1 ? mem_gb / 9 : 1 ))
 workers="${BATCHSCOPE_TEST_WORKERS:-$(( by_cores < by_mem ? by_cores : by_mem ))}"
+# axe-core (pinned in tests/browser.py) for the accessibility checks of the browser tests, into the
+# git-ignored .axe/; without npm, tests/test_browser_a11y.py installs it when it runs, or says why not
+if command -v npm >/dev/null 2>&1; then python3 -c "from tests.browser import install_axe; install_axe()"; fi
 # lint and import order first (pyproject.toml's [tool.ruff]): a lint error fails the run before the tests
 python3 -m ruff check .
 set +e

@@ -41,7 +41,11 @@ function render() {
     d.value = Math.round(state.step_delay * 1000);
     $("step-delay-value").textContent = d.value;
   }
-  root.querySelector(".bs-controls").classList.toggle("bs-locked", locked && !key());
+  const shut = locked && !key();          // inactive until the presenter key is entered (a press says so)
+  root.querySelector(".bs-controls").classList.toggle("bs-locked", shut);
+  root.querySelectorAll("button, input[data-setting], input[type=range]").forEach((e) => {
+    if (shut) e.setAttribute("aria-disabled", "true"); else e.removeAttribute("aria-disabled");
+  });
   $("key-box").hidden = !state.presenter_key_required;
   // an attached vLLM server fixes its settings at start: shown with the values in force, not editable
   const fixed = !!state.read_only;

@@ -3,7 +3,7 @@
 // one x mapping (the window from layout.js). Text goes on canvas or through textContent only.
 import { lang, t } from "./i18n.js";
 import { layout, view } from "./layout.js";
-import { cachedPattern, colorOf, colors, drawLabelSwatch, prefillPattern, stallPattern, unusedPattern } from "./palette.js";
+import { cachedPattern, colorOf, colors, drawLabelSwatch, edgeOf, prefillPattern, stallPattern, unusedPattern } from "./palette.js";
 import { rec as R } from "./record.js";   // record fields are read through record.js
 import { store } from "./socket.js";
 import { state } from "./state.js";
@@ -268,6 +268,12 @@ export const fmtBytes = (n) => (n >= 1e6 ? (n / 1e6).toFixed(1) + " MB" : n >= 1
 // "KV 12 blocks · 1.4 MB · 3 ms"
 export const handoverText = (x) => t("handover.kv") + " " + x.blocks + " " + t("handover.blocks") + " · " + fmtBytes(x.bytes) + " · " + fmtMs(x.seconds);
 
+// a cell's edge (palette.js edgeOf): 3:1 against the row behind it, where the cell is wide enough to keep its fill
+function drawEdge(g, color, x0, y, wid, hh) {
+  if (wid < 4) return;
+  g.strokeStyle = edgeOf(color); g.lineWidth = 1; g.strokeRect(x0 + 0.5, y + 0.5, wid - 1, hh - 1);
+}
+
 // a decode that verified drafts (speculative decoding): its cell cut into 1 + drafted slices, left to right
 // (top to bottom where too narrow): its own token solid, each kept draft solid with a paper dot, each
 // rejected draft paper with a cross in the reply's colour. Shape tells them apart, not colour alone.
@@ -283,7 +289,7 @@ function drawDrafts(g, it, x0, y, wid, hh, color) {
       if (k > 0) { g.fillStyle = C().paper; g.beginPath(); g.arc(cx, cy, r, 0, 2 * Math.PI); g.fill(); }
     } else {
       g.fillStyle = C().paper; g.fillRect(x, yy, w, h);
-      g.strokeStyle = color; g.lineWidth = 1.5;
+      g.strokeStyle = edgeOf(color); g.lineWidth = 1.5;
       g.beginPath(); g.moveTo(cx - r, cy - r); g.lineTo(cx + r, cy + r); g.moveTo(cx + r, cy - r); g.lineTo(cx - r, cy + r);
       g.stroke();
     }
@@ -294,6 +300,7 @@ function drawItem(g, it, axis, x0, y, wid, hh) {
   const color = colorOf(R.label(it));
   if (R.isDecode(it) && R.drafted(it) && axis === "step") {
     drawDrafts(g, it, x0, y, wid, hh, color);
+    drawEdge(g, color, x0, y, wid, hh);
   } else if (R.isDecode(it) && R.drafted(it)) {
     // wall time: the wait for the step pale, then its own token and the drafts where they arrive, at its end
     const tail = Math.min(wid, Math.max(6, 5 * (1 + R.drafted(it)))), alpha = g.globalAlpha;
@@ -301,25 +308,27 @@ function drawItem(g, it, axis, x0, y, wid, hh) {
     drawDrafts(g, it, x0 + wid - tail, y, tail, hh, color);
   } else if (R.isDecode(it) && (axis === "step" || wid < 8)) {
     g.fillStyle = color; g.fillRect(x0, y, wid, hh);
+    drawEdge(g, color, x0, y, wid, hh);
   } else if (R.isDecode(it)) {
     // wall time: one token, arriving at the end of the step; the pale body is the wait for it
     const tick = Math.min(6, wid * 0.4), alpha = g.globalAlpha;
     g.globalAlpha = alpha * 0.35; g.fillStyle = color; g.fillRect(x0, y, wid - tick, hh); g.globalAlpha = alpha;
     g.fillRect(x0 + wid - tick, y, tick, hh);
+    drawEdge(g, color, x0, y, wid, hh);
   } else {
     // a first chunk after a prefix-cache hit: the cached tokens (dotted, dashed outline: read, not computed)
     // take the cell's left part in proportion to the tokens, the computed ones (striped) the rest
     const hit = R.cached(it) || 0, cw = hit ? Math.round(wid * hit / (hit + R.tokens(it))) : 0;
     if (cw >= 2) {
       g.fillStyle = cachedPattern(g, color); g.fillRect(x0, y, cw, hh);
-      g.save(); g.setLineDash([3, 2]); g.strokeStyle = color; g.lineWidth = 1.5;
+      g.save(); g.setLineDash([3, 2]); g.strokeStyle = edgeOf(color); g.lineWidth = 1.5;
       g.strokeRect(x0 + 0.75, y + 0.75, cw - 1.5, hh - 1.5); g.restore();
       cellLabel(g, wid >= 44 ? t("cell.cached") + " " + hit : cw >= 12 && hh >= 12 ? t("cell.cached_short") : "",
                 x0, y, cw, hh);
     }
     const xp = x0 + (cw >= 2 ? cw : 0), wp = Math.max(1, wid - (xp - x0));
     g.fillStyle = prefillPattern(g, color); g.fillRect(xp, y, wp, hh);
-    g.strokeStyle = color; g.lineWidth = 1.5; g.strokeRect(xp + 0.75, y + 0.75, wp - 1.5, hh - 1.5);
+    g.strokeStyle = edgeOf(color); g.lineWidth = 1.5; g.strokeRect(xp + 0.75, y + 0.75, wp - 1.5, hh - 1.5);
     const p = t("cell.prefill");
     cellLabel(g, wp >= 44 ? p + " " + R.tokens(it) : wp >= 12 && hh >= 12 ? p : "", xp, y, wp, hh);
   }

@@ -181,6 +181,15 @@ function showAxis(axis) {
 
 export const redrawChart = () => { dirty = true; };
 
+// Enter on the focused chart: the step at the cursor (paused) or the newest (live) picked, as a click on its column
+function pickShown() {
+  const steps = store.steps, s = view.mode === "live" ? steps[steps.length - 1] : steps[layout.cursorIndex()];
+  if (!s) return;
+  view.picked = R.step(s);
+  onStepClick(s);
+  dirty = true;
+}
+
 export function initChart(root) {
   gantt = root.querySelector("[data-testid=gantt]");
   bar = root.querySelector("[data-testid=batch-bar]");
@@ -210,6 +219,7 @@ export function initChart(root) {
     if (e.key === " ") { e.preventDefault(); view.mode === "live" ? play.pause() : play.resume(); }
     else if (e.key === "ArrowRight") play.step(1);
     else if (e.key === "ArrowLeft") play.step(-1);
+    else if (e.key === "Enter" && e.target === gantt) pickShown();   // the keyboard's click on a column
   });
   window.addEventListener("resize", () => { dirty = true; });
   onLang(() => { dirty = true; });

@@ -1,6 +1,7 @@
 // The lecturer's lesson strip: captions folded to one line (a click opens one), and the pressed
 // lesson's caption shown above the chart, the page scrolled so that caption, chart and batch bar
 // share one screen (a projector at 1366x768 included: the chart grows only as far as that allows).
+import { toggleLesson } from "./a11y.js";
 import { store } from "./socket.js";
 import { state } from "./state.js";
 
@@ -32,6 +33,6 @@ export function showLesson(k) {
 
 document.addEventListener("click", (e) => {
   const text = e.target.closest && e.target.closest("[id^=bs-lesson-text-]");
-  if (text) text.classList.toggle("bs-open");
+  if (text) toggleLesson(text);
 });
 window.addEventListener("resize", () => fitChart());

@@ -3,7 +3,9 @@
 // each part starts once it is there: the stage (its data-role, lecturer, student, projector or
 // replay, says which parts the server sent), then the socket and the views; the what-if panel
 // on its own.
+import * as a11y from "./a11y.js";
 import * as analysis from "./analysis.js";
+import * as chartText from "./chart_text.js";
 import * as controls from "./controls.js";
 import * as draw from "./draw.js";
 import * as i18n from "./i18n.js";
@@ -36,6 +38,7 @@ function frame(now) {
     perf.draws++; perf.drawMs += ms; perf.maxDrawMs = Math.max(perf.maxDrawMs, ms);
   }
   metrics.metricsFrame(now);
+  chartText.textFrame(now);
   room.roomFrame(now);
   why.whyFrame(now);
   kvmap.kvFrame(now);
@@ -53,6 +56,7 @@ function startStage() {
   interact.initChart(stage);
   if (stage.querySelector("[data-testid=controls]")) controls.initControls(stage);
   metrics.initMetrics(stage);
+  chartText.initChartText(stage);
   lesson.fitChart();
   room.initRoom(stage);
   if (stage.querySelector("[data-testid=why]")) why.initWhy(stage);   // the lecturer's "why" views
@@ -76,7 +80,7 @@ function whenThere(start) {
 function handle(preset) {
   const BS = {};
   const live = (k, get, set) => Object.defineProperty(BS, k, { get, set, enumerable: true, configurable: true });
-  for (const mod of [record, i18n, palette, socket, layout, draw, interact, controls, metrics, analysis,
+  for (const mod of [a11y, chartText, record, i18n, palette, socket, layout, draw, interact, controls, metrics, analysis,
                      kvmap, why, room, lesson, whatif]) {
     for (const k of Object.keys(mod)) live(k, () => mod[k]);
   }
@@ -92,4 +96,4 @@ function handle(preset) {
 window.BS = handle(window.BS || {});
 
 const ready = (fn) => (document.readyState === "loading" ? document.addEventListener("DOMContentLoaded", fn) : fn());
-ready(() => { whenThere(startStage); whenThere(whatif.initWhatIf); });
+ready(() => { a11y.initA11y(); whenThere(startStage); whenThere(whatif.initWhatIf); });

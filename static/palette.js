@@ -27,6 +27,38 @@ export function setSlots(bySlot) {
 }
 export const unknownLabels = () => [...unknown];
 
+// WCAG 2.x relative luminance and contrast ratio of two "#rrggbb" colours
+const full = (hex) => (hex.length === 4 ? "#" + [...hex.slice(1)].map((c) => c + c).join("") : hex);   // "#fff"
+function luminance(hex) {
+  const n = parseInt(full(hex).slice(1), 16);
+  const lin = (c) => (c /= 255) <= 0.04045 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4;
+  return 0.2126 * lin((n >> 16) & 255) + 0.7152 * lin((n >> 8) & 255) + 0.0722 * lin(n & 255);
+}
+export function contrast(a, b) {
+  const la = luminance(a), lb = luminance(b);
+  return (Math.max(la, lb) + 0.05) / (Math.min(la, lb) + 0.05);
+}
+
+// the backgrounds a mark sits on: the paper, a striped row, the student's own row
+export const BACKGROUNDS = () => [colors.paper, colors.stripe, colors.mineBand];
+export const MARK_CONTRAST = 3;       // WCAG 1.4.11: a chart mark against what is next to it
+
+// the edge of a mark in this colour: the colour itself where it reaches 3:1 on every background, else
+// the colour darkened (kept in hue) until it does; Okabe-Ito's light colours (orange, sky blue, yellow) need it
+const edges = new Map();
+export function edgeOf(hex) {
+  if (!edges.has(hex)) {
+    const n = parseInt(hex.slice(1), 16);
+    let edge = hex;
+    for (let k = 1; k <= 20 && BACKGROUNDS().some((b) => contrast(edge, b) < MARK_CONTRAST); k++) {
+      const f = 1 - k * 0.05;
+      edge = "#" + [16, 8, 0].map((sh) => Math.round(((n >> sh) & 255) * f).toString(16).padStart(2, "0")).join("");
+    }
+    edges.set(hex, edge);
+  }
+  return edges.get(hex);
+}
+
 // ink that reads on a fill of this colour (text drawn on a cell)
 export function inkOn(hex) {
   const n = parseInt(hex.slice(1), 16);

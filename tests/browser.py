@@ -113,6 +113,50 @@ def load_stage(pg, stream: list[dict], ready: str = "window.BS && BS.store"):
     pg.evaluate("(s) => BS.ingestAll(s)", stream)
 
 
+# ---- axe-core: the automated WCAG checks (tests/test_browser_a11y.py) ----
+AXE_VERSION = "4.10.3"                          # npm axe-core, pinned: a new rule would fail old pages
+AXE_DIR = ROOT / ".axe"                         # git-ignored; scripts/test.sh fills it where npm is present
+AXE_JS = AXE_DIR / "node_modules" / "axe-core" / "axe.min.js"
+AXE_TAGS = ["wcag2a", "wcag2aa", "wcag21a", "wcag21aa"]
+
+
+def install_axe() -> Path:
+    """axe.min.js of AXE_VERSION under AXE_DIR, installed by npm when missing or of another version."""
+    import json
+    import shutil
+    import subprocess
+    meta = AXE_JS.parent / "package.json"
+    if AXE_JS.exists() and json.loads(meta.read_text()).get("version") == AXE_VERSION:
+        return AXE_JS
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.skip(f"axe-core {AXE_VERSION} is not in {AXE_DIR.name}/ and npm is not installed to fetch it")
+    AXE_DIR.mkdir(exist_ok=True)
+    subprocess.run([npm, "install", "--no-save", "--no-audit", "--no-fund", "--prefix", str(AXE_DIR),
+                    f"axe-core@{AXE_VERSION}"], check=True, capture_output=True, timeout=600)
+    return AXE_JS
+
+
+def axe_violations(pg, context: str = "document") -> list[dict]:
+    """axe-core's WCAG 2.0/2.1 A and AA rules run on the open page (axe.min.js injected first); each
+    violation as {id, impact, help, nodes: [{target: selector, summary: what fails there}, ...]}."""
+    if not pg.evaluate("typeof window.axe === 'object'"):
+        pg.add_script_tag(path=str(install_axe()))
+    return pg.evaluate(r"""async ([ctx, tags]) => {
+        const r = await axe.run(ctx === 'document' ? document : ctx, {runOnly: {type: 'tag', values: tags},
+                                                                      resultTypes: ['violations']});
+        return r.violations.map(v => ({id: v.id, impact: v.impact, help: v.help,
+            nodes: v.nodes.map(n => ({target: n.target.join(' '),
+                                      summary: (n.failureSummary || '').replace(/\s+/g, ' ')}))}));
+    }""", [context, AXE_TAGS])
+
+
+def describe_violations(violations: list[dict]) -> str:
+    """One line per node: rule id, impact, selector, what is wrong."""
+    return "\n".join(f"{v['id']} ({v['impact']}) {n['target']}: {n['summary']}"
+                     for v in violations for n in v["nodes"])
+
+
 def api(server: str, path: str, body=None, headers=None):
     """A JSON call to the served app (GET, or POST when there is a body)."""
     import json

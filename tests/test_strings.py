@@ -69,5 +69,6 @@ def test_every_key_is_used():
             continue
         else:
             used = (f'"{key}"' in js or f'data-i18n="{key}"' in html + py or f'data-i18n-placeholder="{key}"' in html
+                    or f'data-i18n-label="{key}"' in html
                     or any(key.startswith(p) for p in prefixes))
             assert used, key

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import html
+import json
 
 import gradio as gr
 from fastapi import FastAPI
@@ -308,7 +309,7 @@ def build_ui(service, **options) -> gr.Blocks:
                     [title, subtitle, lang, steps_title] + lesson_md + lesson_btn + [scen_label]
                     + list(scen_btn.values()) + [add_btn, remove_btn, clear_btn, stop_btn]
                     + boxes + sends + alls + shorts + longs,
-                    js="(c) => { if (window.BS && BS.setLang) BS.setLang(c === '中文' ? 'zh' : 'en'); return c; }")
+                    js=f"(c) => {{ if (window.BS && BS.setLang) BS.setLang(({json.dumps(LANGS)})[c] || 'en'); return c; }}")
         demo.unload(ui.drop)
     demo.bs_ui = ui
     return demo
@@ -388,6 +389,15 @@ def _typed_scenario(ui: UI, name: str, policies: tuple[str, ...], lesson: Lesson
     return handler
 
 
+def theme() -> gr.themes.Base:
+    """Gradio's default theme with button fills that keep white text at 4.5:1 or more (WCAG 1.4.3; its own
+    orange is 2.8:1 and its red 3.8:1): orange-700 and red-700, one shade darker when hovered."""
+    fills = dict(button_primary_background_fill="#C2410C", button_primary_background_fill_hover="#9A3412",
+                 button_primary_text_color="#FFFFFF", button_cancel_background_fill="#B91C1C",
+                 button_cancel_background_fill_hover="#991B1B", button_cancel_text_color="#FFFFFF")
+    return gr.themes.Default().set(**fills, **{k + "_dark": v for k, v in fills.items()})
+
+
 def mount_ui(app: FastAPI, service, path: str = "/", **options) -> FastAPI:
     """Serve static/ at /static/batchscope, the classroom pages (/join, /projector, /api/room) and
     the lecturer's Gradio page at `path` on the given app."""
@@ -396,7 +406,7 @@ def mount_ui(app: FastAPI, service, path: str = "/", **options) -> FastAPI:
     mount_room(app, service, app.state.room, head_html(), max_tokens=options.get("max_tokens", 128))
     mount_leaderboard(app, head_html(), STATIC_URL)
     blocks = build_ui(service, **options)
-    return gr.mount_gradio_app(app, blocks, path=path, head=head_html(), theme=gr.themes.Default(),
+    return gr.mount_gradio_app(app, blocks, path=path, head=head_html(), theme=theme(),
                                footer_links=[], ssr_mode=False)
 
 

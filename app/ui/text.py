@@ -14,7 +14,8 @@ from pathlib import Path
 USERS = [("Alice", "#E69F00"), ("Bob", "#56B4E9"), ("Carol", "#009E73"), ("Dan", "#CC79A7"),
          ("Eve", "#0072B2"), ("Frank", "#D55E00"), ("Grace", "#F0E442"), ("Heidi", "#7F7F7F")]
 
-LANGS = {"English": "en", "中文": "zh"}
+# each language named so that it reads without a CJK font (the Latin part) and in its own script
+LANGS = {"English": "en", "Chinese (中文)": "zh"}
 STRINGS_DIR = Path(__file__).resolve().parent.parent.parent / "static" / "strings"
 
 

@@ -1,6 +1,22 @@
 // The page's words in Chinese: the same keys and {placeholders} as en.js (tests/test_strings.py).
 // Below this comment the file is plain JSON (app/ui/text.py reads it too).
 export default {
+  "text.prompt": "{who} 的整个提示词 {n} 个词元",
+  "chart.keys": "步骤图。左右方向键逐步浏览，空格键暂停或继续，回车键打开该步的透视；下方表格以文字呈现。",
+  "text.show": "以表格显示",
+  "text.hide": "隐藏表格",
+  "text.caption": "视图中最近 {n} 步：每行一步（一次前向计算），每列是一个请求在该步中的部分",
+  "text.step_col": "步",
+  "text.dur_col": "耗时",
+  "text.decode": "解码 1",
+  "text.prefill": "预填充 {n}",
+  "text.stalled": "停顿",
+  "text.step": "第 {step} 步：{what}",
+  "text.chunk": "{who} 的提示词分块 {n} 个词元",
+  "text.beside": "{what}，同时 {n} 个回复",
+  "text.replies": "{n} 个回复",
+  "text.waited": "{what}；{who} 等待了 {t}",
+  "a11y.chat_log": "{name} 的对话",
   "chart.title": "引擎的每一次前向计算（实时）",
   "chart.running": "这一步正在计算……",
   "chart.hint": "每行是一个请求，每列是一步（一次前向计算）。从上往下读一列：这一步里有谁。",
