@@ -198,10 +198,17 @@ function drawTable() {
     }
     return tr;
   });
+  // the newest stretch stays in sight: a new column (or a table already scrolled to its end) scrolls the box to
+  // its right end; a lecturer who scrolled back to an older column is left there
+  const box = table.closest(".bs-metrics-scroll");
+  const atEnd = !box || box.scrollLeft + box.clientWidth >= box.scrollWidth - 4, grew = ms.length > shownColumns;
+  shownColumns = ms.length;
   table.replaceChildren(el("thead"), el("tbody"));
   table.tHead.append(head);
   table.tBodies[0].append(...body);
+  if (box && (atEnd || grew)) box.scrollLeft = box.scrollWidth;
 }
+let shownColumns = 0;
 
 // ---- sparklines: one per chat panel, the user's token arrivals over the last seconds ----
 const SPARK_SEC = 20;
