@@ -17,6 +17,8 @@ router in typed messages (engine/disagg/messages.py).
                   requests, relays records and request events, forwards an abort to
                   whichever worker holds the request, and restarts a worker process
                   that dies: its requests fail with the reason, the other worker's go on.
+                  The workers die with the router, however it dies: each holds a lifeline
+                  (worker.hold_lifeline), and the fork server ends when its last child does.
 
 Both workers run the `chunked` scheduler; their step records say `policy:
 "disaggregated"` and carry `worker`. The router numbers the records of both in the
@@ -98,6 +100,7 @@ class Handle:
     process: mp.Process
     commands: mp.Queue
     results: mp.Queue
+    lifeline: object                         # the write end of the worker's lifeline (worker.hold_lifeline)
     restarts: int = 0
     info: dict | None = None                 # its Ready message: pid, threads, blocks; None while loading
     last: dict | None = None                 # its newest step record
@@ -178,12 +181,16 @@ class DisaggregatedEngine:
     # ---- worker processes ----
     def _spawn(self, name: str, busy_slots: list[int], restarts: int = 0) -> Handle:
         commands, results = self._ctx.Queue(), self._ctx.Queue()
+        # the worker's lifeline: it ends itself when this write end closes, which the kernel does when this
+        # process dies, whatever kills it; the pipe is not inherited by anything this process execs
+        lifeline_r, lifeline_w = self._ctx.Pipe(duplex=False)
         wall0 = time.time() - self.clock()          # wall time of this clock's zero
         process = self._ctx.Process(target=worker_main, name=f"batchscope-{name}", daemon=True,
-                                    args=(dict(os.environ), name, self.worker_config, self.staging, busy_slots,
-                                          wall0, commands, results))
+                                    args=(dict(os.environ), lifeline_r, name, self.worker_config, self.staging,
+                                          busy_slots, wall0, commands, results))
         process.start()
-        return Handle(name, process, commands, results, restarts)
+        lifeline_r.close()                          # only the worker reads it
+        return Handle(name, process, commands, results, lifeline_w, restarts)
 
     def _wait_ready(self, timeout: float):
         deadline = time.monotonic() + timeout
@@ -216,6 +223,7 @@ class DisaggregatedEngine:
                     self._send("prefill", Release(self.router.transfers.pop(rid).slots))
             busy = [s for t in self.router.transfers.values() for s in t.slots]
             w.commands.cancel_join_thread()
+            w.lifeline.close()
             self.workers[name] = self._spawn(name, busy, w.restarts + 1)
             self.counters["worker_restarts"] += 1
 
@@ -460,6 +468,7 @@ class DisaggregatedEngine:
                 w.process.kill()
                 w.process.join()
             w.commands.cancel_join_thread()
+            w.lifeline.close()
         self._shm.close()
         self._shm.unlink()
 
