@@ -33,6 +33,7 @@ from app.serving.prometheus import Metrics
 from app.serving.rate_limit import Caller, ClientKeys, RateLimiter
 from app.serving.request_stream import Delta, QueueFull, RequestStream, ServiceUnavailable, reply_text
 from engine import EngineConfig, SamplingParams
+from engine.memory import resident_bytes
 
 log = logging.getLogger("batchscope.attach")
 DEFAULT_RECORDS_PORT = 8765
@@ -91,7 +92,7 @@ class AttachedService:
         self.broadcaster.describe = self.describe
         self.limiter = RateLimiter(self.config.rate_limit_per_minute, self.config.rate_limit_burst)
         self.client_keys = ClientKeys(self.config.forwarded_allow_ips, self.config.presenter_key, self.config.api_keys)
-        self.metrics = Metrics()
+        self.metrics = Metrics(memory=self.memory)
         self.arrival_log = NoArrivalLog()
         self.whatif, self.loop, self.engine = None, _Idle(), None
         self.step_delay, self.crashes, self.last_error = 0.0, 0, None
@@ -147,6 +148,10 @@ class AttachedService:
     @property
     def loaded(self) -> bool:
         return self.accepting
+
+    def memory(self) -> dict:
+        """This process's resident memory; the KV cache lives in vLLM's processes, which it does not read."""
+        return {"rss_bytes": resident_bytes(), "kv_cache_bytes": None}
 
     def health(self) -> tuple[bool, str]:
         if not self.accepting:

@@ -28,6 +28,7 @@ from app.serving.prometheus import Metrics
 from app.serving.rate_limit import Caller, ClientKeys, RateLimiter
 from app.serving.request_stream import QueueFull, RequestStream, ServiceUnavailable, ShuttingDown, reply_text
 from engine import EngineConfig, SamplingParams
+from engine.memory import resident_bytes
 from engine.protocol import Engine
 
 __all__ = ["EngineService", "QueueFull", "ServiceUnavailable", "ShuttingDown"]
@@ -45,7 +46,7 @@ class EngineService:
         self.broadcaster.describe = self.describe
         self.limiter = RateLimiter(self.config.rate_limit_per_minute, self.config.rate_limit_burst)
         self.client_keys = ClientKeys(self.config.forwarded_allow_ips, self.config.presenter_key, self.config.api_keys)
-        self.metrics = Metrics()
+        self.metrics = Metrics(memory=self.memory)
         self.arrival_log = ArrivalLog()         # private: token ids for the what-if replay (app/replay/whatif.py)
         self.loop = EngineLoop(self.engine_config, self.broadcaster, self.config.step_delay, make_engine)
         self.loop.subscribe(self._on_record)
@@ -108,6 +109,16 @@ class EngineService:
     @property
     def last_error(self) -> str | None:
         return self.loop.last_error
+
+    def memory(self) -> dict:
+        """rss_bytes: this process's resident memory, read now; kv_cache_bytes: its KV cache's tensors; with
+        the disaggregated pair, `workers`: each worker's resident memory, read now by the pid the engine
+        thread last reported (EngineLoop.memory), and its KV cache. The numbers of /healthz and /metrics."""
+        seen = self.loop.memory
+        out = {"rss_bytes": resident_bytes(), "kv_cache_bytes": seen.get("kv_cache_bytes")}
+        if "workers" in seen:
+            out["workers"] = {name: {**w, "rss_bytes": resident_bytes(w["pid"])} for name, w in seen["workers"].items()}
+        return out
 
     def health(self) -> tuple[bool, str]:
         if not self.loaded:

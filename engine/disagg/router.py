@@ -66,6 +66,7 @@ from engine.disagg.messages import (
 )
 from engine.disagg.worker import Staging, worker_main
 from engine.llm_engine import LLMEngine
+from engine.memory import resident_bytes
 from engine.outputs.records import KVState, PolicyEvent, RequestEvent
 from engine.outputs.requests import RequestBook, StepCounter
 from engine.protocol import RequestInfo, RequestOutput, StepOutputs
@@ -444,7 +445,16 @@ class DisaggregatedEngine:
                 "waiting": last("prefill", "waiting"),
                 "running": last("prefill", "running") + last("decode", "running"),
                 "live_requests": len(self.book.live), "step": self.step_index,
-                "workers": workers, "in_transfer": len(self.router.transfers), **self.counters}
+                "workers": workers, "in_transfer": len(self.router.transfers), "memory": self.memory(),
+                **self.counters}
+
+    def memory(self) -> dict:
+        """The router's resident bytes (it holds no KV cache) and each worker's, read from /proc by its pid
+        (None while a worker loads or where there is no /proc), with the bytes of its KV cache."""
+        workers = {name: {"pid": w.process.pid, "rss_bytes": resident_bytes(w.process.pid) if w.info else None,
+                          "kv_cache_bytes": (w.info or {}).get("kv_cache_bytes")}
+                   for name, w in self.workers.items()}
+        return {"rss_bytes": resident_bytes(), "kv_cache_bytes": 0, "workers": workers}
 
     # ---- listeners: every record and event goes to each, as a dict of its own ----
     def subscribe(self, fn):

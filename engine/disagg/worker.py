@@ -96,7 +96,8 @@ class Worker:
         self.results.put(Ready({"pid": os.getpid(), "threads": self.threads,
                                 "num_blocks": e.block_manager.num_blocks, "max_model_len": e.max_model_len,
                                 "device": e.device, "attention_backend": e.runner.backend.name,
-                                "bytes_per_block": e.runner.bytes_per_block}))
+                                "bytes_per_block": e.runner.bytes_per_block,
+                                "kv_cache_bytes": e.runner.kv_cache_bytes}))
         while True:
             # idle: sleep until the router says something; busy: take what has come and step
             cmd = self._next(block=not e.scheduler.has_work())
