@@ -159,7 +159,15 @@ class EngineSwitch:
     def stats(self) -> dict:
         """The engine in force's, with `disaggregated`: the pair's state (pair_state)."""
         self._run_later()
-        return {**self.engine.stats(), "disaggregated": self.pair_state}
+        return {**self.engine.stats(), "disaggregated": self.pair_state, "memory": self.memory()}
+
+    def memory(self) -> dict:
+        """This process's resident bytes and its KV cache (the single engine's, which stays loaded beside the
+        pair), and, once the pair runs, its workers' (DisaggregatedEngine.memory)."""
+        out = self.single.memory()
+        if self.pair is not None:
+            out["workers"] = self.pair.memory()["workers"]
+        return out
 
     @property
     def device(self) -> str:

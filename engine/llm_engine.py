@@ -24,6 +24,7 @@ import torch
 
 from engine.config import DTYPES, EngineConfig, check_budgets
 from engine.execution.model_runner import ModelRunner
+from engine.memory import resident_bytes
 from engine.outputs.detokenizer import Detokenizer
 from engine.outputs.prompts import eos_ids
 from engine.outputs.records import KVState, PolicyEvent, read_batch, step_record
@@ -184,7 +185,12 @@ class LLMEngine(RequestFront):
                 "max_model_len": self.max_model_len, "kv": KVState.of(self.block_manager).to_dict(),
                 "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "live_requests": len(self.book.live), "step": self.step_index,
-                "prefix_cache_hit_tokens": self.block_manager.num_hit_tokens, **self.counters}
+                "prefix_cache_hit_tokens": self.block_manager.num_hit_tokens, "memory": self.memory(),
+                **self.counters}
+
+    def memory(self) -> dict:
+        """This process's resident bytes and the KV cache's bytes (engine/memory.py)."""
+        return {"rss_bytes": resident_bytes(), "kv_cache_bytes": self.runner.kv_cache_bytes}
 
     def _emit_request(self, seq: Sequence, event: str, t: float | None = None, **extra):
         self.book.emit_request(seq, event, t, **extra)

@@ -104,7 +104,11 @@ class Engine(Protocol):
         """policy, max_num_batched_tokens, max_num_seqs, max_prefill_chunk, speculative_config in force."""
 
     def stats(self) -> dict:
-        """settings plus model, device, KV use, queue lengths, counters (the /api/engine state)."""
+        """settings plus model, device, KV use, queue lengths, counters, memory() (the /api/engine state)."""
+
+    def memory(self) -> dict:
+        """rss_bytes (this process's resident memory) and kv_cache_bytes (its KV cache's tensors), from
+        engine/memory.py and the runner; an engine with worker processes adds `workers`, the same per worker."""
 
     def subscribe(self, fn: Callable[[dict], None]) -> None:
         """fn gets every StepRecord, request event and policy event, as a dict of its own."""

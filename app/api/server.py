@@ -66,7 +66,7 @@ def create_app(service: EngineService, manage_service: bool = True) -> FastAPI:
     async def healthz():
         ok, reason = service.health()
         body = {"status": "ok" if ok else "unhealthy", "model": service.model_name, "device": service.device,
-                "cuda_graphs": service.cuda_graphs}
+                "cuda_graphs": service.cuda_graphs, "memory": service.memory()}
         return body if ok else JSONResponse({**body, "reason": reason}, status_code=503)
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])     # HEAD: scrapers and benchmark clients probe it

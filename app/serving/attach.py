@@ -33,6 +33,7 @@ from app.serving.front import ServiceFront
 from app.serving.rate_limit import Caller
 from app.serving.request_stream import Delta, QueueFull, RequestStream, ServiceUnavailable
 from engine import EngineConfig, SamplingParams
+from engine.memory import resident_bytes
 
 log = logging.getLogger("batchscope.attach")
 DEFAULT_RECORDS_PORT = 8765
@@ -136,6 +137,10 @@ class AttachedService(ServiceFront):
     @property
     def loaded(self) -> bool:
         return self.accepting
+
+    def memory(self) -> dict:
+        """This process's resident memory; the KV cache lives in vLLM's processes, which it does not read."""
+        return {"rss_bytes": resident_bytes(), "kv_cache_bytes": None}
 
     def health(self) -> tuple[bool, str]:
         if not self.accepting:

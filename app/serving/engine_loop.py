@@ -45,6 +45,8 @@ class EngineLoop:
         self.engine: Engine | None = None       # engine thread only, once loaded
         self.info: dict = {}                    # the engine as loaded (model, device, dtype, max_model_len,
                                                 # settings): written once before start() returns
+        self.memory: dict = {}                  # engine.memory() as the engine thread last read it (replaced
+        self._memory_at = float("-inf")         # whole): after commands, and at most once a second while stepping
         self.side_job = None                    # side work stepped between live steps (a what-if replay)
         self.streams: dict[str, RequestStream] = {}   # live requests that somebody is reading
         self._subscribers: list[Callable[[dict], None]] = []
@@ -197,6 +199,7 @@ class EngineLoop:
             self.info = {"model_name": e.model_name, "device": e.device, "dtype": stats["dtype"],
                          "max_model_len": e.max_model_len, "settings": e.settings(), "kv": stats["kv"],
                          "cuda_graphs": stats.get("cuda_graphs")}
+            self._note_memory(force=True)
         except BaseException as e:
             log.exception("could not load the model")
             self.load_error = e
@@ -220,8 +223,10 @@ class EngineLoop:
         self._wake.clear()                      # before draining: a command posted after this still wakes us
         if self._drain():
             self._deliver(self.engine.take_outputs())
+            self._note_memory(force=True)       # a command may have started or replaced the pair's workers
         if self.stopping:
             return
+        self._note_memory()
         if not self.engine.has_unfinished():
             pause = self._side_work()
             if pause is None:
@@ -238,6 +243,12 @@ class EngineLoop:
             self._sleep(0.01)                   # nothing could be scheduled this time: do not spin
         if self.step_delay > 0:
             self._sleep(self.step_delay)
+
+    def _note_memory(self, force: bool = False):
+        """Read engine.memory() for /healthz and /metrics, which must not wait for the engine thread."""
+        now = time.monotonic()
+        if force or now - self._memory_at >= 1.0:
+            self.memory, self._memory_at = self.engine.memory(), now
 
     def _sleep(self, seconds: float):
         """Pause between steps, still running commands (aborts, policy changes) as they come."""

@@ -5,7 +5,8 @@ app/serving/attach.py).
 It holds what both set up the same way (the record ring and its viewers, the per-client rate limit, the
 Prometheus metrics, what is known of the model once started) and what both do the same way: the rate-limit
 check at admission and a reply's text as a stream. Each subclass says how a request enters (`submit`),
-how the engine is started, stopped and changed, and how its records arrive (`_on_record`).
+how the engine is started, stopped and changed, how its records arrive (`_on_record`) and what memory it
+holds (`memory`, read by /healthz and /metrics).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class ServiceFront:
         self.broadcaster.describe = self.describe
         self.limiter = RateLimiter(self.config.rate_limit_per_minute, self.config.rate_limit_burst)
         self.client_keys = ClientKeys(self.config.forwarded_allow_ips, self.config.presenter_key, self.config.api_keys)
-        self.metrics = Metrics()
+        self.metrics = Metrics(memory=self.memory)    # the subclass's memory(): resident and KV bytes
         self.arrival_log = arrival_log      # private: token ids for the what-if replay (app/replay/whatif.py)
         # ---- filled in from the engine when start() returns; read-only afterwards ----
         self.model_name = self.device = self.dtype = None

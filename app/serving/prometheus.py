@@ -39,7 +39,16 @@ batchscope's own, by scheduling policy:
     batchscope:stall_seconds_total{policy}  time running replies spent left out of a step: each step adds
                                             its duration once per reply it stalled (the record's `stalled`)
 
-Everything is observed from the record stream alone (steps and request events), with
+Memory, read at each scrape (the service's memory(): engine/memory.py and the runner's kv_cache_bytes,
+the numbers /healthz shows):
+
+    process_resident_memory_bytes           this process's resident memory (prometheus_client's name; its
+                                            process collector is not in this registry)
+    batchscope:kv_cache_bytes               bytes of this process's KV cache tensors (vLLM has no such metric)
+    batchscope:worker_resident_memory_bytes {worker}: each worker process of the disaggregated pair
+    batchscope:worker_kv_cache_bytes        {worker}: its KV cache
+
+Everything else is observed from the record stream alone (steps and request events), with
 app/readers/metrics.py's definitions: a token's time is its step's end (TokenClock), so the TTFT
 and TBT here are the page's. That is why the same class serves the own engine (engine thread) and
 an attached vLLM (its lanes' threads, `engine` = the data-parallel lane); prometheus_client is
@@ -47,9 +56,11 @@ thread-safe, so a scrape on the event loop reads it without asking the engine an
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from app.readers.metrics import TokenClock, phases
 
@@ -87,9 +98,48 @@ class _Request:
     output_tokens: int | None = None         # set by its `finished` event
 
 
+class MemoryCollector:
+    """The memory gauges, from memory() at each scrape (see the module's docstring)."""
+
+    def __init__(self, memory: Callable[[], dict], model: Callable[[], str | None]):
+        self.memory, self.model = memory, model
+
+    def describe(self):
+        return []                                # not probed at registration: memory() needs a loaded engine
+
+    def collect(self):
+        mem = self.memory()
+        model = self.model() or ""
+        if mem.get("rss_bytes") is not None:
+            yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory size in bytes",
+                                    value=mem["rss_bytes"])
+        if mem.get("kv_cache_bytes") is not None:
+            kv = GaugeMetricFamily("batchscope:kv_cache_bytes", "Bytes of this process's KV cache tensors",
+                                   labels=["model_name", "engine"])
+            kv.add_metric([model, ENGINE], mem["kv_cache_bytes"])
+            yield kv
+        workers = mem.get("workers") or {}
+        rss = GaugeMetricFamily("batchscope:worker_resident_memory_bytes",
+                                "Resident memory of each worker process of the disaggregated pair",
+                                labels=["model_name", "worker"])
+        kv = GaugeMetricFamily("batchscope:worker_kv_cache_bytes", "Bytes of each worker's KV cache tensors",
+                               labels=["model_name", "worker"])
+        for name, w in workers.items():
+            if w.get("rss_bytes") is not None:
+                rss.add_metric([model, name], w["rss_bytes"])
+            if w.get("kv_cache_bytes") is not None:
+                kv.add_metric([model, name], w["kv_cache_bytes"])
+        if workers:
+            yield rss
+            yield kv
+
+
 class Metrics:
-    def __init__(self):
+    def __init__(self, memory: Callable[[], dict] | None = None):
+        """memory(): the serving process's memory (EngineService.memory), read at each scrape."""
         self.registry = r = CollectorRegistry()
+        if memory is not None:
+            r.register(MemoryCollector(memory, lambda: self.model))
         self.model: str | None = None
         self.dtype = ""
         self.live: dict[str, _Request] = {}             # arrived, not yet ended (or ended, last token due)

@@ -27,6 +27,7 @@ from app.serving.front import ServiceFront
 from app.serving.rate_limit import Caller
 from app.serving.request_stream import QueueFull, RequestStream, ServiceUnavailable, ShuttingDown
 from engine import EngineConfig, SamplingParams
+from engine.memory import resident_bytes
 from engine.protocol import Engine
 
 __all__ = ["EngineService", "QueueFull", "ServiceUnavailable", "ShuttingDown"]
@@ -94,6 +95,16 @@ class EngineService(ServiceFront):
     @property
     def last_error(self) -> str | None:
         return self.loop.last_error
+
+    def memory(self) -> dict:
+        """rss_bytes: this process's resident memory, read now; kv_cache_bytes: its KV cache's tensors; with
+        the disaggregated pair, `workers`: each worker's resident memory, read now by the pid the engine
+        thread last reported (EngineLoop.memory), and its KV cache. The numbers of /healthz and /metrics."""
+        seen = self.loop.memory
+        out = {"rss_bytes": resident_bytes(), "kv_cache_bytes": seen.get("kv_cache_bytes")}
+        if "workers" in seen:
+            out["workers"] = {name: {**w, "rss_bytes": resident_bytes(w["pid"])} for name, w in seen["workers"].items()}
+        return out
 
     def health(self) -> tuple[bool, str]:
         if not self.loaded:

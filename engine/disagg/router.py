@@ -17,6 +17,8 @@ router in typed messages (engine/disagg/messages.py).
                   requests, relays records and request events, forwards an abort to
                   whichever worker holds the request, and restarts a worker process
                   that dies: its requests fail with the reason, the other worker's go on.
+                  The workers die with the router, however it dies: each holds a lifeline
+                  (worker.hold_lifeline), and the fork server ends when its last child does.
 
 Both workers run the `chunked` scheduler; their step records say `policy:
 "disaggregated"` and carry `worker`. The router numbers the records of both in the
@@ -65,6 +67,7 @@ from engine.disagg.messages import (
 from engine.disagg.worker import Staging, worker_main
 from engine.errors import SpeculationRefused
 from engine.llm_engine import LLMEngine
+from engine.memory import resident_bytes
 from engine.outputs.records import KVState, PolicyEvent, RequestEvent
 from engine.outputs.requests import RequestBook, RequestFront, StepCounter
 from engine.protocol import StepOutputs
@@ -99,6 +102,7 @@ class Handle:
     process: mp.Process
     commands: mp.Queue
     results: mp.Queue
+    lifeline: object                         # the write end of the worker's lifeline (worker.hold_lifeline)
     restarts: int = 0
     info: dict | None = None                 # its Ready message: pid, threads, blocks; None while loading
     last: dict | None = None                 # its newest step record
@@ -173,12 +177,16 @@ class DisaggregatedEngine(RequestFront):
     # ---- worker processes ----
     def _spawn(self, name: str, busy_slots: list[int], restarts: int = 0) -> Handle:
         commands, results = self._ctx.Queue(), self._ctx.Queue()
+        # the worker's lifeline: it ends itself when this write end closes, which the kernel does when this
+        # process dies, whatever kills it; the pipe is not inherited by anything this process execs
+        lifeline_r, lifeline_w = self._ctx.Pipe(duplex=False)
         wall0 = time.time() - self.clock()          # wall time of this clock's zero
         process = self._ctx.Process(target=worker_main, name=f"batchscope-{name}", daemon=True,
-                                    args=(dict(os.environ), name, self.worker_config, self.staging, busy_slots,
-                                          wall0, commands, results))
+                                    args=(dict(os.environ), lifeline_r, name, self.worker_config, self.staging,
+                                          busy_slots, wall0, commands, results))
         process.start()
-        return Handle(name, process, commands, results, restarts)
+        lifeline_r.close()                          # only the worker reads it
+        return Handle(name, process, commands, results, lifeline_w, restarts)
 
     def _wait_ready(self, timeout: float):
         deadline = time.monotonic() + timeout
@@ -211,6 +219,7 @@ class DisaggregatedEngine(RequestFront):
                     self._send("prefill", Release(self.router.transfers.pop(rid).slots))
             busy = [s for t in self.router.transfers.values() for s in t.slots]
             w.commands.cancel_join_thread()
+            w.lifeline.close()
             self.workers[name] = self._spawn(name, busy, w.restarts + 1)
             self.counters["worker_restarts"] += 1
 
@@ -418,7 +427,16 @@ class DisaggregatedEngine(RequestFront):
                 "waiting": last("prefill", "waiting"),
                 "running": last("prefill", "running") + last("decode", "running"),
                 "live_requests": len(self.book.live), "step": self.step_index,
-                "workers": workers, "in_transfer": len(self.router.transfers), **self.counters}
+                "workers": workers, "in_transfer": len(self.router.transfers), "memory": self.memory(),
+                **self.counters}
+
+    def memory(self) -> dict:
+        """The router's resident bytes (it holds no KV cache) and each worker's, read from /proc by its pid
+        (None while a worker loads or where there is no /proc), with the bytes of its KV cache."""
+        workers = {name: {"pid": w.process.pid, "rss_bytes": resident_bytes(w.process.pid) if w.info else None,
+                          "kv_cache_bytes": (w.info or {}).get("kv_cache_bytes")}
+                   for name, w in self.workers.items()}
+        return {"rss_bytes": resident_bytes(), "kv_cache_bytes": 0, "workers": workers}
 
     # ---- the end ----
     def close(self, timeout: float = 10.0):
@@ -435,6 +453,7 @@ class DisaggregatedEngine(RequestFront):
                 w.process.kill()
                 w.process.join()
             w.commands.cancel_join_thread()
+            w.lifeline.close()
         self._shm.close()
         self._shm.unlink()
 

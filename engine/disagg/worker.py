@@ -13,8 +13,12 @@ request in or out of its engine only through LLMEngine's public methods (`hold`,
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
+import signal
+import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -92,7 +96,8 @@ class Worker:
         self.results.put(Ready({"pid": os.getpid(), "threads": self.threads,
                                 "num_blocks": e.block_manager.num_blocks, "max_model_len": e.max_model_len,
                                 "device": e.device, "attention_backend": e.runner.backend.name,
-                                "bytes_per_block": e.runner.bytes_per_block}))
+                                "bytes_per_block": e.runner.bytes_per_block,
+                                "kv_cache_bytes": e.runner.kv_cache_bytes}))
         while True:
             # idle: sleep until the router says something; busy: take what has come and step
             cmd = self._next(block=not e.scheduler.has_work())
@@ -215,9 +220,31 @@ class Worker:
         time.sleep(m.seconds)                        # tests: hold a request in the middle of a hand-over
 
 
-def worker_main(environ: dict, *args):
+def hold_lifeline(lifeline):
+    """Die with the router, however it dies. lifeline is the read end of a pipe whose write end only the router
+    holds: when the router's process ends (SIGKILL and the OOM killer included) the kernel closes it, the read
+    end sees end-of-file and a thread here ends this process at once, wherever its main thread is. Without it a
+    worker of a killed server would wait on its command queue for ever, holding its copy of the model.
+
+    A second guard on Linux: PR_SET_PDEATHSIG, SIGKILL when the parent dies. The parent is the fork server
+    (single-threaded, so the thread that forked us lives as long as it), or the router where workers are
+    spawned, whose starting thread may end before the router does; hence the lifeline first."""
+    def watch():
+        try:
+            lifeline.poll(None)                  # readable only at end-of-file: the router never writes
+        except OSError:
+            pass
+        os._exit(1)
+    threading.Thread(target=watch, name="batchscope-lifeline", daemon=True).start()
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def worker_main(environ: dict, lifeline, *args):
     """A worker process's body. It may be forked from a fork server started long before (engine/disagg/router.py):
     it takes the router's environment as it is now, as a freshly spawned process would."""
+    hold_lifeline(lifeline)
     os.environ.clear()
     os.environ.update(environ)
     Worker(*args).run()

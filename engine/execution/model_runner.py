@@ -128,6 +128,11 @@ class ModelRunner:
         return 2 * self.num_layers * self.block_size * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache's tensors, the scratch block included: the cache's share of memory."""
+        return self.kv_cache.nbytes
+
+    @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
 

@@ -1,0 +1,88 @@
+"""The server's memory, as /healthz, /api/engine and /metrics show it, against what the kernel and the model say.
+
+Resident memory is compared with /proc/<pid>/status's VmRSS (the kernel's own line, read here, not the
+code under test's /proc/<pid>/statm); the KV cache's bytes with the cache's shape, computed here from the
+model's config and the number of blocks the engine reports."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import wait_for
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(300)]
+SLACK = 64 * 2**20            # a live server allocates between two reads: RSS may move this much
+
+
+def vm_rss(pid: int | str = "self") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS line for {pid}")
+
+
+def cache_bytes(model_folder: Path, blocks: int, block_size: int, itemsize: int = 4) -> int:
+    """(layers, 2, blocks + 1 scratch, block_size, kv_heads, head_dim) elements of itemsize bytes."""
+    cfg = json.loads((model_folder / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * (blocks + 1) * block_size * cfg["num_key_value_heads"] * head_dim * itemsize
+
+
+def gauges(text: str) -> dict[tuple, float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+
+
+@needs_proc
+def test_healthz_and_metrics_show_resident_memory_and_the_kv_cache(live_server, tiny_model):
+    health = live_server.http.get("/healthz").json()
+    mem = health["memory"]
+    # the test server runs in this process: its resident memory is ours
+    assert abs(mem["rss_bytes"] - vm_rss()) < SLACK, (mem, vm_rss())
+    kv = live_server.engine()["kv"]
+    want = cache_bytes(tiny_model, kv["total"], kv["block_size"])
+    assert mem["kv_cache_bytes"] == want
+    assert 0 < mem["kv_cache_bytes"] < mem["rss_bytes"]
+    assert "workers" not in mem                          # no pair started
+    assert live_server.engine()["memory"]["kv_cache_bytes"] == want   # /api/engine: the same definition
+    samples = gauges(live_server.http.get("/metrics").text)
+    assert abs(samples[("process_resident_memory_bytes", ())] - vm_rss()) < SLACK
+    model = live_server.service.model_name
+    assert samples[("batchscope:kv_cache_bytes", (("engine", "0"), ("model_name", model)))] == want
+
+
+@needs_proc
+def test_the_pairs_workers_memory_is_reported_by_pid(tiny_model):
+    from engine import EngineConfig
+    from tests.conftest import serve_on_loopback
+    server = serve_on_loopback(EngineConfig(model=str(tiny_model), dtype="float32", kv_cache_gb=0.02,
+                                            max_model_len=512, policy="disaggregated"))
+    live = next(server)
+    try:
+        wait_for(lambda: live.engine()["disaggregated"] == "ready", timeout=240, what="the pair to load")
+        state = live.engine()
+        workers = state["workers"]
+        wait_for(lambda: all(w["rss_bytes"] for w in live.http.get("/healthz").json()["memory"]["workers"].values()),
+                 what="the workers' memory in /healthz")
+        mem = live.http.get("/healthz").json()["memory"]
+        samples = gauges(live.http.get("/metrics").text)
+        model = live.service.model_name
+        for name in ("prefill", "decode"):
+            pid, w = workers[name]["pid"], mem["workers"][name]
+            assert w["pid"] == pid
+            assert abs(w["rss_bytes"] - vm_rss(pid)) < SLACK, (name, w, vm_rss(pid))
+            kv = workers[name]["kv"]
+            assert w["kv_cache_bytes"] == cache_bytes(tiny_model, kv["total"], state["kv"]["block_size"])
+            labels = (("model_name", model), ("worker", name))
+            assert abs(samples[("batchscope:worker_resident_memory_bytes", labels)] - vm_rss(pid)) < SLACK
+            assert samples[("batchscope:worker_kv_cache_bytes", labels)] == w["kv_cache_bytes"]
+        # the server process keeps the single engine (and its cache) beside the pair
+        assert mem["kv_cache_bytes"] > 0 and abs(mem["rss_bytes"] - vm_rss()) < SLACK
+    finally:
+        server.close()                                   # the generator's finally: the service stops
