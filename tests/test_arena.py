@@ -213,3 +213,74 @@ def test_the_docs_example_policy_runs_every_workload():
     for name in WORKLOADS:
         r = run_one(ns["policy"], get_workload(name, scale=0.25), FIT, "sim", {})
         assert r["error"] is None, r["error"]
+
+
+def test_the_simulator_switches_prefix_caching_off_and_caps_the_kv_cache():
+    """Lesson 6's and 7's settings as workload settings: with prefix caching off nothing is cached and every
+    prompt is computed; under a KV cap requests are preempted and no step uses more blocks than the cap."""
+    from dataclasses import replace
+    w = get_workload("shared-system-prompt", scale=0.25)
+    on, off = (run_one("chunked", replace(w, enable_prefix_caching=flag), FIT, "sim", {})["sim"] for flag in (True, False))
+    assert on["score"]["cached_prompt_tokens"] > 0 and off["score"]["cached_prompt_tokens"] == 0
+    assert all(r.get("prefix_caching") is False for r in metrics.steps(off["stream"]))
+    prefill = [sum(i["tokens"] for r in metrics.steps(p["stream"]) for i in r["items"] if i["kind"] == "prefill")
+               for p in (on, off)]
+    assert prefill[1] == prefill[0] + on["score"]["cached_prompt_tokens"]
+    jobs = tuple(Job(0.0, f"u{i}", tuple(range(2000 + 50 * i, 2040 + 50 * i)), 64) for i in range(8))
+    whole = Workload("memory", "eight long replies at once", jobs, token_budget=256, max_num_seqs=16, num_kv_blocks=128)
+    capped = replace(whole, max_kv_blocks=24)
+    full, cap = (run_one("chunked", x, FIT, "sim", {})["sim"] for x in (whole, capped))
+    assert full["score"]["num_preemptions"] == 0 < cap["score"]["num_preemptions"]
+    assert all(r["kv"]["limit"] == 24 and r["kv"]["used"] <= 24 for r in metrics.steps(cap["stream"]))
+    assert cap["score"]["output_tokens"] == full["score"]["output_tokens"] == whole.output_tokens
+    assert cap["score"]["draft_tokens"] == 0                # the simulator never drafts (docs/arena.md)
+    with pytest.raises(ValueError, match="under its cap"):
+        replace(whole, max_kv_blocks=4)
+
+
+def test_records_of_the_new_lessons_do_not_break_the_score(tmp_path):
+    """A real engine with lesson 8's speculation, a prefix shared by every prompt and lesson 7's kind of KV
+    cap, scored as the arena scores: its drafted, accepted and cached items, preemptions and the cap's limit
+    are counted, every token of every request is there, and the report is written. Its records in a saved
+    log give the class-log workload its τ and its cache settings (the speculation is named, not replayed)."""
+    from app.replay.scenarios import LESSON_SPECULATION
+    from demos.arena.report import write_arena_report
+    from demos.arena.score import document, score
+    from demos.arena.sim import play
+    from demos.arena.workloads import class_log
+    from engine import EngineConfig, LLMEngine
+    from tests.helpers import save_tiny_model
+    model = str(save_tiny_model("llama", tmp_path / "m"))
+    shared = tuple(range(3000, 3032)) * 2
+    jobs = tuple(Job(0.0, f"u{i}", shared + tuple(range(5000 + 7 * i, 5008 + 7 * i)), 40) for i in range(6))
+    w = Workload("lessons", "a shared prefix, long replies, a small cache", jobs, token_budget=64, max_num_seqs=8,
+                 num_kv_blocks=64, max_kv_blocks=16)
+    engine = LLMEngine(EngineConfig(model=model, dtype="float32", policy="chunked", max_num_batched_tokens=64,
+                                    max_num_seqs=8, num_kv_blocks=64, speculative_config=LESSON_SPECULATION))
+    engine.set_policy(max_kv_blocks=16)
+    tau = tau_of(FIT, w.token_budget)
+    run = play(engine, w, tau, sleep=lambda s: None)
+    steps = metrics.steps(run.stream)
+    assert any(i.get("drafted") for r in steps for i in r["items"]), "the tiny model's replies gave no draft"
+    s = score(run, w, tau)
+    assert s["draft_tokens"] > 0 and s["accepted_tokens"] <= s["draft_tokens"]
+    assert s["cached_prompt_tokens"] > 0 and s["num_preemptions"] > 0
+    assert all(r["kv"]["limit"] == 16 for r in steps)
+    assert s["output_tokens"] == w.output_tokens and len(s["requests"]) == len(jobs)
+    assert all(a["ttft_s"] is not None and a["longest_tbt_s"] is not None for a in s["requests"].values())
+    assert 0.0 <= s["goodput"] <= 1.0
+    result = {"policy": "chunked", "error": None, "real": {"score": s, "stream": run.stream, "wall_s": run.wall_s}}
+    assert write_arena_report(tmp_path / "r.html", document({"lessons": (w, [result])}, FIT, "real")).is_file()
+
+    settings = {"max_num_batched_tokens": 64, "max_num_seqs": 8, "enable_prefix_caching": False,
+                "max_kv_blocks": 16, "speculative_config": LESSON_SPECULATION}
+    arrivals = [{"req": rid, "label": job.label, "t": run.due[rid], "step": k, "prompt_token_ids": list(job.prompt),
+                 "params": {"max_tokens": job.max_tokens}, "output_tokens": job.max_tokens}
+                for k, (rid, job) in enumerate(run.jobs.items())]
+    (tmp_path / "log.json").write_text(json.dumps({"type": "arrival_log", "settings": settings,
+                                                   "arrivals": arrivals, "records": run.stream}))
+    log = class_log(str(tmp_path / "log.json"))
+    assert log.enable_prefix_caching is False and log.max_kv_blocks == 16 and "without it" in log.description
+    replayed = run_one("chunked", log, FIT, "sim", {})
+    assert replayed["error"] is None and replayed["sim"]["score"]["output_tokens"] == w.output_tokens
+    assert replayed["sim"]["score"]["cached_prompt_tokens"] == 0

@@ -156,3 +156,32 @@ def test_a_scripted_scenario_plays_over_vllm_unheld(attached):
     asyncio.run(lessons.play(service, session, scenario, asyncio.Event(), "en"))
     (turn,) = [t for p in session.panels for t in p.turns]
     assert turn.done and not turn.error and turn.reply == "Hello there!"
+
+
+def test_vllms_drafts_prefix_hits_and_preemptions_reach_the_trace_and_metrics(attached):
+    """The recorder's `cached`, `drafted`/`accepted` and `preempted` go through attach mode unchanged, and
+    /metrics counts vLLM's drafts and prefix hits from them under vLLM's family names."""
+    http, pub, _, _ = attached
+    t = time.time()
+    pub.publish({"type": "request", "event": "arrived", "req": "r2", "label": "Eve", "t": t, "prompt_len": 64})
+    pub.publish(step(10, t, [{"req": "r2", "label": "Eve", "kind": "prefill", "tokens": 16, "start": 48,
+                              "prompt_len": 64, "completes_prompt": True, "cached": 48}]))
+    spec = step(11, t + 0.1, [{"req": "r2", "label": "Eve", "kind": "decode", "tokens": 4, "start": 64,
+                               "drafted": 3, "accepted": 2}])
+    pub.publish({**spec, "speculative": 3})
+    pub.publish({**step(12, t + 0.2, []), "preempted": ["r2"]})
+    deadline = time.monotonic() + 10
+    while len(steps := [r for r in http.get("/api/trace").json()["records"] if r["type"] == "step"]) < 3:
+        assert time.monotonic() < deadline, "the records did not arrive"
+        time.sleep(0.05)
+    assert steps[0]["items"][0]["cached"] == 48
+    assert steps[1]["speculative"] == 3 and (steps[1]["items"][0]["drafted"], steps[1]["items"][0]["accepted"]) == (3, 2)
+    assert steps[2]["preempted"] == ["r2"]
+    text = http.get("/metrics").text
+
+    def value(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    assert value("vllm:spec_decode_num_draft_tokens_total") == 3
+    assert value("vllm:spec_decode_num_accepted_tokens_total") == 2
+    assert value("vllm:num_preemptions_total") == 1
+    assert value("vllm:prefix_cache_hits_total") == 48

@@ -187,3 +187,78 @@ def test_only_the_tested_vllm_versions_load_the_recorder():
     for untested in ("0.31.2", "0.33.0", "1.0.0", "dev"):
         with pytest.raises(ImportError, match="tested with vLLM 0.32"):
             check_version(untested)
+
+
+def spec_scheduler(monkeypatch, k: int, **shape):
+    """A recording scheduler of a vLLM server started with --speculative-config '{"method": "ngram", ...}'."""
+    from vllm.config import SpeculativeConfig
+    vc = shared_config()
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_max=3, prompt_lookup_min=1,
+                             target_model_config=vc.model_config, target_parallel_config=vc.parallel_config)
+    monkeypatch.setattr(vc, "speculative_config", spec)
+    return make_scheduler(vc, **{"chunked": True, "budget": 64, "seqs": 4, "blocks": 400, "threshold": 0,
+                                 "asynchronous": False, **shape}, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("seed, blocks", [(0, 400), (1, 400), (2, 12)])
+def test_each_decode_carries_vllms_drafted_and_accepted_tokens(monkeypatch, seed, blocks):
+    """With a speculative config, each decode that verifies drafts carries them (`tokens` = 1 + `drafted`) and
+    the number the model accepted, as vLLM's update_from_output counts them: over the run the records' sums
+    are vLLM's own spec-decoding stats (less the placeholders it pads a request admitted with one token left
+    with, which the records read as a prefill). With a small cache requests are also preempted."""
+    from app.readers import metrics
+    sched, got = spec_scheduler(monkeypatch, 3, blocks=blocks)
+    assert sched.recording.settings["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
+                                                             "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    rng = random.Random(seed)
+    drv = Driver(sched, rng, True, 64, drafts=3)
+    small = blocks < 100                  # three prompts fill it; their replies do not fit
+    for i, name in enumerate(NAMES):
+        drv.add(name, 56 if small else rng.randint(8, 80), 40 if small else rng.randint(8, 30),
+                shared=not small and i % 2 == 0)
+    padded = 0
+    while sched.has_requests():
+        n = len(got)
+        out, replying, before = drv.step()
+        steps = [r for r in got[n:] if r["type"] == "step"]
+        if not steps:
+            continue
+        rec, spec = steps[0], out.scheduled_spec_decode_tokens
+        assert rec["speculative"] == 3 and "prefix_caching" not in rec
+        for it in rec["items"]:
+            rid = it["req"]
+            if it["kind"] == "decode" and spec.get(rid):
+                assert it["drafted"] == len(spec[rid]) and it["accepted"] == drv.accepted[rid]
+                assert it["tokens"] == 1 + it["drafted"] and it["start"] == before[rid][0]
+            else:
+                assert "drafted" not in it and "accepted" not in it
+                padded += len(spec.get(rid, ()))
+    steps = metrics.steps(got)
+    drafted, accepted = metrics.drafts(steps)
+    theirs = [s.spec_decoding_stats for s in drv.stats if s.spec_decoding_stats is not None]
+    assert drafted > 0 and accepted > 0
+    assert drafted + padded == sum(s.num_draft_tokens for s in theirs)
+    assert accepted == sum(s.num_accepted_tokens for s in theirs)
+    assert metrics.summarize(got)["output_tokens"] == sum(drv.reply.values())
+    if blocks == 12:
+        assert drv.preempted and {e["req"] for e in got if e.get("event") == "preempted"} == drv.preempted
+        assert {r for rec in steps for r in rec["preempted"]} == drv.preempted
+
+
+def test_prefix_hits_are_vllms_own(monkeypatch):
+    """Items' `cached` are the tokens vLLM's prefix cache served at admission: a prompt read again finds all
+    its full blocks but the last token's, and over the run the records' sum is vLLM's own prefix-cache hits."""
+    sched, got = make_scheduler(shared_config(), chunked=True, budget=256, seqs=4, blocks=400, threshold=0,
+                                asynchronous=False, monkeypatch=monkeypatch)
+    drv = Driver(sched, random.Random(3), True, 256)
+    first = drv.add("Alice", 64, 4, shared=True)
+    while sched.has_requests():
+        drv.step()
+    again = [drv.add(name, 64, 4, shared=True) for name in ("Bob", "Chen")] + [drv.add("Dara", 40, 4, shared=False)]
+    while sched.has_requests():
+        drv.step()
+    reads = {it["req"]: it for r in got if r["type"] == "step" for it in r["items"] if it["kind"] == "prefill"}
+    assert "cached" not in reads[first] and "cached" not in reads[again[2]]
+    assert [reads[r]["cached"] for r in again[:2]] == [48, 48]         # 64 tokens: 3 full blocks, the 4th recomputed
+    theirs = sum(s.prefix_cache_stats.hits + s.prefix_cache_stats.preempted_hits for s in drv.stats)
+    assert sum(it.get("cached", 0) for it in reads.values()) == theirs == 96

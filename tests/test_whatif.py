@@ -285,3 +285,71 @@ def test_the_speculative_lessons_traffic_replays_without_and_with_speculation(ti
     assert off["draft_tokens"] == 0 and off["acceptance_rate"] is None and on["draft_tokens"] > 0
     assert off["output_tokens"] == on["output_tokens"] == scenario.total_output_tokens
     assert "speculation k=3" in list(job.report_runs())[2]
+
+
+def _replay(scenario, actual, settings, config):
+    from app.replay.whatif import WhatIfJob
+    job = WhatIfJob(scenario, actual, check_settings(settings), config, {"settings": {"policy": "chunked"}})
+    while job.slice():
+        pass
+    assert job.error is None and job.progress["fraction"] == 1.0
+    return job, [r.stream for r in job.runs]
+
+
+def prefill_tokens(stream: list[dict]) -> int:
+    return sum(i["tokens"] for r in metrics.steps(stream) for i in r["items"] if i["kind"] == "prefill")
+
+
+def test_cache_settings_are_checked_and_named():
+    from app.replay.whatif import describe
+    for bad, words in (({"enable_prefix_caching": "no"}, "true or false"), ({"max_kv_blocks": 0}, "positive"),
+                       ({"max_kv_blocks": True}, "positive")):
+        with pytest.raises(WhatIfError, match=words):
+            check_settings([bad])
+    assert check_settings([{"max_kv_blocks": None, "enable_prefix_caching": False}])
+    assert describe({"policy": "chunked", "enable_prefix_caching": False, "max_kv_blocks": 24}) == \
+        "chunked, no prefix caching, KV cap 24 blocks"
+
+
+def test_the_prefix_lessons_traffic_replays_with_and_without_prefix_caching(tiny_model):
+    """Lesson 6's shared system prompt, served live with prefix caching, replayed with it off and on: off,
+    no prompt token is cached and every cached one is computed instead; on, the replay finds what live found."""
+    from app.replay.scenarios import get_scenario
+    from demos.compare.runner import run_scenario
+    from engine import EngineConfig, LLMEngine
+    config = EngineConfig(model=str(tiny_model), dtype="float32", kv_cache_gb=0.1)
+    scenario = get_scenario("shared-system-prompt", users=4, every=4, reply_tokens=8)
+    actual = run_scenario(LLMEngine(config), scenario).stream
+    live = metrics.summarize(actual)
+    assert live["cached_prompt_tokens"] >= 3 * 16 * 16          # three later users find the ~350-token prompt
+    job, (off, on) = _replay(scenario, actual, [{"policy": "chunked", "enable_prefix_caching": False},
+                                                {"policy": "chunked"}], config)
+    m_off, m_on = (w["metrics"] for w in job.result["whatif"])
+    assert m_off["cached_prompt_tokens"] == 0 and m_on["cached_prompt_tokens"] == live["cached_prompt_tokens"]
+    assert all(r.get("prefix_caching") is False for r in metrics.steps(off))
+    assert prefill_tokens(off) == prefill_tokens(on) + m_on["cached_prompt_tokens"]
+    assert m_off["output_tokens"] == m_on["output_tokens"] == scenario.total_output_tokens
+    assert "no prefix caching" in list(job.report_runs())[1]
+
+
+def test_the_memory_lessons_traffic_replays_with_and_without_the_kv_cap(tiny_model):
+    """Lesson 7's long replies, replayed under its KV cap and without one: under the cap requests are
+    preempted and recomputed (more prefill, every step within the cap), without it none is; both give
+    every token."""
+    from app.replay.scenarios import MEMORY_PRESSURE_BLOCKS, get_scenario
+    from demos.compare.runner import run_scenario
+    from engine import EngineConfig, LLMEngine
+    config = EngineConfig(model=str(tiny_model), dtype="float32", kv_cache_gb=0.1, enable_prefix_caching=False)
+    scenario = get_scenario("memory-pressure")
+    actual = run_scenario(LLMEngine(config), scenario).stream
+    capped = {"policy": "chunked", "max_kv_blocks": MEMORY_PRESSURE_BLOCKS}
+    job, (cap, whole) = _replay(scenario, actual, [capped, {"policy": "chunked"}], config)
+    m_cap, m_whole = (w["metrics"] for w in job.result["whatif"])
+    assert m_cap["num_preemptions"] > 0 and m_whole["num_preemptions"] == 0
+    assert all(r["kv"].get("limit") == MEMORY_PRESSURE_BLOCKS and r["kv"]["used"] <= MEMORY_PRESSURE_BLOCKS
+               for r in metrics.steps(cap))
+    assert all(r["kv"].get("limit") is None for r in metrics.steps(whole))
+    assert max(r["kv"]["used"] for r in metrics.steps(whole)) > MEMORY_PRESSURE_BLOCKS
+    assert prefill_tokens(cap) > prefill_tokens(whole)                # the recomputes are read again
+    assert m_cap["output_tokens"] == m_whole["output_tokens"] == scenario.total_output_tokens
+    assert "KV cap 24 blocks" in list(job.report_runs())[1]

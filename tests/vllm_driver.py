@@ -21,7 +21,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -80,14 +80,18 @@ def make_scheduler(vc, *, chunked: bool, budget: int, seqs: int, blocks: int, th
 class Driver:
     """Plays vLLM's engine core around the scheduler, and keeps its own account of each request."""
 
-    def __init__(self, sched, rng: random.Random, chunked: bool, budget: int):
+    def __init__(self, sched, rng: random.Random, chunked: bool, budget: int, drafts: int = 0):
         self.s, self.rng, self.chunked, self.budget = sched, rng, chunked, budget
+        self.drafts = drafts                   # > 0: propose up to this many draft tokens per reply, as n-gram does
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.prompt: dict[str, int] = {}       # request -> prompt tokens
         self.reply: dict[str, int] = {}        # request -> reply tokens it has been given
         self.computed: dict[str, int] = {}     # request -> tokens in its KV cache (0 after a preemption)
         self.ended: set[str] = set()
         self.preempted: set[str] = set()
+        self.max_tokens: dict[str, int] = {}
+        self.accepted: dict[str, int] = {}     # of the last step: request -> drafts the made-up model accepted
+        self.stats: list = []                  # vLLM's own SchedulerStats, one per update that had any
 
     def add(self, name: str, prompt_len: int, max_tokens: int, shared: bool):
         rid = f"chatcmpl-{name}-{uuid.uuid4().hex[:8]}"
@@ -95,6 +99,7 @@ class Driver:
         self.s.add_request(Request(rid, base, SamplingParams(max_tokens=max_tokens, stop_token_ids=[EOS]), None,
                                    block_hasher=self.hasher))
         self.prompt[rid], self.reply[rid], self.computed[rid] = prompt_len, 0, 0
+        self.max_tokens[rid] = max_tokens
         return rid
 
     def step(self) -> tuple:
@@ -104,7 +109,8 @@ class Driver:
         for rid in out.preempted_req_ids or ():
             self.computed[rid] = 0
             self.preempted.add(rid)
-        sampled = []
+        sampled, spec, before = [], out.scheduled_spec_decode_tokens, {}
+        self.accepted = {}
         admitted = {r.req_id for r in out.scheduled_new_reqs} | set(out.scheduled_cached_reqs.resumed_req_ids)
         for rid, n in out.num_scheduled_tokens.items():
             if rid in admitted:         # from a waiting queue: it starts where its prefix-cache hit ends
@@ -112,14 +118,21 @@ class Driver:
                 hit = self.s.requests[rid].num_computed_tokens - n
                 assert hit % BLOCK == 0 and 0 <= hit < self.prompt[rid] + self.reply[rid]
                 self.computed[rid] = hit
+            before[rid] = (self.computed[rid], self.prompt[rid], self.reply[rid])
             self.computed[rid] += n
-            done = self.computed[rid] >= self.prompt[rid] + self.reply[rid]
-            sampled.append([EOS if self.rng.random() < 0.05 else self.rng.randrange(3, 30000)] if done else [])
+            k = len(spec.get(rid, ()))         # drafts verified after the request's own token
+            done = self.computed[rid] - k >= self.prompt[rid] + self.reply[rid]
+            toks = [EOS if self.rng.random() < 0.05 else self.rng.randrange(3, 30000)] if done else []
+            if done and k:                     # the model agrees with a prefix of the drafts; vLLM rolls back the rest
+                real = -1 not in spec[rid]     # vLLM's padding placeholders are never a model's guess
+                keep = self.rng.randint(0, min(k, self.max_tokens[rid] - self.reply[rid] - 1)) if real else 0
+                toks = [self.rng.randrange(3, 30000) for _ in range(keep)] + toks
+                self.computed[rid] -= k - keep
+                self.accepted[rid] = keep
+            sampled.append(toks)
         ids = list(out.num_scheduled_tokens)
         mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=sampled)
-        before = {rid: (self.computed[rid] - n, self.prompt[rid], self.reply[rid])
-                  for rid, n in out.num_scheduled_tokens.items()}
         result = self.s.update_from_output(out, mro)
         for rid, toks in zip(ids, sampled):
             self.reply[rid] += len(toks)
@@ -127,4 +140,10 @@ class Driver:
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     self.ended.add(o.request_id)
+            if eco.scheduler_stats is not None:
+                self.stats.append(eco.scheduler_stats)
+        if self.drafts:                        # the next step's drafts, as the model runner proposes them
+            ids = [r.request_id for r in self.s.running if not r.is_prefill_chunk]
+            self.s.update_draft_token_ids(DraftTokenIds(ids, [
+                [self.rng.randrange(3, 30000) for _ in range(self.rng.randint(0, self.drafts))] for _ in ids]))
         return out, replying, before

@@ -10,7 +10,9 @@ arrival's step is step 0). Each reply is replayed at the length it had live
 (ignore_eos, max_tokens = its live output tokens), so a what-if compares
 scheduling, not different reply lengths. Each setting gets a fresh engine (the
 live config: same model, device, dtype and KV size, with the setting's policy,
-budgets and speculative_config: speculation only where the setting asks for it), warmed up like demos.compare, then steps through
+budgets and speculative_config: speculation only where the setting asks for it; prefix caching as the
+live engine started unless the setting says `enable_prefix_caching`; the whole KV cache unless it names a
+`max_kv_blocks` cap, set after the warm-up), warmed up like demos.compare, then steps through
 app.replay.scenarios.play: the same loop demos.compare uses, so a replay and
 `python -m demos.compare` give the same steps.
 
@@ -37,7 +39,8 @@ from engine import EngineConfig, LLMEngine
 from engine.scheduling.ngram import SpeculativeConfig
 
 log = logging.getLogger("batchscope.whatif")
-SETTING_KEYS = ("policy", "max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk", "speculative_config")
+SETTING_KEYS = ("policy", "max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk", "speculative_config",
+                "enable_prefix_caching", "max_kv_blocks")
 BUDGET_KEYS = SETTING_KEYS[1:4]
 POLICIES = ("static", "continuous", "chunked")
 MAX_SETTINGS = 4
@@ -87,6 +90,13 @@ def check_settings(settings) -> list[dict]:
             v = s.get(k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise WhatIfError(f"settings[{i}]: {k} must be a positive integer, got {v!r}")
+        if not isinstance(s.get("enable_prefix_caching", True), bool):
+            raise WhatIfError(f"settings[{i}]: enable_prefix_caching must be true or false, "
+                              f"got {s['enable_prefix_caching']!r}")
+        cap = s.get("max_kv_blocks")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise WhatIfError(f"settings[{i}]: max_kv_blocks must be a positive integer or null (every block), "
+                              f"got {cap!r}")
         try:
             SpeculativeConfig.of(s.get("speculative_config"))
         except ValueError as e:
@@ -167,6 +177,8 @@ class WhatIfJob:
             engine.clock = clock                # replaces the method on this instance only
             self.progress["phase"] = "warm-up"
             yield from self._timed(clock, warm_up_steps(engine, longest_prompt(engine, self.scenario)))
+            if setting.get("max_kv_blocks") is not None:     # after the warm-up, whose prompt may not fit under it
+                engine.set_policy(max_kv_blocks=setting["max_kv_blocks"])
             run = Replayed(engine_meta(engine, self.scenario))
             engine.subscribe(run.stream.append)
             self.progress["phase"] = "replay"
@@ -177,7 +189,9 @@ class WhatIfJob:
     def _load(self, setting: dict):
         """Build the engine on a helper thread; the live engine keeps stepping meanwhile."""
         box: dict = {}
-        config = replace(self.engine_config, **{"speculative_config": None, **setting})   # speculation: only if asked
+        # speculation only if asked; the KV cap is a live setting of the built engine (_steps), not a config field
+        config = replace(self.engine_config, **{"speculative_config": None,
+                                                **{k: v for k, v in setting.items() if k != "max_kv_blocks"}})
 
         def build():
             try:
@@ -244,6 +258,12 @@ def describe(setting: dict) -> str:
         parts.append(f"{setting['max_num_seqs']} seqs")
     if setting.get("max_prefill_chunk"):
         parts.append(f"chunk cap {setting['max_prefill_chunk']}")
+    if setting.get("enable_prefix_caching") is False:
+        parts.append("no prefix caching")
+    elif setting.get("enable_prefix_caching"):
+        parts.append("prefix caching")
+    if setting.get("max_kv_blocks"):
+        parts.append(f"KV cap {setting['max_kv_blocks']} blocks")
     if spec := setting.get("speculative_config"):
         parts.append(f"speculation k={spec['num_speculative_tokens']}")
     return ", ".join(parts)

@@ -133,7 +133,8 @@ def score(run: Played, workload: Workload, tau: float) -> dict:
         "ttft_met": sum(a["ttft_ok"] for a in att.values()) / len(att),
         "tbt_met": sum(a["tbt_ok"] for a in att.values()) / len(att),
         **{k: s[k] for k in ("output_tokens_per_s", "stall_max_s", "tbt_max_s", "tbt_p99_s", "ttft_p50_s",
-                             "ttft_p99_s", "num_steps", "num_preemptions", "duration_s", "cached_prompt_tokens")},
+                             "ttft_p99_s", "num_steps", "num_preemptions", "duration_s", "cached_prompt_tokens",
+                             "output_tokens", "draft_tokens", "accepted_tokens")},
         "requests": att,
     }
 

@@ -35,7 +35,8 @@ class SimEngine:
 
     def __init__(self, workload: Workload, fit: CostFit, policy: Policy | str = "chunked"):
         self.fit, self.now = fit, 0.0
-        self.block_manager = BlockManager(workload.num_kv_blocks, workload.block_size)
+        self.block_manager = BlockManager(workload.num_kv_blocks, workload.block_size, workload.enable_prefix_caching)
+        self.block_manager.set_capacity(workload.max_kv_blocks)
         self.scheduler = Scheduler(self.block_manager, resolve(policy), workload.token_budget, workload.max_num_seqs,
                                    clock=self.clock)
         self.requests: dict[str, Sequence] = {}
@@ -137,14 +138,18 @@ def play(engine, workload: Workload, tau: float, sleep=None) -> Played:
 
 
 def real_engine(workload: Workload, engine_kwargs: dict):
-    """An LLMEngine with the workload's budgets and KV cache (the simulator's), warmed up."""
+    """An LLMEngine with the workload's budgets and KV cache (the simulator's: its size, prefix caching and
+    cap), warmed up. No speculative decoding: the simulator cannot draft, so neither does this engine."""
     from app.replay.scenarios import warm_up
     from engine import EngineConfig, LLMEngine
     config = EngineConfig(**{"dtype": "float32", **engine_kwargs, "policy": "chunked",
                              "max_num_batched_tokens": workload.token_budget, "max_num_seqs": workload.max_num_seqs,
-                             "num_kv_blocks": workload.num_kv_blocks, "block_size": workload.block_size})
+                             "num_kv_blocks": workload.num_kv_blocks, "block_size": workload.block_size,
+                             "enable_prefix_caching": workload.enable_prefix_caching, "speculative_config": None})
     engine = LLMEngine(config)
     warm_up(engine, max(len(j.prompt) for j in workload.jobs))
+    if workload.max_kv_blocks is not None:          # after the warm-up, whose prompt may not fit under the cap
+        engine.set_policy(max_kv_blocks=workload.max_kv_blocks)
     return engine
 
 

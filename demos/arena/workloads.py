@@ -58,6 +58,8 @@ class Workload:
     num_kv_blocks: int = 512             # KV blocks of block_size tokens: the same cache in both modes
     block_size: int = 16
     slos: dict = field(default_factory=lambda: dict(SLOS))
+    enable_prefix_caching: bool = True   # both modes; lesson 6's switch
+    max_kv_blocks: int | None = None     # a cap on the blocks in use (lesson 7's); None: every block
 
     def __post_init__(self):
         if not self.jobs:
@@ -65,9 +67,10 @@ class Workload:
         if list(self.jobs) != sorted(self.jobs, key=lambda j: j.at):
             raise ValueError(f"workload {self.name!r}: jobs must be sorted by arrival")
         need = max(-(-(len(j.prompt) + j.max_tokens) // self.block_size) for j in self.jobs)
-        if need > self.num_kv_blocks:
+        room = self.num_kv_blocks if self.max_kv_blocks is None else min(self.max_kv_blocks, self.num_kv_blocks)
+        if need > room:
             raise ValueError(f"workload {self.name!r}: a request needs {need} KV blocks, the cache has "
-                             f"{self.num_kv_blocks}")
+                             f"{room}{' under its cap' if room < self.num_kv_blocks else ''}")
 
     @property
     def output_tokens(self) -> int:
@@ -113,7 +116,9 @@ def shared_system_prompt(seed: int = 3, n: int = 24, scale: float = 1.0) -> Work
 def class_log(path: str, fit_here=None) -> Workload:
     """A saved arrival log: the class's requests at their arrival times, in τ of the machine that served
     them (fitted on the log's own records; without any, `fit_here`'s: the log is taken to come from this
-    machine), prompts over 512 tokens in the `document` class."""
+    machine), prompts over 512 tokens in the `document` class. The log's prefix caching and KV cap (the
+    settings when it was saved) are the workload's; its speculative decoding is not: the simulator never
+    drafts, and the arena's real engine runs without speculation (docs/arena.md)."""
     from app.replay.arrival_log import from_saved
     doc = json.loads(Path(path).read_text())
     logged = from_saved(doc)
@@ -128,10 +133,13 @@ def class_log(path: str, fit_here=None) -> Workload:
     jobs = tuple(sorted((Job(at=round((a.t - t0) / tau, 3), label=a.label, prompt=a.prompt_token_ids,
                              max_tokens=max(n, 1), slo="document" if len(a.prompt_token_ids) > 512 else "chat")
                          for a, n in logged), key=lambda j: j.at))
+    spec = " Served live with speculative decoding, replayed without it." if settings.get("speculative_config") else ""
     return Workload("class-log", f"{len(jobs)} requests of the class's own session ({Path(path).name}), at the "
-                    "times they arrived, each reply as long as it was live.", jobs, token_budget=budget,
+                    f"times they arrived, each reply as long as it was live.{spec}", jobs, token_budget=budget,
                     max_num_seqs=settings.get("max_num_seqs") or 16,
-                    num_kv_blocks=max(512, max(-(-(len(j.prompt) + j.max_tokens) // 16) for j in jobs)))
+                    num_kv_blocks=max(512, max(-(-(len(j.prompt) + j.max_tokens) // 16) for j in jobs)),
+                    enable_prefix_caching=settings.get("enable_prefix_caching", True) is not False,
+                    max_kv_blocks=settings.get("max_kv_blocks"))
 
 
 def live_tau(records: list[dict], budget: int) -> float | None:

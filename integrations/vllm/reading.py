@@ -16,6 +16,7 @@ token; anything else is a prefill chunk.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 from engine.outputs.records import KVState, StallCause, StepItem
@@ -69,6 +70,39 @@ def read_items(out: Any, requests: dict[str, Any], before: dict[str, bool], labe
     items = [item_of(requests[rid], n, rid in new, before.get(rid, False), labels.get(rid) or label_of(rid))
              for rid, n in out.num_scheduled_tokens.items()]
     return tuple(it for it in items if it.kind == "decode") + tuple(it for it in items if it.kind == "prefill")
+
+
+def read_drafts(out: Any, model_output: Any, requests: dict[str, Any], num_sampled: int) -> dict[str, tuple[int, int]]:
+    """Each request's (drafted, accepted) tokens in this step, counted as vLLM's `update_from_output`
+    counts them for its spec-decode statistics; read just before it runs (it drops finished requests).
+    drafted: the step's `scheduled_spec_decode_tokens` of the request, less those a grammar refused
+    (`num_invalid_spec_tokens`); accepted: the tokens sampled beyond the `num_sampled` every decode
+    gives. A request that finished while the step ran (an abort) or sampled nothing has no count."""
+    spec = out.scheduled_spec_decode_tokens
+    if not spec:
+        return {}
+    sampled, index = model_output.sampled_token_ids, model_output.req_id_to_index
+    invalid = out.num_invalid_spec_tokens or {}
+    got = {}
+    for rid, drafts in spec.items():
+        req = requests.get(rid)
+        if not drafts or req is None or req.is_finished() or rid not in index:
+            continue
+        new = sampled[index[rid]] if sampled else []
+        if not new and num_sampled:
+            continue
+        got[rid] = (len(drafts) - invalid.get(rid, 0), max(len(new) - num_sampled, 0))
+    return got
+
+
+def with_drafts(items: tuple[StepItem, ...], drafts: dict[str, tuple[int, int]]) -> tuple[StepItem, ...]:
+    """The step's decode items with their drafted and accepted tokens. A request vLLM admitted from its
+    waiting queue with one token left (a full prefix hit, a resumed recompute) may be padded with
+    placeholder drafts; it is read as a prefill, which carries no draft counts."""
+    if not drafts:
+        return items
+    return tuple(replace(it, drafted=drafts[it.req][0], accepted=drafts[it.req][1])
+                 if it.kind == "decode" and it.req in drafts else it for it in items)
 
 
 def read_stalls(out: Any, before: dict[str, bool], budget: int) -> tuple[tuple[str, ...], tuple[StallCause, ...]]:

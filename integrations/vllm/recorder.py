@@ -6,8 +6,9 @@ The subclass calls vLLM's own methods unchanged and only reads around them:
   add_request        -> an `arrived` event
   schedule()         -> reads the running queue before, the SchedulerOutput after: the step's
                         items, stalls with their causes, preemptions (reading.py)
-  update_from_output -> the step's end: tokens produced (`first_token`), finished requests,
-                        the KV cache and queue sizes after it; the record is published
+  update_from_output -> the step's end: each decode's drafted and accepted tokens (read just before
+                        vLLM's method, as it counts them), tokens produced (`first_token`), finished
+                        requests, the KV cache and queue sizes after it; the record is published
   finish_requests    -> `aborted` events (a client that went away)
 Records go to a Publisher (publisher.py) and to any listener added with `recording.listeners`.
 The step loop only builds the frozen records; turning them into JSON is the publisher thread's work.
@@ -54,12 +55,16 @@ class Recording:
         self.budget = min(sched.max_num_scheduled_tokens, sc.max_num_batched_tokens)
         self.policy = "chunked" if sc.enable_chunked_prefill else "continuous"
         self.device = f"{cfg.device_config.device_type}/{str(cfg.model_config.dtype).replace('torch.', '')}"
+        self.prefix_caching = bool(cfg.cache_config.enable_prefix_caching)
+        spec = cfg.speculative_config
+        self.speculative = spec.num_speculative_tokens if spec is not None and spec.num_speculative_tokens else None
         self.settings = {"policy": self.policy, "max_num_batched_tokens": self.budget,
                          "max_num_seqs": sched.max_num_running_reqs,
                          "max_prefill_chunk": sc.long_prefill_token_threshold or None,
                          "enable_chunked_prefill": bool(sc.enable_chunked_prefill),
                          "enable_prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
                          "async_scheduling": bool(sc.async_scheduling),
+                         "speculative_config": speculative_setting(spec),
                          "block_size": sched.block_size}
 
     def hello(self) -> dict:
@@ -103,12 +108,13 @@ class Recording:
         while len(self.pending) > MAX_PENDING:          # outputs vLLM never processed (an empty step at shutdown)
             del self.pending[next(iter(self.pending))]
 
-    def updated(self, out: Any, outputs: dict):
+    def updated(self, out: Any, outputs: dict, drafts: dict[str, tuple[int, int]] | None = None):
         entry = self.pending.pop(id(out), None)
         if entry is None or entry[0] is not out:         # id() of an output long gone, reused
             return
         step, items, stalled, causes, preempted, t_start, t_sched, t_items = entry[1]
         t_end = time.time()
+        items = reading.with_drafts(items, drafts or {})
         finished = []
         for eco in outputs.values():
             for o in eco.outputs:
@@ -127,6 +133,7 @@ class Recording:
             finished=tuple(finished), preempted=preempted, stalled=stalled, stall_causes=causes,
             kv=reading.read_kv(s.kv_cache_manager.block_pool, s.block_size), waiting=waiting, running=running,
             failed=False, device=self.device, lane=self.lane, lane_step=step if self.lane is not None else None,
+            speculative=self.speculative, prefix_caching=None if self.prefix_caching else False,
             timing=StepTiming(schedule=t_sched - t_start, items=t_items - t_sched, forward=t_end - t_items,
                               record=time.time() - t_end))
         self.emit(rec)
@@ -153,6 +160,17 @@ class Recording:
     def _forget(self, rid: str):
         for state in (self.labels, self.arrival, self.produced):
             state.pop(rid, None)
+
+
+def speculative_setting(spec: Any) -> dict | None:
+    """vLLM's speculative config in the form `--speculative-config` takes (None: off); n-gram's lookup
+    window with it."""
+    if spec is None or not spec.num_speculative_tokens:
+        return None
+    out = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens}
+    if spec.method == "ngram":
+        out |= {"prompt_lookup_max": spec.prompt_lookup_max, "prompt_lookup_min": spec.prompt_lookup_min}
+    return out
 
 
 def start_publishing(rec: Recording):
@@ -199,8 +217,10 @@ class StepRecorder:
         return out
 
     def update_from_output(self, scheduler_output, model_runner_output):
+        drafts = reading.read_drafts(scheduler_output, model_runner_output, self.requests,
+                                     self.num_sampled_tokens_per_step)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        self.recording.updated(scheduler_output, outputs)
+        self.recording.updated(scheduler_output, outputs, drafts)
         return outputs
 
     def finish_requests(self, request_ids, finished_status):
