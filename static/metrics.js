@@ -138,7 +138,7 @@ function cellText(m, row) {
   return "";
 }
 
-const ROWS = ["steps", "ttft", "tbt", "stall", "tps", "kv", "waiting", "hit", "preempt"];
+const ROWS = ["steps", "ttft", "tbt", "stall", "tps", "kv", "waiting"];
 
 // the unrounded numbers behind each cell (kept on the cell as data-values)
 function cellValues(m, row) {
@@ -183,9 +183,11 @@ function drawTable() {
     th.dataset.policy = m.policy;
     head.append(th);
   }
-  // the KV hand-over line only where a setting in view had workers hand over
-  // and the speculative line only where one verified drafts
-  const rows = [...ROWS, ...(ms.some((m) => m.transfers) ? ["transfer"] : []), ...(ms.some((m) => m.drafted) ? ["spec"] : [])];
+  // the lines of the later lessons only where a setting in view has something to show there: the prefix hit
+  // rate where a prompt was served from the cache, preemptions where one happened, the KV hand-over where
+  // workers handed over, the speculative line where a decode verified drafts (the projector has no room to spare)
+  const rows = [...ROWS, ...(ms.some((m) => m.hitRate) ? ["hit"] : []), ...(ms.some((m) => m.preemptions) ? ["preempt"] : []),
+    ...(ms.some((m) => m.transfers) ? ["transfer"] : []), ...(ms.some((m) => m.drafted) ? ["spec"] : [])];
   const body = rows.map((row) => {
     const tr = el("tr");
     tr.dataset.metric = row;

@@ -76,6 +76,9 @@ def served_ui(engine_config, server_options: dict | None = None, **mount_options
     finally:
         srv.should_exit = True
         thread.join(60)
+        # the app's lifespan stopped the engine thread; Gradio keeps the page's blocks (and so the service)
+        # alive after the server, so let go of the engine here: its model would stay in this worker otherwise
+        service.loop.engine = None
 
 
 @contextmanager

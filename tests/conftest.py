@@ -165,3 +165,36 @@ def serve_on_loopback(engine_config):
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+# ---- memory: what a module's fixtures held goes back to the system when the module ends ----
+def _trim_heap():
+    """glibc: hand the free parts of every malloc arena back to the system. The engine keeps freed memory in
+    its heap on purpose (engine/execution/model_runner.py keep_freed_memory), and each server's engine thread
+    allocates from an arena of its own, so in a test worker that starts engine after engine the free memory
+    of finished ones would pile up (one worker once reached 15 GB). A no-op without glibc."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def resident_gb() -> float:
+    from engine.memory import resident_bytes
+    return resident_bytes() / 2**30
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_after_module(request):
+    """After each test module: engines in reference cycles collected and the heap trimmed.
+    BATCHSCOPE_TEST_MEMLOG=FILE appends each module's resident memory after this (worker, module, GB)."""
+    yield
+    import gc
+    gc.collect()
+    _trim_heap()
+    log = os.environ.get("BATCHSCOPE_TEST_MEMLOG")
+    if log:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(log, "a") as f:
+            f.write(f"{worker} {request.module.__name__} {resident_gb():.2f}\n")

@@ -70,12 +70,14 @@ def same(a, b) -> bool:
 def check(page_cols: list[dict], stream: list[dict]):
     want = metrics.stretches(stream)[-MAX_COLUMNS:]
     assert [c["policy"] for c in page_cols] == [m["policy"] for m in want]
-    handed_over = any(m["transfers"] for m in want)       # the KV hand-over line shows only then
-    drafted = any(m["draft_tokens"] for m in want)        # and the speculative line
+    shown = {"hit": any(m["prefix_hit_rate"] for m in want),      # a prompt served from the cache
+             "preempt": any(m["preemptions"] for m in want),       # a preemption
+             "transfer": any(m["transfers"] for m in want),        # a KV hand-over
+             "spec": any(m["draft_tokens"] for m in want)}         # a verified draft: only then their lines show
     for col, m in zip(page_cols, want):
-        assert ("transfer" in col) == handed_over and ("spec" in col) == drafted
+        assert all((row in col) == on for row, on in shown.items()), (m["policy"], shown, sorted(col))
         for row, (values, text) in expected(m).items():
-            if (row == "transfer" and not handed_over) or (row == "spec" and not drafted):
+            if not shown.get(row, True):
                 continue
             got = col[row]
             assert len(got["values"]) == len(values) and all(map(same, got["values"], values)), (m["policy"], row,

@@ -36,4 +36,4 @@ def test_the_budget_example_is_a_numbered_lesson_with_its_caption_in_both_langua
         for shape in ("8 + 2 × 4", "16 × 1", "4 × 4"):     # the three shapes the test above finds, in its order
             assert shape in caption, (lang, shape)
         assert caption.index("8 + 2 × 4") < caption.index("16 × 1") < caption.index("4 × 4")
-    assert all(f"step{i}" in TEXT["en"] and f"step{i}_btn" in TEXT["zh"] for i in range(1, len(LESSONS) + 1))
+    assert all(x.text_key(i) in TEXT["en"] and x.text_key(i) + "_btn" in TEXT["zh"] for i, x in enumerate(LESSONS, 1))

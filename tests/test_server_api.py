@@ -20,7 +20,10 @@ QUESTION = "What is the capital of France?"
 def test_health_and_models(real_server):
     r = real_server.http.get("/healthz")
     assert r.status_code == 200
-    assert r.json() == {"status": "ok", "model": "SmolLM2-135M-Instruct", "device": "cpu", "cuda_graphs": None}
+    health = r.json()
+    memory = health.pop("memory")               # the process's resident memory and its KV cache (test_server_memory)
+    assert health == {"status": "ok", "model": "SmolLM2-135M-Instruct", "device": "cpu", "cuda_graphs": None}
+    assert memory["rss_bytes"] > memory["kv_cache_bytes"] > 0
     models = real_server.openai().models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
 
