@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--json", help="also write the walk here")
     args = ap.parse_args(argv)
 
+    from engine.weights.loader import resolve_model
+    resolve_model(None)                           # a first run prepares the model here, unprofiled (minutes if traced)
     walk = Walk()
     threading.setprofile(walk.profile)            # every thread started from here on
     sys.setprofile(walk.profile)

@@ -61,7 +61,26 @@ function setMe(member) {
   $("student-name").value = me.label;
   $("join").textContent = t("room.rename");
   $("join").dataset.i18n = "room.rename";
+  $("leave").hidden = false;
   redrawChart();
+}
+
+// leaving frees this student's place in the room (a streaming reply is aborted); the label stays
+// taken on the chart, so joining again gives a new one
+async function leave() {
+  showError("join-error", "");
+  if (!me) return;
+  const res = await getJSON("/api/room/leave", { method: "POST", headers: { "X-Room-Token": me.token } });
+  if (!res.ok && res.status !== 401) { showError("join-error", errorText(res)); return; }
+  me = null;
+  save(null);
+  $("you-are").hidden = true;
+  $("leave").hidden = true;
+  $("join").textContent = t("room.join");
+  $("join").dataset.i18n = "room.join";
+  $("join").focus();
+  redrawChart();
+  askRoom();
 }
 
 async function join() {
@@ -133,6 +152,7 @@ async function send(ev) {
 
 async function initStudent() {
   $("join").addEventListener("click", join);
+  $("leave").addEventListener("click", leave);
   $("student-name").addEventListener("keydown", (e) => { if (e.key === "Enter") join(); });
   $("student-form").addEventListener("submit", send);
   $("student-box").addEventListener("keydown", (e) => {

@@ -108,6 +108,17 @@ def test_three_students_and_a_projector(server, browser, tmp_path):
     assert students[1].inner_text("[data-testid=my-label]") == "ana 2"
     students[1].wait_for_function("[...document.querySelectorAll('[data-testid=row-labels] li[data-mine=true]')]"
                                   f".map(l => l.dataset.rid).join() === {json.dumps(','.join(own_rids[1]))}")
+
+    # leaving: the room counts one fewer on the projector, the tab forgets its token, and a new join
+    # gets a new label (the chart still shows "ana 2")
+    students[2].click("[data-testid=leave]")
+    students[2].wait_for_selector("[data-testid=you-are][hidden]", state="attached")
+    assert students[2].locator("[data-testid=leave]").is_hidden()
+    assert students[2].inner_text("[data-testid=join]") == "Join"
+    projector.wait_for_function("document.querySelector('[data-testid=room-count]').textContent === '2'")
+    students[2].reload()
+    students[2].wait_for_selector("[data-testid=join]")
+    assert students[2].locator("[data-testid=you-are]").is_hidden()
     assert not errors, errors
 
 

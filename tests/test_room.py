@@ -63,6 +63,26 @@ def test_a_second_ana_becomes_ana_2_and_a_rename_keeps_the_token():
     assert room.join("Bea", ana.token) is ana and ana.label == "Bea"
 
 
+def test_leaving_frees_the_place_not_the_label(monkeypatch):
+    import app.serving.room as room_module
+    monkeypatch.setattr(room_module, "MAX_MEMBERS", 2)
+    room = Room()
+    ana, bo = room.join("Ana"), room.join("Bo")
+    with pytest.raises(ValueError, match="full"):
+        room.join("Cy")
+
+    class Stream:
+        reasons = []
+
+        def close(self, reason="client went away"):
+            self.reasons.append(reason)
+    ana.stream = Stream()
+    assert room.leave(ana.token) is ana and Stream.reasons == ["the student left the room"]
+    assert room.member(ana.token) is None and room.leave(ana.token) is None and room.leave(None) is None
+    assert room.join("Ana").label == "Ana 2"             # a place is free again; the chart may still show "Ana"
+    assert room.slots["Ana"] != room.slots["Ana 2"] and room.member(bo.token) is bo
+
+
 def test_panel_users_keep_their_colours_and_sixty_students_get_distinct_signs():
     room = Room(reserved=[n for n, _ in USERS])
     assert [room.slots[n] for n, _ in USERS] == list(range(len(USERS)))     # slot i = panel colour i, no mark
@@ -143,6 +163,17 @@ def test_join_refuses_bad_names_clearly_and_numbers_repeats(client):
     room = client.get("/api/room").json()
     assert room["labels"]["Zoe 2"] == b["slot"] and room["labels"]["Alice"] == 0
     assert client.get("/api/room/suggest").json()["name"]
+
+
+def test_a_student_who_leaves_is_out_of_the_room_and_their_token_stops_working(client):
+    a = client.post("/api/room/join", json={"name": "Lea"}).json()
+    people = client.get("/api/room").json()["people"]
+    r = client.post("/api/room/leave", headers={"X-Room-Token": a["token"]})
+    assert r.status_code == 200 and r.json() == {"left": "Lea"}
+    assert client.get("/api/room").json()["people"] == people - 1
+    assert client.get("/api/room/me", headers={"X-Room-Token": a["token"]}).status_code == 401
+    assert client.post("/api/room/leave", headers={"X-Room-Token": a["token"]}).status_code == 401
+    assert client.post("/api/room/join", json={"name": "Lea"}).json()["label"] == "Lea 2"
 
 
 def test_only_a_member_may_chat(client):

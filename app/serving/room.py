@@ -3,6 +3,7 @@
     room = Room(reserved=[name for name, _ in USERS])
     member = room.join("Ana")            # label "Ana", or "Ana 2" when "Ana" is taken; ValueError if bad
     room.slot("some-api-user")           # every label gets a slot: colour = slot % 8, mark = slot // 8
+    room.leave(member.token)             # gone from the room; "Ana" stays taken (the chart still shows her)
 
 Students join with a display name and get a token (kept in their tab); the token
 is all their page holds, and it allows exactly one thing: chatting under their
@@ -10,7 +11,8 @@ label. Labels are unique in the room (compared case-insensitively) and never
 reused while the server runs, since the chart may still show old rows. Every
 label seen on the step stream (students, the lecturer's panels, OpenAI `user`
 fields) gets a slot in order of first sight, so a label has the same colour and
-mark on every screen.
+mark on every screen. A student who leaves frees their place in the room
+(MAX_MEMBERS counts the people in it now), not their label.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class Member:
     rids: deque = field(default_factory=lambda: deque(maxlen=64))   # this student's request ids, newest last
     history: list[dict] = field(default_factory=list)              # the chat the engine sees (complete turns)
     busy: bool = False                                              # a reply is streaming
+    stream: object | None = None                                    # that reply's stream (closed on leave)
 
 
 def check_name(name) -> str:
@@ -97,6 +100,14 @@ class Room:
             self.members[member.token] = member
         else:
             member.label = label
+        return member
+
+    def leave(self, token: str | None) -> Member | None:
+        """Take a member out of the room; their streaming reply, if any, is closed (aborted in the engine).
+        The label stays taken and keeps its slot: the chart may still show their rows."""
+        member = self.members.pop(token, None) if token else None
+        if member is not None and member.stream is not None:
+            member.stream.close("the student left the room")
         return member
 
     def member(self, token: str | None) -> Member | None:

@@ -6,6 +6,7 @@
     GET  /api/room/suggest       {name}: a friendly free name for the join box
     POST /api/room/join          {name, token?} -> {token, label, slot}; 400 with the reason if refused
     GET  /api/room/me            (X-Room-Token) -> {label, slot, rids}
+    POST /api/room/leave         (X-Room-Token) -> {left: label}; a streaming reply is aborted
     POST /api/room/chat          (X-Room-Token) {text} -> NDJSON lines {rid} {text}... {done}|{error}
 
 The server decides what each role may do: a student's token allows chatting under
@@ -156,6 +157,11 @@ def mount_room(app: FastAPI, service, room: Room, head: str, max_tokens: int = 1
         member = member_of(request)
         return {"label": member.label, "slot": room.slots.get(member.label), "rids": list(member.rids)}
 
+    @app.post("/api/room/leave")
+    async def leave(request: Request):
+        member = room.leave(member_of(request).token)
+        return {"left": member.label}
+
     @app.post("/api/room/chat")
     async def chat(request: Request):
         member = member_of(request)
@@ -179,11 +185,11 @@ def mount_room(app: FastAPI, service, room: Room, head: str, max_tokens: int = 1
                 raise
             raise error from None
         member.rids.append(stream.id)
-        member.busy = True
+        member.busy, member.stream = True, stream
 
         def done():
             stream.close()                  # aborts the request unless it has ended
-            member.busy = False
+            member.busy, member.stream = False, None
 
         async def lines():
             reply, error = "", None

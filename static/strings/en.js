@@ -129,6 +129,7 @@ export default {
   "room.name": "Your name in the chart",
   "room.join": "Join",
   "room.rename": "Change name",
+  "room.leave": "Leave the room",
   "room.you_are": "In the chart you are",
   "room.placeholder": "Type a message…",
   "room.send": "Send",

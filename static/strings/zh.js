@@ -128,6 +128,7 @@ export default {
   "room.name": "你在图中的名字",
   "room.join": "加入",
   "room.rename": "改名",
+  "room.leave": "离开课堂",
   "room.you_are": "你在图中的名字是",
   "room.placeholder": "输入消息……",
   "room.send": "发送",
