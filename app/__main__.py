@@ -45,7 +45,8 @@ FLAGS = {
     "block-size": (EngineConfig, "block_size", "tokens per KV block"),
     "attention-backend": (EngineConfig, "attention_backend", "auto, torch, triton or flash_attn"),
     "enforce-eager": (EngineConfig, "enforce_eager", "CUDA: no CUDA graphs, no torch.compile (1/true to set)"),
-    "cpu-threads": (EngineConfig, "cpu_threads", "torch threads on CPU; default: one per core (1 helps on a busy 2-core box)"),
+    "cpu-threads": (EngineConfig, "cpu_threads",
+                    "torch threads on CPU; default: one per core (1 helps on a busy 2-core box)"),
     "max-model-len": (EngineConfig, "max_model_len", "context length; default: the model's"),
     "speculative-config": (EngineConfig, "speculative_config",
                            "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
@@ -97,7 +98,8 @@ TYPES = {"int": int, "float": float, "int | None": int, "float | None": float, "
          "dict | SpeculativeConfig | None": speculative_json}
 
 
-def parse_args(argv: list[str] | None = None, env: dict | None = None, prog: str = "python -m app") -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, env: dict | None = None,
+               prog: str = "python -m app") -> argparse.Namespace:
     env = os.environ if env is None else env
     p = argparse.ArgumentParser(prog=prog, description="batchscope: a live LLM engine you can watch.")
     preset = dict(action="store_true", default=_bool(env.get("BATCHSCOPE_SERVING") or "0"))

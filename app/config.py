@@ -17,7 +17,8 @@ class ServerConfig:
     port: int = 7860
     step_delay: float = 0.0           # seconds of pause after each step (slow motion for a class)
     presenter_key: str | None = None  # when set, changing the engine needs it; never logged or echoed
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # when set, /v1 needs `Authorization: Bearer <one of them>`; never echoed
+    # when set, /v1 needs `Authorization: Bearer <one of them>`; never echoed
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     forwarded_allow_ips: str = "127.0.0.1"  # proxies whose X-Forwarded-For is believed: IPs/networks, "*", ""
     served_model_name: str | None = None  # the name /v1/models shows; defaults to the model's name
     public_url: str | None = None     # the address students reach this server at (the projector's join link)

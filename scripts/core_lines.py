@@ -27,7 +27,8 @@ def code_lines(path: Path) -> int:
         body = getattr(node, "body", None)
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
             first = body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
                 docs.update(range(first.lineno, first.end_lineno + 1))
     return sum(1 for i, line in enumerate(src.splitlines(), 1)
                if line.strip() and not line.strip().startswith("#") and i not in docs)

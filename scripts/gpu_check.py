@@ -166,7 +166,8 @@ def check_equality(folder: Path, p: dict, device: str) -> dict:
     _, rids, _ = run_engine(eng, [(ids, p["equality_tokens"]) for ids in prompts], arrive_every=2)
     outs = [eng.get_request(r).output_token_ids for r in rids]
     first_diff = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), None) for o, r in zip(outs, refs)]
-    res = {"prompts": len(prompts), "tokens_each": p["equality_tokens"], "equal": sum(o == r for o, r in zip(outs, refs)),
+    res = {"prompts": len(prompts), "tokens_each": p["equality_tokens"],
+           "equal": sum(o == r for o, r in zip(outs, refs)),
            "first_divergence": first_diff, "backend": eng.runner.backend.name, "cuda_graphs": bool(eng.runner.graphs)}
     del eng
     free_memory()
@@ -353,7 +354,8 @@ def engine_sections(folder: Path, p: dict, device: str) -> dict:
         secs = time.perf_counter() - t
         gaps = [g for x in chat_ids for g in metrics.gaps(eng.get_request(x).token_times)]
         out = sum(eng.get_request(x).num_output_tokens for x in chat_ids) + 8 * len(longs)
-        res["long_prompt"][policy] = {"seconds": secs, "output_tokens_per_s": out / secs, "tbt_p50_ms": pct(gaps, 50) * 1e3,
+        res["long_prompt"][policy] = {"seconds": secs, "output_tokens_per_s": out / secs,
+                                      "tbt_p50_ms": pct(gaps, 50) * 1e3,
                                       "tbt_p99_ms": pct(gaps, 99) * 1e3, "tbt_max_ms": max(gaps) * 1e3}
     del eng
     free_memory()
@@ -441,7 +443,8 @@ def main():
     for name, m in results["models"].items():
         for k, v in m.get("targets", {}).items():
             if v["value"] is None:
-                print(f"{name:14s} {k:52s} {'-':>9s}  target {v['target']}  NOT MEASURED (no CUDA graphs or section failed)")
+                print(f"{name:14s} {k:52s} {'-':>9s}  target {v['target']}  "
+                      "NOT MEASURED (no CUDA graphs or section failed)")
             else:
                 print(f"{name:14s} {k:52s} {v['value']:9.3f}  target {v['target']}  {'PASS' if v['pass'] else 'FAIL'}")
 

@@ -56,7 +56,8 @@ def build_model(shape: dict, folder: Path, dtype: torch.dtype) -> Path:
     model = tf.LlamaForCausalLM(cfg).to(dtype)
     model.save_pretrained(folder)
     vocab = {f"t{i}": i for i in range(shape["vocab_size"])}
-    tf.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(folder)
+    tf.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(folder)
     return folder
 
 
@@ -118,7 +119,8 @@ def main():
     p = QUICK if args.quick else FULL
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_model(p["shape"], Path(tmp) / "model", torch.bfloat16 if args.device == "cuda" else torch.float32)
+        folder = build_model(p["shape"], Path(tmp) / "model",
+                             torch.bfloat16 if args.device == "cuda" else torch.float32)
         eng, stream = record(folder, p, args.device)
     s = eng.stats()
     import transformers
@@ -128,7 +130,8 @@ def main():
             "max_num_seqs": s["max_num_seqs"], "max_prefill_chunk": s["max_prefill_chunk"],
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "scenario": "gpu-cost-sweep", "clock": "step",
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-            "cuda_graphs": bool(eng.runner.graphs), "torch": torch.__version__, "transformers": transformers.__version__}
+            "cuda_graphs": bool(eng.runner.graphs), "torch": torch.__version__,
+            "transformers": transformers.__version__}
     Path(args.out).write_text(json.dumps([meta] + stream, separators=(",", ":")))
     steps = [o for o in stream if o.get("type") == "step"]
     for fit in fit_stream(stream):

@@ -134,8 +134,8 @@ def run_policy(url: str, stream: StepStream, policy: str, p: dict) -> dict:
     s = metrics.summarize(recs, reqs=chat_ids)
     return {"seconds": secs, "errors": errors, "records": len(recs), "steps": s["num_steps"],
             "chat_tbt_p50_ms": _ms(s["tbt_p50_s"]), "chat_tbt_p99_ms": _ms(s["tbt_p99_s"]),
-            "chat_tbt_max_ms": _ms(s["tbt_max_s"]), "stall_count": s["stall_count"], "stall_max_ms": _ms(s["stall_max_s"]),
-            "output_tokens_per_s": s["output_tokens_per_s"]}
+            "chat_tbt_max_ms": _ms(s["tbt_max_s"]), "stall_count": s["stall_count"],
+            "stall_max_ms": _ms(s["stall_max_s"]), "output_tokens_per_s": s["output_tokens_per_s"]}
 
 
 def _ms(x):

@@ -36,7 +36,8 @@ metadata.distribution = _distribution
 FRESH_PREPARE = "BATCHSCOPE_TEST_FRESH_PREPARE"   # the folder of the controller's preparation record (conftest)
 
 
-# `python -m engine.weights.loader prepare`, then its exit code written to the file named by argv[1] (complete or absent)
+# `python -m engine.weights.loader prepare`, then its exit code written to the file named by argv[1]
+# (complete or absent)
 _PREPARE_AND_RECORD = HIDE_INSTALLED + """import os
 from engine.weights import loader
 rc = loader.main(["prepare"])

@@ -43,7 +43,8 @@ def close(got, want, dtype):
 def chains(data, g):
     dtype = data.draw(st.sampled_from(FLOATS))
     rows, hidden = data.draw(st.integers(0, 40)), data.draw(st.integers(1, 200))
-    x, res, w = rows_view(data, g, rows, hidden, dtype), rand(g, rows, hidden, dtype=dtype), rand(g, hidden, dtype=dtype)
+    x, res, w = (rows_view(data, g, rows, hidden, dtype), rand(g, rows, hidden, dtype=dtype),
+                 rand(g, hidden, dtype=dtype))
     close(k.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), dtype)
     (n1, s1), (n2, s2) = k.add_rms_norm(x, res, w, 1e-5), ref.add_rms_norm(x, res, w, 1e-5)
     close(n1, n2, dtype)
@@ -176,7 +177,8 @@ def broken(data, g):
         "empty context": (lambda: k.paged_decode(q, kc, vc, tables, lens * 0), "context_lens"),
         "short table": (lambda: k.paged_decode(q, kc, vc, tables[:0], lens), "block_tables"),
         "heads % kv_heads": (lambda: k.paged_decode(rand(g, q.shape[0], kc.shape[2] + 1, kc.shape[3]), kc, vc,
-                                                    tables, lens) if kc.shape[2] > 1 else k.causal_prefill(rand(g, 4, 3, 64), rand(g, 4, 2, 64),
+                                                    tables, lens)
+                             if kc.shape[2] > 1 else k.causal_prefill(rand(g, 4, 3, 64), rand(g, 4, 2, 64),
                                                                       rand(g, 4, 2, 64), 1), "kv_heads"),
         "strided cache": (lambda: k.write_kv(key, val, kc.transpose(0, 1).contiguous().transpose(0, 1), vc, slots),
                           "k_cache"),

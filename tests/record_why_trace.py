@@ -30,7 +30,8 @@ CHATS = ("Name three colours.", "Count from one to five.", "What is a cat?", "Sa
 def scenario(place: str) -> Scenario:
     doc = "Summarise this: " + " ".join(f"line {i} of the report says the {place} is fine." for i in range(9))
     return Scenario("why-trace", "four short chats, then a long prompt that crowds them out",
-                    tuple(Arrival(0, name, 14, prompt=text) for name, text in zip(("Alice", "Bob", "Carol", "Dan"), CHATS))
+                    tuple(Arrival(0, name, 14, prompt=text)
+                          for name, text in zip(("Alice", "Bob", "Carol", "Dan"), CHATS))
                     + (Arrival(3, "Doc", 12, prompt=doc),))
 
 

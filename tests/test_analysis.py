@@ -1,4 +1,5 @@
-"""app/readers/analysis.py: the step-cost fit and the stall causes, on streams with known answers and a recorded trace."""
+"""app/readers/analysis.py: the step-cost fit and the stall causes, on streams with known answers and a
+recorded trace."""
 import math
 from pathlib import Path
 
@@ -95,7 +96,8 @@ def test_each_gap_gets_the_causes_of_the_steps_in_it():
     assert set(gaps) == {("a", 4), ("b", 4)}
     b = gaps["b", 4]
     assert b.after == 1 and math.isclose(b.seconds, 0.9)
-    assert [(p.step, p.cause, p.by, p.by_tokens) for p in b.parts] == [(2, "prefill", "d", 50), (3, "no_slot", None, None)]
+    assert [(p.step, p.cause, p.by, p.by_tokens) for p in b.parts] == [(2, "prefill", "d", 50),
+                                                                       (3, "no_slot", None, None)]
     assert b.cause == "prefill"
     a = gaps["a", 4]          # the recompute chunk completes the prompt: its token ends the gap
     assert [(p.step, p.cause) for p in a.parts] == [(2, "prefill"), (3, "preempted")]

@@ -106,7 +106,8 @@ def test_bad_input_names_the_problem_and_others_keep_running(default_engine_fp32
         with pytest.raises(ValueError, match=msg):
             eng.add_request(**kwargs)
     for kwargs, msg in [(dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
-                        (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"), (dict(temperature=float("nan")), "temperature")]:
+                        (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
+                        (dict(temperature=float("nan")), "temperature")]:
         with pytest.raises(ValueError, match=msg):
             SamplingParams(**kwargs)
     with pytest.raises(KeyError, match="unknown request id"):

@@ -14,7 +14,8 @@ from engine.scheduling.policy import Policy
 
 FIT = CostFit("given", 0.01, 0.0005, 1e-6, None, 0, 3)
 EXAMPLES = ("demos/arena/policies/shortest_prompt_first.py", "demos/arena/policies/long_prefill_threshold.py",
-            "engine/scheduling/policies/chunked.py", "engine/scheduling/policies/static.py", "engine/scheduling/policies/continuous.py")
+            "engine/scheduling/policies/chunked.py", "engine/scheduling/policies/static.py",
+            "engine/scheduling/policies/continuous.py")
 
 
 def write(tmp_path, name, text):
@@ -177,7 +178,8 @@ def test_the_class_log_is_a_workload_on_the_live_machines_clock(tmp_path):
                 enumerate((("Ann", 0.0, 30), ("Doc", 0.9, 600), ("Bob", 1.8, 12)))]
     # the live machine: a step costs 0.05 s + 1 ms per token, so a full step of 64 tokens (τ) is 0.114 s
     records = [{"type": "step", "step": k, "t_start": 0.0, "t_end": 0.05 + 0.001 * n, "num_tokens": n,
-                "items": [{"req": "x", "kind": "prefill", "tokens": n, "start": 0}]} for k, n in enumerate((1, 8, 30, 64))]
+                "items": [{"req": "x", "kind": "prefill", "tokens": n, "start": 0}]}
+               for k, n in enumerate((1, 8, 30, 64))]
     records[-1]["items"][0]["start"] = 5                       # context apart from tokens, so the fit has its c term
     doc = {"type": "arrival_log", "settings": {"max_num_batched_tokens": 64, "max_num_seqs": 4},
            "arrivals": arrivals, "records": records}
@@ -220,7 +222,8 @@ def test_the_simulator_switches_prefix_caching_off_and_caps_the_kv_cache():
     prompt is computed; under a KV cap requests are preempted and no step uses more blocks than the cap."""
     from dataclasses import replace
     w = get_workload("shared-system-prompt", scale=0.25)
-    on, off = (run_one("chunked", replace(w, enable_prefix_caching=flag), FIT, "sim", {})["sim"] for flag in (True, False))
+    on, off = (run_one("chunked", replace(w, enable_prefix_caching=flag), FIT, "sim", {})["sim"]
+               for flag in (True, False))
     assert on["score"]["cached_prompt_tokens"] > 0 and off["score"]["cached_prompt_tokens"] == 0
     assert all(r.get("prefix_caching") is False for r in metrics.steps(off["stream"]))
     prefill = [sum(i["tokens"] for r in metrics.steps(p["stream"]) for i in r["items"] if i["kind"] == "prefill")

@@ -52,7 +52,8 @@ def test_chats_are_relayed_with_the_users_name(attached):
                                                 "user": "Alice"})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["choices"][0]["message"]["content"] == "Hello there!" and body["choices"][0]["finish_reason"] == "length"
+    assert (body["choices"][0]["message"]["content"] == "Hello there!"
+            and body["choices"][0]["finish_reason"] == "length")
     assert body["usage"]["prompt_tokens"] == 9 and body["usage"]["completion_tokens"] == 3
     assert sent[-1]["request_id"] == "Alice" and sent[-1]["user"] == "Alice" and sent[-1]["stream"] is True
     with http.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
@@ -175,7 +176,8 @@ def test_vllms_drafts_prefix_hits_and_preemptions_reach_the_trace_and_metrics(at
         assert time.monotonic() < deadline, "the records did not arrive"
         time.sleep(0.05)
     assert steps[0]["items"][0]["cached"] == 48
-    assert steps[1]["speculative"] == 3 and (steps[1]["items"][0]["drafted"], steps[1]["items"][0]["accepted"]) == (3, 2)
+    assert steps[1]["speculative"] == 3 and (steps[1]["items"][0]["drafted"],
+                                             steps[1]["items"][0]["accepted"]) == (3, 2)
     assert steps[2]["preempted"] == ["r2"]
     text = http.get("/metrics").text
 

@@ -146,7 +146,8 @@ def test_the_page_draws_one_lane_per_vllm_engine():
                                                           trust_env=False).json()["records"]) < 8:
             assert time.monotonic() < deadline, "the records did not arrive"
             time.sleep(0.05)
-        with chromium() as browser, live_page(browser, f"http://127.0.0.1:{aport}", {"width": 1400, "height": 900}) as pg:
+        with chromium() as browser, live_page(browser, f"http://127.0.0.1:{aport}",
+                                              {"width": 1400, "height": 900}) as pg:
             pg.wait_for_function("() => BS.view.drawn && BS.view.drawn.rows.some((r) => r.header)", timeout=20000)
             rows = pg.evaluate("() => BS.view.drawn.rows.map((r) => [r.lane, r.header, r.label])")
             names = pg.evaluate("() => [BS.laneName('dp0'), BS.laneName('dp1')]")

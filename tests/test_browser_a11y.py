@@ -229,7 +229,8 @@ def lesson2_stream() -> list[dict]:
     out.append({"type": "request", "event": "arrived", "req": "r3", "label": "Doc", "t": 0.0, "prompt_len": 640})
     t = 0.0
     for k in range(14):
-        items = [{"req": f"r{i}", "label": n, "kind": "decode", "tokens": 1, "start": 20 + k} for i, n in enumerate(names)]
+        items = [{"req": f"r{i}", "label": n, "kind": "decode", "tokens": 1, "start": 20 + k}
+                 for i, n in enumerate(names)]
         dt, stalled = 0.05, []
         if 3 <= k < 8:
             items.append({"req": "r3", "label": "Doc", "kind": "prefill", "tokens": 128, "start": 128 * (k - 3),
@@ -275,16 +276,19 @@ def test_the_chart_reads_as_a_table_and_a_live_region_in_both_languages(browser)
         assert box.bounding_box()["height"] <= 1
         pg.focus("[data-testid=table-toggle]")
         pg.keyboard.press("Enter")
-        pg.wait_for_function("document.querySelector('[data-testid=table-toggle]').getAttribute('aria-expanded') === 'true'")
+        pg.wait_for_function("document.querySelector('[data-testid=table-toggle]')"
+                             ".getAttribute('aria-expanded') === 'true'")
         assert box.bounding_box()["height"] > 200
         no_violations(pg, "the chart with its table shown", ".bs-chart")
         pg.locator(".bs-chart").screenshot(path=str(screenshot_dir() / "ui_chart_table.png"))
         # Chinese: the same table and words from zh.js
         pg.evaluate("BS.setLang('zh')")
         assert pg.inner_text("[data-testid=table-toggle]") == "隐藏表格"
-        head = pg.evaluate("[...document.querySelectorAll('[data-testid=chart-table] thead th')].map(c => c.textContent)")
+        head = pg.evaluate("[...document.querySelectorAll('[data-testid=chart-table] thead th')]"
+                           ".map(c => c.textContent)")
         assert head[:2] == ["步", "耗时"]
-        assert pg.evaluate("(s) => BS.describeStep(s)", steps[-2]) == "第 12 步：Eve 的整个提示词 300 个词元；Alice 等待了 1.20 s"
+        assert pg.evaluate("(s) => BS.describeStep(s)", steps[-2]) == \
+            "第 12 步：Eve 的整个提示词 300 个词元；Alice 等待了 1.20 s"
     finally:
         pg.close()
 
@@ -331,7 +335,8 @@ def test_join_reflows_and_its_targets_are_at_least_24_px(server, browser, width)
             pg.evaluate("[document.scrollingElement.scrollWidth, innerWidth]")
         small = pg.evaluate(f"""() => [...document.querySelectorAll("{TARGETS}")]
             .filter(e => e.getClientRects().length && getComputedStyle(e).visibility !== 'hidden')
-            .map(e => {{ const r = (e.closest('label') || e).getBoundingClientRect();   // a label is the input's target too
+            .map(e => {{ const r = (e.closest('label') || e).getBoundingClientRect();\
+   // a label is the input's target too
                         return {{what: e.outerHTML.slice(0, 80), w: r.width, h: r.height}}; }})
             .filter(b => b.w < 24 || b.h < 24)""")
         assert not small, small

@@ -40,7 +40,8 @@ def drawn_lanes(pg) -> dict:
         return {axis: d.win.axis, heads: d.rows.filter(r => r.header).map(r => r.lane),
                 cells: d.cells.map(c => ({lane: c.lane, kind: c.kind, label: c.label, t0: c.t0, t1: c.t1})),
                 handovers: d.handovers,
-                titles: [...document.querySelectorAll('[data-testid=row-labels] li[data-header]')].map(l => l.textContent)}; }""")
+                titles: [...document.querySelectorAll('[data-testid=row-labels] li[data-header]')]\
+.map(l => l.textContent)}; }""")
 
 
 def check_lanes(drawn: dict, threads: dict[str, int], label: str, blocks: int):
@@ -97,8 +98,8 @@ def test_a_recorded_disaggregated_run_draws_two_lanes_and_the_hand_overs(recorde
     pg.wait_for_function("document.querySelector('[data-testid=metrics] tr[data-metric=transfer] td')")
     row = pg.evaluate("[...document.querySelectorAll('[data-testid=metrics] tr[data-metric=transfer] td')]"
                       ".map(td => JSON.parse(td.dataset.values))")
-    assert row == [[4, metrics.stretches(recorded)[0]["transfer_p50_s"], metrics.stretches(recorded)[0]["transfer_p99_s"],
-                    sum(e["bytes"] for e in moved)]]
+    assert row == [[4, metrics.stretches(recorded)[0]["transfer_p50_s"],
+                    metrics.stretches(recorded)[0]["transfer_p99_s"], sum(e["bytes"] for e in moved)]]
     pg.locator("[data-testid=stage] .bs-chart").screenshot(path=str(screenshot_dir() / "ui_disaggregated.png"))
     assert not errors, errors
     pg.close()
@@ -131,7 +132,8 @@ def test_lesson_five_draws_two_workers_side_by_side_and_the_kv_hand_over(page, s
     start = page.evaluate("BS.store.steps.length ? BS.store.steps.at(-1).step + 1 : 0")
     page.click("#bs-lesson-5")
     # the chunked pass, then the switch: the page says it is waiting for the two workers to load
-    wait_js(page, "document.querySelector('#bs-note').textContent.includes('waiting for the prefill and decode workers')",
+    wait_js(page, "document.querySelector('#bs-note').textContent"
+                  ".includes('waiting for the prefill and decode workers')",
             timeout=300)
     # both passes: the four scripted requests under chunked, then four more under disaggregated, all ended
     runs = f"[...BS.store.reqs.values()].filter(r => r.arrived != null && r.firstStep >= {start})"
@@ -140,7 +142,8 @@ def test_lesson_five_draws_two_workers_side_by_side_and_the_kv_hand_over(page, s
     except Exception as e:
         state = page.evaluate(f"{runs}.map(r => [r.label, r.rid, r.tokens.length, r.end, r.reason])")
         pytest.fail(f"lesson 5 did not finish ({str(e)[:200]}): {state}; note {page.inner_text('#bs-note')!r}")
-    assert page.locator("[data-testid=policy] button[aria-checked=true]").get_attribute("data-policy") == "disaggregated"
+    assert page.locator("[data-testid=policy] button[aria-checked=true]").get_attribute("data-policy") == \
+        "disaggregated"
     assert page.locator("[data-testid=disagg-note]").is_visible()
 
     # the records: prefill steps on one worker, decode steps on the other, at the same time
@@ -180,5 +183,6 @@ def test_lesson_five_draws_two_workers_side_by_side_and_the_kv_hand_over(page, s
     page.click("[data-testid=resume]")
     # back to one engine: the next steps carry no worker
     page.click("[data-testid=policy] button[data-policy=chunked]")
-    wait_js(page, "document.querySelector('[data-testid=policy] button[aria-checked=true]').dataset.policy === 'chunked'")
+    wait_js(page, "document.querySelector('[data-testid=policy] button[aria-checked=true]')"
+                  ".dataset.policy === 'chunked'")
     assert api(server, "/api/engine")["policy"] == "chunked"

@@ -88,7 +88,8 @@ def test_the_leaderboard_ranks_a_report_and_replays_the_winner(report, server):
         lw = doc["workloads"]["long-documents"]
         win2 = next(r for r in lw["results"] if r["policy"] == lw["ranking"][0])
         chart = next(f for f in pg.frames if "leaderboard/chart" in f.url)
-        chart.wait_for_function(f"BS.store.steps.length === {sum(1 for r in win2['sim']['stream'] if r.get('type') == 'step')}")
+        chart.wait_for_function(
+            f"BS.store.steps.length === {sum(1 for r in win2['sim']['stream'] if r.get('type') == 'step')}")
         pg.set_input_files("[data-testid=lb-file]", str(report.with_suffix(".html")))
         pg.wait_for_function("document.querySelector('[data-testid=lb-status]').dataset.state === 'error'")
         pg.goto(server + "/leaderboard?lang=zh")

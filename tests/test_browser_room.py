@@ -91,7 +91,8 @@ def test_three_students_and_a_projector(server, browser, tmp_path):
         assert status == 403
 
     # every screen gives a label the same colour and mark, and the three are told apart
-    signs = [pg.evaluate(f"{json.dumps(labels)}.map(l => [BS.colorOf(l), BS.markOf(l)])") for pg in students + [projector]]
+    signs = [pg.evaluate(f"{json.dumps(labels)}.map(l => [BS.colorOf(l), BS.markOf(l)])")
+             for pg in students + [projector]]
     assert all(s == signs[0] for s in signs) and len({tuple(s) for s in signs[0]}) == 3
 
     # the projector: every row, none of them "mine", the join URL as text and as a QR code that decodes to it

@@ -100,7 +100,8 @@ def test_two_panels_stream_and_share_a_step_in_the_chart(page, server, slow_moti
         const clear = (c) => !ink.some(k => k.x < c.x + c.w && c.x < k.x + k.w && k.y < c.y + c.h && c.y < k.y + k.h);
         for (const c of cells) { if (!by.has(c.step)) by.set(c.step, []); by.get(c.step).push(c); }
         for (const [step, cs] of by) {
-          const a = cs.find(c => c.label === 'Alice' && c.kind === 'decode'), b = cs.find(c => c.label === 'Bob' && c.kind === 'decode');
+          const a = cs.find(c => c.label === 'Alice' && c.kind === 'decode'), \
+b = cs.find(c => c.label === 'Bob' && c.kind === 'decode');
           if (a && b && clear(a) && clear(b)) {
             const g = document.querySelector('[data-testid=gantt]').getContext('2d'), d = devicePixelRatio;
             // the colour most of the cell shows (a label drawn over its middle must not decide it)
@@ -132,7 +133,8 @@ def test_chunked_prefill_switch_flips_the_policy_and_marks_the_chart(page, serve
     wait_js(page, "document.querySelector('[data-testid=chunked-toggle]').getAttribute('aria-checked') === 'true'")
     for policy, state in (("continuous", "false"), ("chunked", "true")):
         toggle.click()
-        wait_js(page, f"document.querySelector('[data-testid=chunked-toggle]').getAttribute('aria-checked') === '{state}'")
+        wait_js(page, "document.querySelector('[data-testid=chunked-toggle]')"
+                      f".getAttribute('aria-checked') === '{state}'")
         assert api(server, "/api/engine")["policy"] == policy
         page.click("#bs-short-2")
         wait_js(page, f"BS.view.drawn.markers.some(m => m.policy === '{policy}')")
@@ -235,7 +237,8 @@ def test_a_dropped_socket_reconnects_and_backfills(page, server):
     have = set(page.evaluate(f"BS.store.steps.filter(s => s.step > {before}).map(s => s.step)"))
     assert set(range(before + 1, last + 1)) <= have, "steps missed while offline were not backfilled"
     # a backfilled step lands out of order: the request's tokens are recounted on the next frame
-    wait_js(page, f"[...BS.store.reqs.values()].some(r => r.label === 'Offline' && r.tokens.length === {n})", timeout=10)
+    wait_js(page, f"[...BS.store.reqs.values()].some(r => r.label === 'Offline' && r.tokens.length === {n})",
+            timeout=10)
 
 
 def test_long_prompt_stalls_everyone_until_chunked_prefill_is_on(page, tmp_path, slow_motion):
@@ -260,7 +263,8 @@ def test_long_prompt_stalls_everyone_until_chunked_prefill_is_on(page, tmp_path,
             return {{policy: steps.map(s => s.policy), docSteps: doc.length, docTokens: doc.map(s => s.num_tokens),
                      stalledInDoc: doc.map(s => (s.stalled || []).length),
                      decodesInDoc: doc.map(s => s.items.filter(i => i.kind === 'decode').length),
-                     drawnStalls: BS.view.drawn.cells.filter(c => c.kind === 'stall' && c.step >= {start}).length}}; }}""")
+                     drawnStalls: BS.view.drawn.cells.filter(c => c.kind === 'stall' && c.step >= {start}).length}}; \
+}}""")
         page.locator("[data-testid=stage]").screenshot(path=str(shots / f"long_prompt_{policy}.png"))
         page.click("[data-testid=resume]")
     off, on = runs["continuous"], runs["chunked"]

@@ -1,5 +1,5 @@
-"""The CPU backend (engine.execution.backends.CpuAttention: the paged decode kernel of engine/kernels/cpu_kernels.cpp and
-its own layout inside a block) against the portable backend on random ragged batches, in float32 and
+"""The CPU backend (engine.execution.backends.CpuAttention: the paged decode kernel of engine/kernels/cpu_kernels.cpp
+and its own layout inside a block) against the portable backend on random ragged batches, in float32 and
 bfloat16; what it writes into the cache; and that attention falls back to the portable path where the
 kernel cannot be built."""
 import pytest

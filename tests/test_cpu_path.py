@@ -20,7 +20,8 @@ BS, KV, HD, HEADS = 4, 2, 8, 6
 def test_grouped_decode_matches_attention_token_by_token(data):
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     num_blocks = 60
-    k_cache, v_cache = torch.randn(num_blocks, BS, KV, HD, generator=g), torch.randn(num_blocks, BS, KV, HD, generator=g)
+    k_cache, v_cache = (torch.randn(num_blocks, BS, KV, HD, generator=g),
+                        torch.randn(num_blocks, BS, KV, HD, generator=g))
     ctxs = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=6))   # lengths far apart: several groups
     free = list(range(num_blocks))
     if data.draw(st.booleans()):                        # fragmented tables
@@ -193,8 +194,8 @@ def test_fusion_switch_is_per_model(tmp_path):
 
 # ---- linears cut by output features, one slice per thread == F.linear ----
 @settings(max_examples=60, deadline=None)
-@given(rows=st.sampled_from([0, 1, 2, 5, 9, 257]), cols=st.integers(1, 24), out=st.integers(1, 24), threads=st.integers(1, 4),
-       bias=st.booleans(), seed=st.integers(0, 999))
+@given(rows=st.sampled_from([0, 1, 2, 5, 9, 257]), cols=st.integers(1, 24), out=st.integers(1, 24),
+       threads=st.integers(1, 4), bias=st.booleans(), seed=st.integers(0, 999))
 def test_split_linear_equals_f_linear(rows, cols, out, threads, bias, seed):
     from engine.models.linears import linear
     g = torch.Generator().manual_seed(seed)

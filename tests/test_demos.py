@@ -124,7 +124,8 @@ def test_wall_clock_arrivals_wait_for_their_time(tiny_model):
 
 def test_feeder_for_a_loop_it_does_not_own(tiny_model):
     engine = tiny_engine(tiny_model)
-    sc = Scenario("f", "", (Arrival(0, "a", 2, prompt="x"), Arrival(2, "b", 2, prompt="y"), Arrival(2.5, "c", 2, prompt="z")))
+    sc = Scenario("f", "", (Arrival(0, "a", 2, prompt="x"), Arrival(2, "b", 2, prompt="y"),
+                            Arrival(2.5, "c", 2, prompt="z")))
     f = Feeder(sc, engine)
     assert len(f.poll(0, 0.0)) == 1 and f.next_at == 2
     assert f.poll(1, 0.0) == [] and len(f.poll(2, 0.0)) == 1 and not f.done
@@ -251,7 +252,8 @@ def test_bench_smoke(tiny_model, tmp_path):
 
 
 def test_one_chrome_converter_every_event_on_a_track():
-    """demos.compare.trace and the server's /api/trace?format=chrome use app/readers/trace.py; every event names its track."""
+    """demos.compare.trace and the server's /api/trace?format=chrome use app/readers/trace.py; every event names
+    its track."""
     from app.readers.trace import chrome_trace
     from tests.factories import stall_stream
     s = stall_stream()
@@ -266,7 +268,8 @@ def test_app_does_not_import_demos_and_metrics_need_no_torch():
     import subprocess
     import sys
     root = Path(__file__).resolve().parent.parent
-    code = ("import sys; import app, app.ui.page, app.replay.scenarios, app.readers.trace, app.ui.lessons, app.api.whatif_api, app.readers.report; "
+    code = ("import sys; import app, app.ui.page, app.replay.scenarios, app.readers.trace, app.ui.lessons, "
+            "app.api.whatif_api, app.readers.report; "
             "bad = sorted(m for m in sys.modules if m == 'demos' or m.startswith('demos.')); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=300)
     # app/readers/metrics.py on its own (the package's __init__ loads the engine, and torch with it)

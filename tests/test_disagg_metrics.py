@@ -91,7 +91,8 @@ def test_recorded_disaggregated_trace():
     lanes = {w: [s for s in steps if s["worker"] == w] for w in ("prefill", "decode")}
     assert all(i["kind"] == "prefill" for s in lanes["prefill"] for i in s["items"])
     assert all(i["kind"] == "decode" for s in lanes["decode"] for i in s["items"])
-    assert any(a["t_start"] < b["t_end"] and b["t_start"] < a["t_end"] for a in lanes["prefill"] for b in lanes["decode"])
+    assert any(a["t_start"] < b["t_end"] and b["t_start"] < a["t_end"]
+               for a in lanes["prefill"] for b in lanes["decode"])
     decoded = {i["req"] for s in lanes["decode"] for i in s["items"]}
     moved = metrics.events(objs, "kv_transfer")
     assert sorted(e["req"] for e in moved) == sorted(decoded)

@@ -103,7 +103,8 @@ def test_request_book_checks_counts_and_forgets():
     with pytest.raises(KeyError):
         book.get("x0")
     ends = book.take_outputs()                        # x0 was forgotten before anyone asked: no output
-    assert [(o.request_id, o.finish_reason, o.error) for o in ends] == [("x1", "abort", "gone"), ("x2", "error", "boom")]
+    assert [(o.request_id, o.finish_reason, o.error) for o in ends] == \
+        [("x1", "abort", "gone"), ("x2", "error", "boom")]
 
 
 def test_a_replaced_clock_times_every_request(tiny):

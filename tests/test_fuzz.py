@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 pytestmark = pytest.mark.server
 
-json_scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20)
+json_scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70)
+                | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20))
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
                            | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "", 3]),
@@ -74,7 +75,8 @@ def test_engine_settings_fuzz(live_server, body):
     check(r)
     if r.status_code >= 400:   # a rejected change changes nothing
         after = live_server.engine()
-        assert (after["policy"], after["max_num_batched_tokens"]) == (before["policy"], before["max_num_batched_tokens"])
+        assert (after["policy"], after["max_num_batched_tokens"]) == \
+            (before["policy"], before["max_num_batched_tokens"])
 
 
 def test_websocket_garbage_gets_errors_and_the_stream_goes_on(live_server):

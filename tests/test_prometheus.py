@@ -100,7 +100,8 @@ def test_phases_add_up_and_match_the_stream(run):
     tbts = defs.tbts(stream)
     assert value(s, "vllm:inter_token_latency_seconds_count") == sum(len(g) for g in tbts.values())
     assert value(s, "vllm:inter_token_latency_seconds_sum") == pytest.approx(sum(sum(g) for g in tbts.values()))
-    assert value(s, "vllm:request_generation_tokens_sum") == value(s, "vllm:request_max_num_generation_tokens_sum") == 12
+    assert value(s, "vllm:request_generation_tokens_sum") == \
+        value(s, "vllm:request_max_num_generation_tokens_sum") == 12
     assert value(s, "vllm:request_prompt_tokens_sum") == sum(engine.get_request(r).prompt_len for r in done)
     # the first scheduled step comes from the records: the stream's first step holding each request
     first = {}

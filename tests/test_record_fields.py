@@ -83,6 +83,7 @@ def test_the_checks_catch_a_bad_read():
     assert unknown_fields("const f = (it) => it.prompt_len + it.tokens;") == []
     assert unknown_fields("const f = (p) => p.step_delay;") == []
     assert unknown_fields("const f = (sc) => sc.by + sc.caus;") == [("stall", "caus")]
-    assert direct_reads("const x = rec.t_end - rec.t_start;\nconst y = tk.gap;") == ["const x = rec.t_end - rec.t_start;"]
+    assert direct_reads("const x = rec.t_end - rec.t_start;\nconst y = tk.gap;") == \
+        ["const x = rec.t_end - rec.t_start;"]
     assert direct_reads('const k = "metrics.kv", y = R.items(s);') == []
     assert accessors("export const rec = {\n  tEnd: (s) => s.t_end,\n  settings(p) {\n") == {"tEnd", "settings"}

@@ -64,5 +64,6 @@ def test_wire_dicts_are_fresh_and_leave_out_absent_optionals():
 
 
 def test_scheduler_imports_without_torch():
-    code = "import sys, engine.scheduling.scheduler, engine.outputs.records; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import sys, engine.scheduling.scheduler, engine.outputs.records; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=DOC.parent.parent)

@@ -19,7 +19,8 @@ def test_n_choices_are_seeded_per_choice_and_stream_like_the_whole_reply(live_se
     texts = [c.message.content for c in a.choices]
     assert [c.index for c in a.choices] == [0, 1, 2] and texts == [c.message.content for c in b.choices]
     assert len(set(texts)) > 1, "every choice sampled with the same seed"
-    assert 3 <= a.usage.completion_tokens <= 3 * 8 and a.usage.total_tokens == a.usage.prompt_tokens + a.usage.completion_tokens
+    assert (3 <= a.usage.completion_tokens <= 3 * 8
+            and a.usage.total_tokens == a.usage.prompt_tokens + a.usage.completion_tokens)
     streamed = {0: "", 1: "", 2: ""}
     finish = {}
     for chunk in client.chat.completions.create(**kw, stream=True):

@@ -85,7 +85,8 @@ def test_no_local_name_hides_an_import():
     """A local `t` in a function that also says t("key") breaks the page only when that line runs."""
     for name, src in MODULES.items():
         code = code_of(src)
-        imported = {n.split(" as ")[-1].strip() for names, _, _ in IMPORT.findall(src) for n in names.split(",") if n.strip()}
+        imported = {n.split(" as ")[-1].strip() for names, _, _ in IMPORT.findall(src) for n in names.split(",")
+                    if n.strip()}
         for local in imported:
             n = re.escape(local)
             hides = re.search(rf"(?:\b(?:const|let|var|function)\s+{n}\b|[(,]\s*{n}\s*(?:[,)]\s*=>|\)\s*=>)"

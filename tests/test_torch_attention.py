@@ -27,7 +27,8 @@ def reference(q, k_cache, v_cache, seqs) -> torch.Tensor:
 @given(st.data())
 def test_torch_backend_matches_attention_sequence_by_sequence(data):
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    k_cache, v_cache = torch.randn(NUM_BLOCKS, BS, KV, HD, generator=g), torch.randn(NUM_BLOCKS, BS, KV, HD, generator=g)
+    k_cache, v_cache = (torch.randn(NUM_BLOCKS, BS, KV, HD, generator=g),
+                        torch.randn(NUM_BLOCKS, BS, KV, HD, generator=g))
     decodes = data.draw(st.lists(st.integers(1, 30), max_size=4))                 # context lengths
     chunk_len = data.draw(st.integers(1, 9))
     # prefill chunks: (tokens, cached before); runs of fresh chunks of one length are likely

@@ -57,14 +57,16 @@ def test_every_lesson_pass_states_its_full_setting_and_the_caption_shows_it():
             s = lesson.setting(sc, policy, 0.25, i)
             assert set(s) == set(SETTING_KEYS) and s["policy"] == policy and s["step_delay"] == 0.25
             # every setting a config knows at start, but the KV cap, which is live only
-            EngineConfig(**{key: s[key] for key in SETTING_KEYS if key not in ("policy", "step_delay", "max_kv_blocks")})
+            EngineConfig(**{key: s[key] for key in SETTING_KEYS
+                            if key not in ("policy", "step_delay", "max_kv_blocks")})
             assert s["max_prefill_chunk"] == (4 if lesson.scenario == "budget-shapes" else None)
             for code in LANGS.values():
                 assert "250 ms" in setting_line(code, s)
     assert "no chunk cap" in setting_line("en", LESSONS[0].setting(get_scenario(LESSONS[0].scenario), "static", 0))
     assert "at most 4 tokens" in setting_line("en", LESSONS[3].setting(get_scenario("budget-shapes"), "chunked", 0))
     spec = LESSONS[-1]          # speculation off, then on: the caption names both
-    lines = [setting_line("en", spec.setting(get_scenario(spec.scenario), p, 0, i)) for i, p in enumerate(spec.policies)]
+    lines = [setting_line("en", spec.setting(get_scenario(spec.scenario), p, 0, i))
+             for i, p in enumerate(spec.policies)]
     assert "no speculation" in lines[0] and "up to 3 drafted tokens, matches of 1–3 tokens" in lines[1]
 
 

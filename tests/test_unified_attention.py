@@ -154,8 +154,8 @@ from triton.backends.compiler import GPUTarget
 from engine.execution.triton_attention import _unified_kernel
 ints = ["num_seqs", "num_splits", "stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_bt",
         "stride_ot", "stride_oh", "stride_osp"]
-for dtype, split, group, head_dim, bq in [("bf16", False, 7, 64, 2), ("bf16", True, 6, 128, 2), ("fp32", False, 4, 64, 4),
-                                          ("fp16", False, 1, 64, 64)]:
+for dtype, split, group, head_dim, bq in [("bf16", False, 7, 64, 2), ("bf16", True, 6, 128, 2),
+                                          ("fp32", False, 4, 64, 4), ("fp16", False, 1, 64, 64)]:
     sig = {"out_ptr": "*fp32" if split else "*" + dtype, "lse_ptr": "*fp32", "q_ptr": "*" + dtype,
            "k_cache_ptr": "*" + dtype, "v_cache_ptr": "*" + dtype, "block_tables_ptr": "*i64",
            "cu_q_ptr": "*i64", "seq_lens_ptr": "*i64", "scale": "fp32", **{k: "i32" for k in ints}}

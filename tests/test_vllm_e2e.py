@@ -127,7 +127,8 @@ def test_chats_and_a_document_through_the_app_show_vllms_chunks_beside_decodes(a
     assert summary_metrics["output_tokens"] >= 3 * REPLY
     # the recorder's own share of vLLM's step loop: reading the step and assembling its record
     own = sum(r["timing"]["items"] + r["timing"]["record"] for r in steps)
-    print(f"{len(steps)} steps; the recorder's share of their time: {own / sum(r['t_end'] - r['t_start'] for r in steps):.4%}")
+    print(f"{len(steps)} steps; the recorder's share of their time: "
+          f"{own / sum(r['t_end'] - r['t_start'] for r in steps):.4%}")
     from tests.browser import CHROMIUM, chromium, live_page
     if not CHROMIUM.exists():
         print("Chromium is not installed: the page was not checked")

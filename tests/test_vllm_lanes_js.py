@@ -56,7 +56,8 @@ def engines(rng: random.Random) -> dict:
         for j in range(rng.randint(0, 12)):
             dt = rng.uniform(0.05, 0.4)
             steps.append({"lane": lane, "t_start": t, "t_end": t + dt, "stalled": [],
-                          "items": [{"req": rid, "label": "x", "kind": "prefill" if j == 0 else "decode", "tokens": 1}]})
+                          "items": [{"req": rid, "label": "x", "kind": "prefill" if j == 0 else "decode",
+                                     "tokens": 1}]})
             t += dt
         clock[lane] = t
     if not steps:

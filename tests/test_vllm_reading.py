@@ -44,7 +44,8 @@ def test_a_resumed_reply_is_a_recompute_and_its_first_chunk_of_a_new_prompt_is_n
 
 
 def test_replies_left_out_are_stalls_with_the_cause_the_step_shows():
-    running = [req("doc", 300, 0, 64, chunk=True), req("a", 10, 3, 12), req("b", 10, 3, 12), req("p", 50, 0, 50, chunk=True)]
+    running = [req("doc", 300, 0, 64, chunk=True), req("a", 10, 3, 12), req("b", 10, 3, 12),
+               req("p", 50, 0, 50, chunk=True)]
     before = reading.read_before(running)
     assert before == {"doc": False, "a": True, "b": True, "p": False}
     spent = output({"doc": 32})                                   # the budget of 32 went to the chunk

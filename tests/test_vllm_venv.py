@@ -1,5 +1,5 @@
-"""Runs the vLLM recorder's tests (tests/test_vllm_recorder.py, tests/test_vllm_dp.py) in the vLLM virtual environment that
-scripts/install_vllm.sh prepares (.venv-vllm, or the python named by BATCHSCOPE_VLLM_PYTHON): vLLM
+"""Runs the vLLM recorder's tests (tests/test_vllm_recorder.py, tests/test_vllm_dp.py) in the vLLM virtual
+environment that scripts/install_vllm.sh prepares (.venv-vllm, or the python named by BATCHSCOPE_VLLM_PYTHON): vLLM
 pins its own packages, so it lives beside the project's environment, not in it.
 
 Skipped only where no such environment exists, or where this environment has vLLM itself (then
@@ -23,7 +23,8 @@ def vllm_python() -> Path | None:
     return path if path.exists() else None
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is here: the recorder tests run directly")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
+                    reason="vLLM is here: the recorder tests run directly")
 def test_recorder_tests_pass_in_the_vllm_environment():
     python = vllm_python()
     if python is None:

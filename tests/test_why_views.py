@@ -61,7 +61,8 @@ def test_recorded_trace_fit_causes_and_table_match_python(page):
     objs = trace.load(TRACE)
     pg = page(objs)
     check_fit(page_fit(pg), analysis.fit_stream(objs)[0])
-    got = pg.evaluate("() => BS.analysis.gapCauses(BS.store.steps).map((g) => ({...g, cause: BS.analysis.gapCause(g)}))")
+    got = pg.evaluate("() => BS.analysis.gapCauses(BS.store.steps)"
+                      ".map((g) => ({...g, cause: BS.analysis.gapCause(g)}))")
     want = analysis.gap_causes(objs)
     assert len(got) == len(want) > 0
     for g, w in zip(got, want):
@@ -143,10 +144,12 @@ def test_xray_of_a_picked_step_lists_exactly_its_items_live_and_paused(page):
         if rec is mixed:      # a column picked on the chart: the gantt's click hook opens it
             pg.evaluate("(n) => BS.play.seek(n)", rec["step"])
             pg.evaluate("(n) => BS.onStepClick(BS.store.steps.find((s) => s.step === n))", rec["step"])
-        pg.wait_for_function("(n) => document.querySelector('[data-testid=step-xray]').dataset.step == n", arg=rec["step"])
+        pg.wait_for_function("(n) => document.querySelector('[data-testid=step-xray]').dataset.step == n",
+                             arg=rec["step"])
         bs = rec["kv"]["block_size"]
         want = [{"req": i["req"], "kind": i["kind"], "start": i["start"], "end": i["start"] + i["tokens"] - 1,
-                 "context": i["start"] + i["tokens"], "blocks": -(-(i["start"] + i["tokens"]) // bs)} for i in rec["items"]]
+                 "context": i["start"] + i["tokens"], "blocks": -(-(i["start"] + i["tokens"]) // bs)}
+                for i in rec["items"]]
         assert xray_rows(pg) == want
     # paused at an earlier step, the cost view fits only the steps up to it
     n = pg.evaluate("() => +document.querySelector('[data-testid=cost-model]').dataset.n")
@@ -162,7 +165,8 @@ def test_the_xray_and_the_chart_name_a_verifying_decodes_kept_and_rejected_draft
     pg.evaluate("(n) => BS.onStepClick(BS.store.steps.find((s) => s.step === n))", rec["step"])
     pg.wait_for_function("(n) => document.querySelector('[data-testid=step-xray]').dataset.step == n", arg=rec["step"])
     rows = pg.evaluate("""() => [...document.querySelectorAll('[data-testid=step-xray] tr[data-req]')].map((r) =>
-        ({req: r.dataset.req, drafted: r.dataset.drafted, accepted: r.dataset.accepted, text: r.cells[1].textContent}))""")
+        ({req: r.dataset.req, drafted: r.dataset.drafted, accepted: r.dataset.accepted, \
+text: r.cells[1].textContent}))""")
     for it, row in zip(rec["items"], rows):
         if it.get("drafted"):
             kept, rejected = it["accepted"], it["drafted"] - it["accepted"]

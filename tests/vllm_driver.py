@@ -69,7 +69,8 @@ def make_scheduler(vc, *, chunked: bool, budget: int, seqs: int, blocks: int, th
     sc.long_prefill_token_threshold, sc.async_scheduling = threshold, asynchronous
     vc.cache_config.num_gpu_blocks = blocks
     kv = kv_cache(blocks)
-    sched = RecordingScheduler(vllm_config=vc, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(vc),
+    sched = RecordingScheduler(vllm_config=vc, kv_cache_config=kv,
+                               structured_output_manager=StructuredOutputManager(vc),
                                block_size=BLOCK, log_stats=True)
     assert isinstance(sched, RecordingAsyncScheduler) == asynchronous, "the one class name picks vLLM's base"
     got: list[dict] = []

@@ -227,7 +227,8 @@ def gap_causes(stream: Iterable[dict]) -> list[Gap]:
 
 
 def cause_time(stream: Iterable[dict]) -> list[dict[str, float]]:
-    """Per stretch of settings (as metrics.stretches), seconds of gap parts by cause (every cause present, 0.0 if none)."""
+    """Per stretch of settings (as metrics.stretches), seconds of gap parts by cause
+    (every cause present, 0.0 if none)."""
     stream = list(stream)
     recs = steps(stream)
     bounds: list[tuple[int, int]] = []

@@ -290,7 +290,8 @@ def summarize(stream: Iterable[dict], reqs: Iterable[str] | None = None) -> dict
     out = latency_summary(arr, times)
     keep = set(reqs) if reqs is not None else None
     if keep is not None:
-        mine = latency_summary({r: t for r, t in arr.items() if r in keep}, {r: t for r, t in times.items() if r in keep})
+        mine = latency_summary({r: t for r, t in arr.items() if r in keep},
+                               {r: t for r, t in times.items() if r in keep})
         out.update({k: v for k, v in mine.items() if k.startswith(("ttft", "tbt")) or k == "requests"})
     drafted, accepted = drafts(recs)
     stall = [tk.gap for req, st in stalls(stream).items() if keep is None or req in keep for tk in st]

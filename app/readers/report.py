@@ -4,8 +4,8 @@
     write_report("out/report.html", scenario, runs, summaries)
 
 runs: {name: anything with .stream and .meta} (demos/compare/runner.py's Run, app/replay/whatif.py's
-Replayed); summaries: {name: metrics dict}, as demos.compare and the what-if replay build them. Sections: metrics table, one Gantt chart per
-policy (which request was in which step, prefill vs decode, stalls in red),
+Replayed); summaries: {name: metrics dict}, as demos.compare and the what-if replay build them. Sections:
+metrics table, one Gantt chart per policy (which request was in which step, prefill vs decode, stalls in red),
 TBT over time, TTFT and TBT CDFs, budget fill per step.
 """
 from __future__ import annotations
@@ -123,7 +123,8 @@ TABLE_ROWS = [("output_tokens_per_s", "output tokens/s", 1), ("ttft_p50_s", "TTF
               ("tbt_p99_s", "TBT p99 (ms)", 1e3), ("tbt_max_s", "TBT max (ms)", 1e3),
               ("stall_count", "stalls", None), ("stall_max_s", "longest stall (ms)", 1e3),
               ("num_steps", "steps", None), ("num_preemptions", "preemptions", None),
-              ("budget_fill_mean", "budget fill, mean", 1), ("idle_slots_while_waiting", "idle slots while waiting", None),
+              ("budget_fill_mean", "budget fill, mean", 1),
+              ("idle_slots_while_waiting", "idle slots while waiting", None),
               ("cached_prompt_tokens", "prompt tokens from prefix cache", None), ("duration_s", "duration (s)", 1)]
 FOCUS_ROWS = [("tbt_p50_s", "their TBT p50 (ms)", 1e3), ("tbt_p99_s", "their TBT p99 (ms)", 1e3),
               ("tbt_max_s", "their longest gap (ms)", 1e3), ("stall_max_s", "their longest stall (ms)", 1e3),
@@ -157,7 +158,8 @@ def write_report(path: str | Path, scenario, runs: dict, summaries: dict[str, di
     streams = {p: r.stream for p, r in runs.items()}
     figs = [gantt_figure(s, f"{p}: which request ran in which step") for p, s in streams.items()]
     figs += [tbt_figure(streams),
-             cdf_figure({p: list(metrics.ttfts(s).values()) for p, s in streams.items()}, "TTFT, CDF", "TTFT (ms, log)"),
+             cdf_figure({p: list(metrics.ttfts(s).values()) for p, s in streams.items()},
+                        "TTFT, CDF", "TTFT (ms, log)"),
              cdf_figure({p: [g for gs in metrics.tbts(s).values() for g in gs] for p, s in streams.items()},
                         "TBT, CDF", "TBT (ms, log)"),
              fill_figure(streams)]
@@ -167,7 +169,8 @@ def write_report(path: str | Path, scenario, runs: dict, summaries: dict[str, di
     focus = ""
     if all("focus" in s for s in summaries.values()) and summaries:
         who = "".join(f"<td>{html.escape(', '.join(s['focus']['victim_labels']))}</td>" for s in summaries.values())
-        table = metrics_table(summaries, FOCUS_ROWS, key="focus").replace("</tr>", f"</tr><tr><th>who</th>{who}</tr>", 1)
+        table = metrics_table(summaries, FOCUS_ROWS, key="focus").replace(
+            "</tr>", f"</tr><tr><th>who</th>{who}</tr>", 1)
         focus = f"<h2>The requests that were decoding when {html.escape(scenario.focus)} arrived</h2>" + table
     n = len(streams)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>batchscope: {html.escape(scenario.name)}</title>
@@ -176,10 +179,12 @@ def write_report(path: str | Path, scenario, runs: dict, summaries: dict[str, di
 <p class="meta">model {html.escape(str(meta['model']))}, {meta['dtype']} on {meta['device']};
 token budget {meta['max_num_batched_tokens']}, max {meta['max_num_seqs']} sequences; {len(scenario.arrivals)} requests,
 {scenario.total_output_tokens} output tokens; arrivals on the {scenario.clock} clock; {html.escape(meta['created'])}</p>
-<h2>Metrics</h2>{"<p class='meta'>Medians of %d runs per policy; the charts show the last run.</p>" % repeats if repeats > 1 else ""}
+<h2>Metrics</h2>{"<p class='meta'>Medians of %d runs per policy; the charts show the last run.</p>" % repeats
+                 if repeats > 1 else ""}
 {metrics_table(summaries)}{focus}
 <p class="meta">TTFT = first token - arrival; TBT = gap between consecutive tokens of one request; a stall is a TBT
-during which a step left the request out. Throughput counts every output token from the first arrival to the last token.</p>
+during which a step left the request out. Throughput counts every output token from the first arrival to the \
+last token.</p>
 <h2>Gantt charts</h2>{''.join(divs[:n])}
 <h2>Latency</h2>{''.join(divs[n:n + 3])}
 <h2>Budget fill</h2>{divs[n + 3]}

@@ -224,12 +224,11 @@ def memory_pressure(users: int = 8, reply_tokens: int = 64, every: int = 1) -> S
                      for i, name in enumerate(names))
     return Scenario(
         name="memory-pressure",
-        description=(f"{len(arrivals)} chats of about 40 prompt tokens, each writing {reply_tokens} tokens. Every reply "
-                     "takes a new KV block each 16 tokens, so a cache that held all the prompts runs out as the "
-                     "replies grow: the newest request is preempted (its blocks freed at once) and recomputed "
-                     "later, its prompt and its reply so far read again as one prefill. Prefix caching is off, so "
-                     "the recompute is paid in full. Against it: admit fewer at once (max_num_seqs) with room "
-                     "to spare."),
+        description=(f"{len(arrivals)} chats of about 40 prompt tokens, each writing {reply_tokens} tokens. "
+                     "Every reply takes a new KV block each 16 tokens, so a cache that held all the prompts runs out "
+                     "as the replies grow: the newest request is preempted (its blocks freed at once) and recomputed "
+                     "later, its prompt and its reply so far read again as one prefill. Prefix caching is off, so the "
+                     "recompute is paid in full. Against it: admit fewer at once (max_num_seqs) with room to spare."),
         arrivals=arrivals,
         engine={"max_num_batched_tokens": 256, "max_num_seqs": 16, "max_prefill_chunk": None,
                 "enable_prefix_caching": False})
@@ -275,12 +274,12 @@ def speculative_room(reply_tokens: int = 48, room: int = 15, room_at: int = 24, 
                  for i in range(room)]
     return Scenario(
         name="speculative-room",
-        description=("Solo asks for a list to be copied, alone; at step " + str(room_at) + f", {room} more users ask for "
-                     "copies and edits. With n-gram speculation, a reply's next tokens are guessed from its own "
-                     "context and checked in the same forward pass: alone, a step costs about the same with three "
-                     "guesses more, so each kept guess shortens the time between tokens. With the room busy, "
-                     "every reply's guesses spend the token budget: steps grow, and everyone waits longer for "
-                     "each of them (SmartSpec)."),
+        description=("Solo asks for a list to be copied, alone; at step " + str(room_at) + f", {room} more users "
+                     "ask for copies and edits. With n-gram speculation, a reply's next tokens are guessed from its "
+                     "own context and checked in the same forward pass: alone, a step costs about the same with three "
+                     "guesses more, so each kept guess shortens the time between tokens. With the room busy, every "
+                     "reply's guesses spend the token budget: steps grow, and everyone waits longer for each of them "
+                     "(SmartSpec)."),
         arrivals=tuple(arrivals), focus="Solo",
         engine={"max_num_batched_tokens": 256, "max_num_seqs": 16, "max_prefill_chunk": None})
 

@@ -77,7 +77,8 @@ class Replayed:
 def check_settings(settings) -> list[dict]:
     """The list of settings to try, each checked; a clear error for anything else."""
     if not isinstance(settings, list) or not 1 <= len(settings) <= MAX_SETTINGS:
-        raise WhatIfError(f"settings must be a list of 1 to {MAX_SETTINGS} settings, e.g. [{{\"policy\": \"chunked\"}}]")
+        raise WhatIfError(f"settings must be a list of 1 to {MAX_SETTINGS} settings, "
+                          "e.g. [{\"policy\": \"chunked\"}]")
     out = []
     for i, s in enumerate(settings):
         if not isinstance(s, dict) or not s:

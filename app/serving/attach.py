@@ -172,7 +172,8 @@ class AttachedService(ServiceFront):
         self._ids += 1
         stream = RequestStream(asyncio.get_running_loop(), self._abort_stream)
         stream.id, stream.label = f"v{self._ids}", label or f"v{self._ids}"
-        path, body = _body(self.model_name, stream.label, params or SamplingParams(), messages, prompt, prompt_token_ids)
+        path, body = _body(self.model_name, stream.label, params or SamplingParams(), messages, prompt,
+                           prompt_token_ids)
         http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), trust_env=False)
         try:
             resp = await http.send(http.build_request("POST", f"{self.attach.base}{path}", json=body), stream=True)

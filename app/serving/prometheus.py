@@ -204,7 +204,8 @@ class Metrics:
         if not self.lengths:
             top = buckets_1_2_5(max_model_len)
             for key, name, text in (("prompt", "vllm:request_prompt_tokens", "Prompt tokens of a finished request"),
-                                    ("generation", "vllm:request_generation_tokens", "Output tokens of a finished request"),
+                                    ("generation", "vllm:request_generation_tokens",
+                                     "Output tokens of a finished request"),
                                     ("max_generation", "vllm:request_max_num_generation_tokens",
                                      "Most output tokens among a finished request's choices")):
                 self.lengths[key] = Histogram(name, text, ["model_name", "engine"], buckets=top, registry=self.registry)

@@ -301,7 +301,8 @@ def build_ui(service, **options) -> gr.Blocks:
                     + [gr.update(value=SCENARIO_BUTTONS[code].get(n, n)) for n in scen_btn]
                     + [gr.update(value=t(code, w)) for w in ("add", "remove", "clear", "stop")]
                     + [gr.update(placeholder=t(code, "placeholder", name=USERS[i][0])) for i in range(MAX_PANELS)]
-                    + [gr.update(value=t(code, "send")) for _ in sends] + [gr.update(value=t(code, "all")) for _ in alls]
+                    + [gr.update(value=t(code, "send")) for _ in sends]
+                    + [gr.update(value=t(code, "all")) for _ in alls]
                     + [gr.update(value=t(code, "short")) for _ in shorts]
                     + [gr.update(value=t(code, "long")) for _ in longs])
 
@@ -309,7 +310,8 @@ def build_ui(service, **options) -> gr.Blocks:
                     [title, subtitle, lang, steps_title] + lesson_md + lesson_btn + [scen_label]
                     + list(scen_btn.values()) + [add_btn, remove_btn, clear_btn, stop_btn]
                     + boxes + sends + alls + shorts + longs,
-                    js=f"(c) => {{ if (window.BS && BS.setLang) BS.setLang(({json.dumps(LANGS)})[c] || 'en'); return c; }}")
+                    js=f"(c) => {{ if (window.BS && BS.setLang) BS.setLang(({json.dumps(LANGS)})[c] || 'en'); "
+                       "return c; }")
         demo.unload(ui.drop)
     demo.bs_ui = ui
     return demo

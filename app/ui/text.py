@@ -53,7 +53,8 @@ def setting_line(lang: str, setting: dict) -> str:
              t(lang, "set.seqs", n=setting["max_num_seqs"]),
              t(lang, "set.chunk", n=chunk) if chunk else t(lang, "set.no_chunk"),
              t(lang, "set.cache_on") if setting.get("enable_prefix_caching", True) else t(lang, "set.cache_off"),
-             t(lang, "set.kv_cap", n=setting["max_kv_blocks"]) if setting.get("max_kv_blocks") else t(lang, "set.kv_all"),
+             t(lang, "set.kv_cap", n=setting["max_kv_blocks"]) if setting.get("max_kv_blocks")
+             else t(lang, "set.kv_all"),
              t(lang, "set.delay", ms=round(delay * 1000)) if delay else t(lang, "set.no_delay")]
     if spec := setting.get("speculative_config"):
         lo, hi = spec.get("prompt_lookup_min") or spec["prompt_lookup_max"], spec["prompt_lookup_max"]

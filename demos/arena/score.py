@@ -86,8 +86,9 @@ def calibrate(engine_kwargs: dict, budget: int, max_num_seqs: int) -> CostFit:
     engine = real_engine(w, engine_kwargs)
     run = play(engine, w, 0.0, sleep=time.sleep)
     engine.set_policy("continuous")                 # whole prompts alone, as continuous and static run them
-    whole = Workload("calibration", "whole prompts", tuple(Job(0.0, f"whole{k}", tuple(range(3000 + k, 3000 + k + m)), 2)
-                                                            for k, m in enumerate((budget, 2 * budget, 3 * budget))),
+    whole = Workload("calibration", "whole prompts",
+                     tuple(Job(0.0, f"whole{k}", tuple(range(3000 + k, 3000 + k + m)), 2)
+                           for k, m in enumerate((budget, 2 * budget, 3 * budget))),
                      token_budget=budget, max_num_seqs=max_num_seqs)
     run.stream += play(engine, whole, 0.0, sleep=time.sleep).stream
     return physical_fit(cost_points(run.stream), engine.device_dtype)

@@ -100,7 +100,8 @@ def cpu_facts() -> dict:
     except (OSError, StopIteration):
         pass
     wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
-    return {"cpu_flags": [f for f in wanted if f in flags], "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    return {"cpu_flags": [f for f in wanted if f in flags],
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "load_average_1min": _loadavg()}
 
 
@@ -185,7 +186,8 @@ def decode_part(args, cfg: dict, folder, hf, skip: set, log) -> dict:
         r, systems, engines = d["batches"][str(b)], {}, {}
         for dtype in dtypes:
             engines[dtype] = LLMEngine(EngineConfig(**{**cfg, "dtype": dtype, "max_num_seqs": max(b, args.batch),
-                                                       "max_num_batched_tokens": max(args.budget, 2048)}, policy="chunked"))
+                                                       "max_num_batched_tokens": max(args.budget, 2048)},
+                                                    policy="chunked"))
             warm_up(engines[dtype])
             systems[dtype] = ours_decode_stepper(engines[dtype], b, ctx, 2 * (rounds + 1))
         if hf is not None:
@@ -268,8 +270,8 @@ def main(argv: list[str] | None = None):
     probe = LLMEngine(EngineConfig(**cfg, num_kv_blocks=64))
     workload = make_workload(args.requests, prange, orange, probe.vocab_size, args.seed)
     folder = resolve_model(args.model)
-    out = {"machine": {**machine(), **cpu_facts()}, "model": probe.model_name, "dtype": args.dtype, "device": probe.device,
-           "weight_bytes": probe.runner.weight_bytes,
+    out = {"machine": {**machine(), **cpu_facts()}, "model": probe.model_name, "dtype": args.dtype,
+           "device": probe.device, "weight_bytes": probe.runner.weight_bytes,
            "workload": {"requests": args.requests, "prompt_range": prange, "output_range": orange,
                         "prompt_tokens": sum(len(p) for p, _ in workload),
                         "output_tokens": sum(o for _, o in workload), "seed": args.seed, "arrivals": "all at t=0",
@@ -310,7 +312,8 @@ def main(argv: list[str] | None = None):
     for name, s in out["systems"].items():
         if name.startswith("batchscope") and "output_tokens_per_s" in s:
             out["ratios"][name] = {
-                f"output_tokens_per_s_vs_{b}": ratio(s["output_tokens_per_s"], out["systems"][b].get("output_tokens_per_s"))
+                f"output_tokens_per_s_vs_{b}": ratio(s["output_tokens_per_s"],
+                                                     out["systems"][b].get("output_tokens_per_s"))
                 for b in ("hf-static", "hf-cb") if b in out["systems"]}
             for b in ("hf-static", "hf-cb"):
                 if b in out["systems"]:
@@ -371,7 +374,8 @@ def markdown(out: dict) -> str:
         lines += ["", f"Decode step at ~{d['context']} tokens of context; copy bandwidth "
                       f"{d['copy_bandwidth_gb_s']:.1f} GB/s (read + write); floor = weight bytes a step reads / "
                       f"bandwidth. The systems of a batch size take turns, two steps each (the second timed), for "
-                      f"{d.get('rounds')} rounds after a warm-up round; step times are medians, ratios medians of the per-round ratios.", "", *decode_lines(d)]
+                      f"{d.get('rounds')} rounds after a warm-up round; step times are medians, ratios medians "
+                      "of the per-round ratios.", "", *decode_lines(d)]
     if out.get("record"):
         lines += ["", "| policy | StepRecord building, share of step time | per step, p50 |", "|---|---:|---:|"]
         for p, r in out["record"].items():
@@ -410,7 +414,8 @@ def decode_lines(d: dict) -> list[str]:
                          f"| {o['step_over_floor']:.2f} | {o['weight_plus_kv_floor_ms']:.1f} "
                          f"| {r.get('hf_forward_ms', float('nan')):.1f} | {o.get('hf_over_ours', float('nan')):.2f} |")
     if "llamacpp_batch1_step_ms" in d:
-        lines.append(f"| 1 | llama.cpp {d.get('llamacpp_version', '')} (GGUF Q4_1) | {d['llamacpp_batch1_step_ms']:.1f} | | | | | | |")
+        lines.append(f"| 1 | llama.cpp {d.get('llamacpp_version', '')} (GGUF Q4_1) "
+                     f"| {d['llamacpp_batch1_step_ms']:.1f} | | | | | | |")
     lines.append("")
     if "int8_speedup_batch1" in d:
         lines.append(f"int8 / fp32 batch-1 step speed-up: {d['int8_speedup_batch1']:.2f}x")

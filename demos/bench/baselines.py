@@ -64,7 +64,8 @@ def run_hf_static(model, workload, batch: int, pad_id: int, progress: bool = Tru
     bar.close()
     s = metrics.latency_summary({str(i): t0 for i in range(len(workload))}, times)
     s["generated_tokens_incl_padding_waste"] = sum(
-        len(workload[b0:b0 + batch]) * max(o for _, o in workload[b0:b0 + batch]) for b0 in range(0, len(workload), batch))
+        len(workload[b0:b0 + batch]) * max(o for _, o in workload[b0:b0 + batch])
+        for b0 in range(0, len(workload), batch))
     return s
 
 

@@ -44,7 +44,8 @@ from engine.models.linears import linear, pack, packed_linear, packed_weights_wo
 
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-LINEARS = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+LINEARS = [((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), (HIDDEN, HEADS * HEAD_DIM), (2 * INTER, HIDDEN),
+           (HIDDEN, INTER)]
 
 
 def rounds_of(variants: dict, rounds: int) -> dict:
@@ -98,7 +99,8 @@ def prefill(rounds: int, cases=((8, 256), (1, 2048), (4, 100))):
 
 def attention(rounds: int, cases=((1, 512), (8, 512), (32, 512), (8, 64), (32, 128), (8, 1500))):
     num_blocks = 4096
-    k_cache, v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM), torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = (torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM),
+                        torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM))
     kernel = cpu_kernels.supports(torch.float32, BLOCK, HEAD_DIM)
     print("\n| decodes x context | per sequence ms | gathered by indexing ms | vs per sequence | engine ms "
           "| vs per sequence |" + (" kernel ms | vs per sequence |" if kernel else "")
@@ -173,7 +175,8 @@ def kv_write(rounds: int, tokens=(8, 32, 128, 512, 2048)):
             qkv = torch.randn(n, HEADS + 2 * KV_HEADS, HEAD_DIM).to(dtype)
             k, v = qkv[:, HEADS:HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS:]
             slots = torch.randperm(4096 * BLOCK)[:n]
-            times = rounds_of({"index_put": lambda: [ref.write_kv(k, v, k_cache, v_cache, slots) for _ in range(LAYERS)],
+            times = rounds_of({"index_put": lambda: [ref.write_kv(k, v, k_cache, v_cache, slots)
+                                                     for _ in range(LAYERS)],
                                "kernel": lambda: [cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
                                                   for _ in range(LAYERS)]}, rounds)
             print(f"| {n} | " + " | ".join(row(times, "index_put")) + " |")

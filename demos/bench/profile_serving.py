@@ -192,7 +192,8 @@ def report(records: list[dict], timers: Timers, elapsed: float, tokens: int, lag
         print(f"  {name:<62} {100 * seconds / busy:5.1f} %  {1000 * seconds / len(steps):7.1f} ms/step")
     decode_steps = [r for r in steps if all(i["kind"] == "decode" for i in r["items"])]
     if decode_steps:
-        print(f"  decode-only steps: {len(decode_steps)}, median {statistics.median(r['t_end'] - r['t_start'] for r in decode_steps) * 1000:.0f} ms"
+        print(f"  decode-only steps: {len(decode_steps)}, "
+              f"median {statistics.median(r['t_end'] - r['t_start'] for r in decode_steps) * 1000:.0f} ms"
               f" at median {statistics.median(len(r['items']) for r in decode_steps):.0f} sequences")
     if lags:
         q = statistics.quantiles(lags, n=100)

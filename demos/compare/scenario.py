@@ -212,7 +212,8 @@ def markdown(doc: dict) -> str:
         lines.append("| **requests decoding when the newcomer arrived** | "
                      + " | ".join(", ".join(s["focus"]["victim_labels"]) for s in pols.values()) + " |")
         for name, key, scale, nd in focus:
-            lines.append(f"| {name} | " + " | ".join(cell(s["focus"].get(key), scale, nd) for s in pols.values()) + " |")
+            lines.append(f"| {name} | " + " | ".join(cell(s["focus"].get(key), scale, nd) for s in pols.values())
+                         + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -161,18 +161,21 @@ async def run(args) -> dict:
                     await pg.goto(base + "/?role=student")
                     tabs.append(pg)
                 names = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fay"]
-                tasks = [asyncio.ensure_future(tab_student(pg, names[k % len(names)], stop, rng)) for k, pg in enumerate(tabs)]
+                tasks = [asyncio.ensure_future(tab_student(pg, names[k % len(names)], stop, rng))
+                         for k, pg in enumerate(tabs)]
                 tasks += [asyncio.ensure_future(api_student(base, model, i, stop, stats, args.max_tokens, rng))
                           for i in range(args.students - args.tabs)]
                 await asyncio.sleep(args.warmup)
                 pages = [("projector", projector)] + [(f"student tab {k + 1}", pg) for k, pg in enumerate(tabs)]
                 before = [await pg.evaluate(PERF) for _, pg in pages]
-                step0, t0, tok0, ttft0 = (await http.get("/api/engine")).json()["step"], time.monotonic(), stats["tokens"], len(stats["ttft"])
+                step0, t0, tok0, ttft0 = ((await http.get("/api/engine")).json()["step"], time.monotonic(),
+                                          stats["tokens"], len(stats["ttft"]))
                 peak = asyncio.ensure_future(peak_waiting(http, stop))
                 await asyncio.sleep(args.seconds)
                 step1, t1 = (await http.get("/api/engine")).json()["step"], time.monotonic()
                 after = [await pg.evaluate(PERF) for _, pg in pages]
-                rows = [await pg.evaluate("document.querySelectorAll('[data-testid=row-labels] li').length") for _, pg in pages]
+                rows = [await pg.evaluate("document.querySelectorAll('[data-testid=row-labels] li').length")
+                        for _, pg in pages]
                 if args.screenshots:
                     out = Path(args.screenshots)
                     out.mkdir(parents=True, exist_ok=True)
@@ -189,9 +192,11 @@ async def run(args) -> dict:
             "max_num_seqs": max_num_seqs, "max_tokens": args.max_tokens,
             "steps_per_s": (step1 - step0) / (t1 - t0), "api_tokens_per_s": (stats["tokens"] - tok0) / (t1 - t0),
             "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_p99": percentile(ttft, 99),
-            "ttft_n": len(ttft), "waiting_peak": waiting_peak, "replies": stats["done"], "refused_429": stats["refused"], "errors": stats["errors"],
+            "ttft_n": len(ttft), "waiting_peak": waiting_peak, "replies": stats["done"],
+            "refused_429": stats["refused"], "errors": stats["errors"],
             "error_messages": stats["messages"],
-            "browsers": [fps_row(name, a, b) | {"rows_on_screen": n} for (name, _), a, b, n in zip(pages, before, after, rows)],
+            "browsers": [fps_row(name, a, b) | {"rows_on_screen": n}
+                         for (name, _), a, b, n in zip(pages, before, after, rows)],
         }
     finally:
         server.terminate()

@@ -185,7 +185,8 @@ async def soak(args) -> dict:
             stats.update(await preemption_burst(http, client, stats["model"], refs, args.max_tokens))
             stats["rss_start_mb"] = rss_mb(proc.pid)
             stop, t0 = asyncio.Event(), time.monotonic()
-            flipper = asyncio.create_task(flip_policies(http, stop, random.Random(args.seed + 1), stats, args.flip_every))
+            flipper = asyncio.create_task(flip_policies(http, stop, random.Random(args.seed + 1), stats,
+                                                        args.flip_every))
             queue = list(range(args.requests))
 
             async def worker(i: int):

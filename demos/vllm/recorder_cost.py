@@ -66,7 +66,8 @@ def hook_cost(model: str, steps: int = 3000, rounds: int = 5) -> dict:
     from integrations.vllm import RecordingScheduler
     os.environ.setdefault("BATCHSCOPE_RECORDS_PORT", "0")    # a real socket, with a reader (below)
     init_none_hash(sha256)
-    vc = VllmConfig(model_config=ModelConfig(model=model, dtype="float32", skip_tokenizer_init=True, max_model_len=4096),
+    vc = VllmConfig(model_config=ModelConfig(model=model, dtype="float32", skip_tokenizer_init=True,
+                                             max_model_len=4096),
                     scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=4096,
                                                      is_encoder_decoder=False),
                     cache_config=CacheConfig(block_size=16, enable_prefix_caching=True))
@@ -88,7 +89,8 @@ def hook_cost(model: str, steps: int = 3000, rounds: int = 5) -> dict:
         for _ in range(steps):
             out = sched.schedule()
             ids = list(out.num_scheduled_tokens)
-            sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: k for k, r in enumerate(ids)},
+            sched.update_from_output(out, ModelRunnerOutput(req_ids=ids,
+                                                            req_id_to_index={r: k for k, r in enumerate(ids)},
                                                             sampled_token_ids=[[5] for _ in ids]))
         seconds = (time.perf_counter() - t) / steps
         if pub is not None:

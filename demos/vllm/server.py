@@ -43,7 +43,8 @@ def vllm_model_folder(source: Path, dest: Path) -> Path:
     tensors = load_file(source / "model.safetensors")
     if "model.embed_tokens.weight" not in tensors:
         tensors["model.embed_tokens.weight"] = tensors["lm_head.weight"].clone()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, dest / "model.safetensors.tmp", metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, dest / "model.safetensors.tmp",
+              metadata={"format": "pt"})
     os.replace(dest / "model.safetensors.tmp", dest / "model.safetensors")
     return dest
 
@@ -112,5 +113,6 @@ if __name__ == "__main__":
     folder = folder_for()
     log = Path(tempfile.gettempdir()) / f"vllm-{port}.log"
     proc = start(folder, port, 8765, log, *sys.argv[2:])
-    print(f"vLLM starting on port {port}, records on 8765 (log: {log}); ready after {wait_ready(proc, port, log):.0f} s")
+    print(f"vLLM starting on port {port}, records on 8765 (log: {log}); "
+          f"ready after {wait_ready(proc, port, log):.0f} s")
     proc.wait()
