@@ -86,7 +86,8 @@ def test_a_hold_stops_steps_until_it_moves_and_one_nobody_moves_is_dropped(tiny_
     service.start()
 
     async def reply(key):
-        stream = await service.submit(prompt="held", params=SamplingParams(max_tokens=3, ignore_eos=True))
+        stream = await service.submit(prompt="held", params=SamplingParams(max_tokens=3, ignore_eos=True),
+                                      held_by=key)
         n = 0
         async with stream:
             async for delta in stream:
@@ -105,9 +106,10 @@ def test_a_hold_stops_steps_until_it_moves_and_one_nobody_moves_is_dropped(tiny_
         service.let_go(key)
         assert await asyncio.wait_for(job, 10) == 3
         # a hold nobody moves: the engine runs again after HOLD_LIMIT_S
-        await service.hold(object(), service.engine.step_index)
+        stuck = object()
+        await service.hold(stuck, service.engine.step_index)
         t0 = time.monotonic()
-        assert await asyncio.wait_for(reply(None), 10) == 3
+        assert await asyncio.wait_for(reply(stuck), 10) == 3
         return time.monotonic() - t0
 
     try:
@@ -115,3 +117,44 @@ def test_a_hold_stops_steps_until_it_moves_and_one_nobody_moves_is_dropped(tiny_
     finally:
         service.stop()
     assert 0.9 < waited < 5 and service.loop.holds == {}
+
+
+def test_a_hold_never_stalls_a_reply_that_no_holder_added(tiny_model, monkeypatch):
+    """A lesson pressed while the room chats: the students' replies go on, the lesson's users join late."""
+    from app.config import ServerConfig
+    from app.serving import engine_loop
+    from app.serving.service import EngineService
+    from engine import EngineConfig, SamplingParams
+
+    monkeypatch.setattr(engine_loop, "HOLD_LIMIT_S", 30.0)
+    service = EngineService(EngineConfig(model=str(tiny_model), dtype="float32", kv_cache_gb=0.25),
+                            ServerConfig(step_delay=0.0))
+    service.start()
+
+    async def reply(held_by=None, n=3):
+        stream = await service.submit(prompt="room", params=SamplingParams(max_tokens=n, ignore_eos=True),
+                                      held_by=held_by)
+        got = 0
+        async with stream:
+            async for delta in stream:
+                got += len(delta.token_ids)
+        return got
+
+    async def main():
+        key = object()
+        at = await service.hold(key, 0)
+        lesson = asyncio.ensure_future(reply(key, 40))
+        await asyncio.sleep(0.3)
+        assert service.engine.step_index == at and not lesson.done()     # the lesson's own user waits
+        t0 = time.monotonic()
+        assert await asyncio.wait_for(reply(None), 10) == 3               # a student's does not
+        waited = time.monotonic() - t0
+        service.let_go(key)
+        assert await asyncio.wait_for(lesson, 20) == 40
+        return waited
+
+    try:
+        waited = asyncio.run(main())
+    finally:
+        service.stop()
+    assert waited < 5 and service.loop.holds == {} and service.loop.held_rids == {}

@@ -58,6 +58,7 @@ class EngineLoop:
         self.stopping = False
         self.holds: dict[object, int] = {}      # engine thread only: holder -> the first step number it holds back
         self.held_since: float | None = None    # time.monotonic() when the loop began waiting at a hold
+        self.held_rids: dict[object, set[str]] = {}   # holder -> the requests it added (its lesson's users)
         # ---- health ----
         self.crashes = 0
         self.last_error: str | None = None
@@ -143,21 +144,26 @@ class EngineLoop:
             raise ServiceUnavailable(f"the engine did not answer within {timeout:.0f} s") from None
 
     # ================= engine thread =================
-    def add(self, stream: RequestStream, **request) -> RequestInfo:
-        """Add a request and deliver its reply to `stream` (request: Engine.add_request's arguments)."""
+    def add(self, stream: RequestStream, held_by: object | None = None, **request) -> RequestInfo:
+        """Add a request and deliver its reply to `stream` (request: Engine.add_request's arguments).
+        held_by: the hold whose lesson this request belongs to (EngineLoop.hold)."""
         rid = self.engine.add_request(**request)
         info = self.engine.request_info(rid)
         stream.id, stream.label, stream.prompt_tokens = rid, info.label, len(info.prompt_token_ids)
         self.streams[rid] = stream
+        if held_by is not None and held_by in self.holds:
+            self.held_rids.setdefault(held_by, set()).add(rid)
         return info
 
     def hold(self, key: object, at: int | None) -> int:
         """Start no step numbered `at` or later until `key` moves its hold (None: let go). Commands still run
         meanwhile. A scripted lesson holds the engine at the step its next user is due (app/ui/lessons.py),
-        so that user joins that step however late the records reach the lesson. Returns the number the
-        next step will get."""
+        so that user joins that step however late the records reach the lesson. A hold never stalls anyone
+        else: while a request that no holder added is live (a student's, an API caller's), the engine steps
+        on and the lesson's next user joins a step late. Returns the number the next step will get."""
         if at is None:
             self.holds.pop(key, None)
+            self.held_rids.pop(key, None)
         else:
             self.holds[key] = at
         self.held_since = None
@@ -167,11 +173,15 @@ class EngineLoop:
         """At a hold: wait for a command (one moves it) and say so; a hold nobody moves is dropped."""
         if not self.holds or self.engine.step_index < min(self.holds.values()):
             return False
+        ours = set().union(*self.held_rids.values())
+        if any(rid not in ours for rid in self.streams):
+            return False                        # someone else's reply is under way: the room goes on
         now = time.monotonic()
         self.held_since = self.held_since or now
         if now - self.held_since > HOLD_LIMIT_S:
             log.warning("a step hold was not moved for %.0f s: letting the engine run", HOLD_LIMIT_S)
             self.holds.clear()
+            self.held_rids.clear()
             return False
         self._wake.wait(HOLD_LIMIT_S - (now - self.held_since) + 0.01)
         return True

@@ -120,9 +120,11 @@ class EngineService(ServiceFront):
     # ================= admission (event loop) =================
     async def submit(self, *, messages: list[dict] | None = None, prompt: str | None = None,
                      prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
-                     label: str | None = None, client: Caller | None = None) -> RequestStream:
+                     label: str | None = None, client: Caller | None = None,
+                     held_by: object | None = None) -> RequestStream:
         """Queue a request; raises ValueError (bad prompt), QueueFull (queue full or client over its
-        rate limit, ServiceFront.check_rate) or ServiceUnavailable."""
+        rate limit, ServiceFront.check_rate) or ServiceUnavailable. held_by: the lesson's hold it belongs
+        to (EngineLoop.hold: a hold stalls the engine only while every live request is its holders')."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down") if self.loaded else \
                 ServiceUnavailable("the model is loading")
@@ -135,7 +137,7 @@ class EngineService(ServiceFront):
             if self.engine.stats()["waiting"] >= self.config.max_waiting:
                 raise QueueFull(f"{self.config.max_waiting} requests are already waiting; try again shortly",
                                 self.config.retry_after_s)
-            info = self.loop.add(stream, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
+            info = self.loop.add(stream, held_by=held_by, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids,
                                  params=ArrivalLog.seeded(params or SamplingParams()), label=label)
             self.arrival_log.arrived(info.request_id, info.label, info.arrival_time, self.engine.step_index,
                                      info.prompt_token_ids, info.params)

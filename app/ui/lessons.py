@@ -61,7 +61,7 @@ async def play(service, session: Session, scenario: Scenario, changed: asyncio.E
         turn = Turn(shown=shorten(text), full=text)
         panel.turns.append(turn)
         job = drive(service, panel, turn, None if a.prompt is not None else messages, a.params(), changed, lang,
-                    prompt=text if a.prompt is not None else None)
+                    prompt=text if a.prompt is not None else None, held_by=key if hold else None)
         children.append(asyncio.ensure_future(job))
         return turn
 

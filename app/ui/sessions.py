@@ -118,13 +118,16 @@ def check_message(text: str | None, lang: str) -> str | None:
 
 
 async def drive(service, panel: Panel, turn: Turn, messages: list[dict] | None, params: SamplingParams,
-                changed: asyncio.Event, lang: str, client: str | None = None, prompt: str | None = None):
+                changed: asyncio.Event, lang: str, client: str | None = None, prompt: str | None = None,
+                held_by: object | None = None):
     """Submit one turn and stream its reply into it. Errors end up in the turn, as text.
     client: the browser's address, for the per-client rate limit (scripted scenarios pass None).
-    prompt: a plain prompt instead of messages (no chat template: a scenario's exact token count)."""
+    prompt: a plain prompt instead of messages (no chat template: a scenario's exact token count).
+    held_by: the scripted lesson's hold the request belongs to (only with our own engine)."""
     try:
         chat = {"prompt": prompt} if prompt is not None else {"messages": messages}
-        stream = await service.submit(**chat, params=params, label=panel.name, client=client)
+        held = {"held_by": held_by} if held_by is not None else {}
+        stream = await service.submit(**chat, params=params, label=panel.name, client=client, **held)
     except ValueError as e:
         turn.error = t(lang, "err_long", msg=str(e))
     except QueueFull as e:
