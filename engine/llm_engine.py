@@ -69,7 +69,7 @@ class LLMEngine(RequestFront):
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.block_manager.log = []            # block changes, sent with each step record (the KV map)
         self.scheduler = Scheduler(self.block_manager, resolve(config.policy), config.max_num_batched_tokens,
-                                   config.max_num_seqs, config.max_prefill_chunk, clock=lambda: self.clock())
+                                   config.max_num_seqs, config.max_prefill_chunk)
         self.scheduler.max_model_len = self.max_model_len
         # ---- requests, records, counters ----
         self.t0 = time.perf_counter()
@@ -202,7 +202,7 @@ class LLMEngine(RequestFront):
             return None
         t_start = self.clock()
         self._draft()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(t_start)      # the policy sees the time as a value: StepView.now
         t_sched = self.clock()
         before = read_batch(batch, self.scheduler.running)
         for seq in batch.preempted:
