@@ -73,8 +73,9 @@ class LLMEngine(RequestFront):
         self.scheduler.max_model_len = self.max_model_len
         # ---- requests, records, counters ----
         self.t0 = time.perf_counter()
-        # the book reads self.clock at each call: a caller may replace it (the what-if replay's stopwatch)
-        self.book = RequestBook(lambda: self.clock(), lambda t: self.tokenizer.decode([t]))
+        # the book keeps no clock: each time is read here, from self.clock, which a caller may replace (the
+        # what-if replay's stopwatch), and handed to the book
+        self.book = RequestBook(self.detokenizer.token_text)
         self.counters = self.book.counters
         self.steps = steps or StepCounter()
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -106,7 +107,7 @@ class LLMEngine(RequestFront):
         ids = self.tokenize(prompt, messages, prompt_token_ids)
         if isinstance(params, SamplingParams) or params is None:     # (the book names a wrong type)
             self.scheduler.check_fits(len(ids), (params or SamplingParams()).max_tokens)
-        seq = self.book.admit(ids, params, label, request_id)
+        seq = self.book.admit(ids, params, label, request_id, self.clock())
         if not seq.params.greedy:
             p = seq.params
             seed = p.seed if p.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
@@ -193,7 +194,7 @@ class LLMEngine(RequestFront):
         return {"rss_bytes": resident_bytes(), "kv_cache_bytes": self.runner.kv_cache_bytes}
 
     def _emit_request(self, seq: Sequence, event: str, t: float | None = None, **extra):
-        self.book.emit_request(seq, event, t, **extra)
+        self.book.emit_request(seq, event, self.clock() if t is None else t, **extra)
 
     # ---- the step ----
     def step(self) -> StepOutputs | None:
@@ -273,7 +274,7 @@ class LLMEngine(RequestFront):
 
     def _end(self, seq: Sequence, status: Status, reason: str, error: str | None = None):
         self.scheduler.remove(seq)
-        self.book.end(seq, status, reason, error)
+        self.book.end(seq, status, reason, error, self.clock())
 
     def close(self):
         """Nothing outlives the engine object: its memory goes with it (the Engine protocol asks for close)."""

@@ -16,6 +16,10 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
+    def token_text(self, token: int) -> str:
+        """One token's text alone (what names a logprob; not a reply's text, which update() builds)."""
+        return self.tokenizer.decode([token])
+
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -46,3 +50,4 @@ class Detokenizer:
         seq.output_text += seq.text_buffer
         seq.text_buffer = ""
         return False
+
