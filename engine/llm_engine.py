@@ -25,7 +25,7 @@ import torch
 from engine.config import DTYPES, EngineConfig, check_budgets
 from engine.execution.model_runner import ModelRunner
 from engine.memory import resident_bytes
-from engine.outputs.detokenizer import Detokenizer
+from engine.outputs.detokenizer import Detokenizer, StopCheck
 from engine.outputs.prompts import eos_ids
 from engine.outputs.records import KVState, PolicyEvent, read_batch, step_record
 from engine.outputs.requests import RequestBook, RequestFront, StepCounter
@@ -65,6 +65,7 @@ class LLMEngine(RequestFront):
         self.eos_token_ids = eos_ids(hf_config, self.tokenizer, folder)
         self.runner.eos_token_ids = frozenset(self.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
+        self.stop_check = StopCheck(self.detokenizer, self.eos_token_ids, self.max_model_len)
         # ---- scheduling ----
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.block_manager.log = []            # block changes, sent with each step record (the KV map)
@@ -240,29 +241,25 @@ class LLMEngine(RequestFront):
             for seq, _ in batch.items:
                 self._abort(seq, "error", f"forward pass failed: {type(e).__name__}: {e}")
             return [], type(e).__name__
-        finished = []
-
-        def ended(seq: Sequence) -> bool:          # after each token appended (a verified decode appends several)
-            if self._after_token(seq):
-                finished.append(seq.id)
-                return True
-            return False
-        for seq, token in self.scheduler.update(batch, tokens, self.clock(), ended):
+        # the stop check runs after each token appended (a verified decode appends several); the ends wait
+        # for the update to finish, in the order the tokens came
+        appended = self.scheduler.update(batch, tokens, self.clock(), self.stop_check)
+        finished = [seq.id for seq, token in appended if token is not None and self._after_token(seq)]
+        for seq, token in appended:
             if token is None:      # its KV may hold NaN: zeroed, or attention's masked padding would pass it on
                 self.runner.clear_blocks(self.block_manager.unpublished_blocks(seq))
                 self._abort(seq, "error", "the model produced non-finite logits")
         return finished, None
 
     def _after_token(self, seq: Sequence) -> bool:
-        """Events and stop conditions for a token just appended; True when it ends the request."""
+        """Events for a token the update appended, and the end the stop check found (at the request's first
+        token of the step that ended it: the rest only count); True when it ends the request."""
         self.counters["output_tokens"] += 1
-        if seq.num_output_tokens == 1:
+        if seq.num_output_tokens == 1:     # (a step that gives a reply its first token gives it only that one)
             self._emit_request(seq, "first_token", ttft=seq.first_token_time - seq.arrival_time)
-        stop_string = self.detokenizer.update(seq)     # every token: it also extends the text
-        reason = "stop" if stop_string else seq.stop_reason(self.eos_token_ids, self.max_model_len)
+        reason = self.stop_check.ended.pop(seq.id, None)
         if reason is None:
             return False
-        self.detokenizer.update(seq, final=True)
         self._end(seq, Status.FINISHED, reason)
         self._emit_request(seq, "finished", finish_reason=reason, output_tokens=seq.num_output_tokens)
         return True

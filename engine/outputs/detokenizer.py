@@ -51,3 +51,22 @@ class Detokenizer:
         seq.text_buffer = ""
         return False
 
+
+class StopCheck:
+    """Whether a reply is over, asked after each token appended (Scheduler.update's `ended`): a stop
+    string (the detokenizer extends the text as it looks), an end-of-sequence or stop token, max_tokens,
+    the model's context (Sequence.stop_reason). It only says so and keeps the reason: ending the request
+    (freeing its blocks, its events) is the engine's, after the update, so nothing calls back into it."""
+
+    def __init__(self, detokenizer: Detokenizer, eos_token_ids: list[int], max_model_len: int):
+        self.detokenizer, self.eos_token_ids, self.max_model_len = detokenizer, eos_token_ids, max_model_len
+        self.ended: dict[str, str] = {}     # request id -> finish reason, until the engine takes it
+
+    def __call__(self, seq: Sequence) -> bool:
+        stop_string = self.detokenizer.update(seq)     # every token: it also extends the text
+        reason = "stop" if stop_string else seq.stop_reason(self.eos_token_ids, self.max_model_len)
+        if reason is None:
+            return False
+        self.detokenizer.update(seq, final=True)
+        self.ended[seq.id] = reason
+        return True
