@@ -25,7 +25,7 @@ import torch
 from engine.config import DTYPES, EngineConfig, check_budgets
 from engine.execution.model_runner import ModelRunner
 from engine.memory import resident_bytes
-from engine.outputs.detokenizer import Detokenizer
+from engine.outputs.detokenizer import Detokenizer, StopCheck
 from engine.outputs.prompts import eos_ids
 from engine.outputs.records import KVState, PolicyEvent, read_batch, step_record
 from engine.outputs.requests import RequestBook, RequestFront, StepCounter
@@ -65,16 +65,18 @@ class LLMEngine(RequestFront):
         self.eos_token_ids = eos_ids(hf_config, self.tokenizer, folder)
         self.runner.eos_token_ids = frozenset(self.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
+        self.stop_check = StopCheck(self.detokenizer, self.eos_token_ids, self.max_model_len)
         # ---- scheduling ----
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.block_manager.log = []            # block changes, sent with each step record (the KV map)
         self.scheduler = Scheduler(self.block_manager, resolve(config.policy), config.max_num_batched_tokens,
-                                   config.max_num_seqs, config.max_prefill_chunk, clock=lambda: self.clock())
+                                   config.max_num_seqs, config.max_prefill_chunk)
         self.scheduler.max_model_len = self.max_model_len
         # ---- requests, records, counters ----
         self.t0 = time.perf_counter()
-        # the book reads self.clock at each call: a caller may replace it (the what-if replay's stopwatch)
-        self.book = RequestBook(lambda: self.clock(), lambda t: self.tokenizer.decode([t]))
+        # the book keeps no clock: each time is read here, from self.clock, which a caller may replace (the
+        # what-if replay's stopwatch), and handed to the book
+        self.book = RequestBook(self.detokenizer.token_text)
         self.counters = self.book.counters
         self.steps = steps or StepCounter()
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -106,7 +108,7 @@ class LLMEngine(RequestFront):
         ids = self.tokenize(prompt, messages, prompt_token_ids)
         if isinstance(params, SamplingParams) or params is None:     # (the book names a wrong type)
             self.scheduler.check_fits(len(ids), (params or SamplingParams()).max_tokens)
-        seq = self.book.admit(ids, params, label, request_id)
+        seq = self.book.admit(ids, params, label, request_id, self.clock())
         if not seq.params.greedy:
             p = seq.params
             seed = p.seed if p.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
@@ -193,7 +195,7 @@ class LLMEngine(RequestFront):
         return {"rss_bytes": resident_bytes(), "kv_cache_bytes": self.runner.kv_cache_bytes}
 
     def _emit_request(self, seq: Sequence, event: str, t: float | None = None, **extra):
-        self.book.emit_request(seq, event, t, **extra)
+        self.book.emit_request(seq, event, self.clock() if t is None else t, **extra)
 
     # ---- the step ----
     def step(self) -> StepOutputs | None:
@@ -202,7 +204,7 @@ class LLMEngine(RequestFront):
             return None
         t_start = self.clock()
         self._draft()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(t_start)      # the policy sees the time as a value: StepView.now
         t_sched = self.clock()
         before = read_batch(batch, self.scheduler.running)
         for seq in batch.preempted:
@@ -239,29 +241,25 @@ class LLMEngine(RequestFront):
             for seq, _ in batch.items:
                 self._abort(seq, "error", f"forward pass failed: {type(e).__name__}: {e}")
             return [], type(e).__name__
-        finished = []
-
-        def ended(seq: Sequence) -> bool:          # after each token appended (a verified decode appends several)
-            if self._after_token(seq):
-                finished.append(seq.id)
-                return True
-            return False
-        for seq, token in self.scheduler.update(batch, tokens, self.clock(), ended):
+        # the stop check runs after each token appended (a verified decode appends several); the ends wait
+        # for the update to finish, in the order the tokens came
+        appended = self.scheduler.update(batch, tokens, self.clock(), self.stop_check)
+        finished = [seq.id for seq, token in appended if token is not None and self._after_token(seq)]
+        for seq, token in appended:
             if token is None:      # its KV may hold NaN: zeroed, or attention's masked padding would pass it on
                 self.runner.clear_blocks(self.block_manager.unpublished_blocks(seq))
                 self._abort(seq, "error", "the model produced non-finite logits")
         return finished, None
 
     def _after_token(self, seq: Sequence) -> bool:
-        """Events and stop conditions for a token just appended; True when it ends the request."""
+        """Events for a token the update appended, and the end the stop check found (at the request's first
+        token of the step that ended it: the rest only count); True when it ends the request."""
         self.counters["output_tokens"] += 1
-        if seq.num_output_tokens == 1:
+        if seq.num_output_tokens == 1:     # (a step that gives a reply its first token gives it only that one)
             self._emit_request(seq, "first_token", ttft=seq.first_token_time - seq.arrival_time)
-        stop_string = self.detokenizer.update(seq)     # every token: it also extends the text
-        reason = "stop" if stop_string else seq.stop_reason(self.eos_token_ids, self.max_model_len)
+        reason = self.stop_check.ended.pop(seq.id, None)
         if reason is None:
             return False
-        self.detokenizer.update(seq, final=True)
         self._end(seq, Status.FINISHED, reason)
         self._emit_request(seq, "finished", finish_reason=reason, output_tokens=seq.num_output_tokens)
         return True
@@ -273,7 +271,7 @@ class LLMEngine(RequestFront):
 
     def _end(self, seq: Sequence, status: Status, reason: str, error: str | None = None):
         self.scheduler.remove(seq)
-        self.book.end(seq, status, reason, error)
+        self.book.end(seq, status, reason, error, self.clock())
 
     def close(self):
         """Nothing outlives the engine object: its memory goes with it (the Engine protocol asks for close)."""

@@ -81,23 +81,23 @@ def test_outputs_add_up_to_each_reply(tiny, seed):
 
 
 def test_request_book_checks_counts_and_forgets():
-    book = RequestBook(clock=lambda: 1.0, decode_token=str, id_prefix="x", max_done=2)
+    book = RequestBook(decode_token=str, id_prefix="x", max_done=2)
     with pytest.raises(TypeError, match="SamplingParams"):
-        book.admit([1], {"max_tokens": 3}, None, None)
-    a = book.admit([1, 2], None, "Alice", None)
+        book.admit([1], {"max_tokens": 3}, None, None, 1.0)
+    a = book.admit([1, 2], None, "Alice", None, 1.0)
     assert (a.id, a.label, book.counters["prompt_tokens"]) == ("x0", "Alice", 2)
     with pytest.raises(ValueError, match="already in use"):
-        book.admit([1], None, None, "x0")
-    b, c = book.admit([3], None, None, None), book.admit([4], None, None, None)
+        book.admit([1], None, None, "x0", 1.0)
+    b, c = book.admit([3], None, None, None, 1.0), book.admit([4], None, None, None, 1.0)
     assert book.take_outputs() == []                  # nothing said yet: no output
     a.output_token_ids.append(7)                      # a token that added no text rides with the next output
     assert book.take_outputs() == []
     a.output_token_ids.append(8)
     a.output_text = "hi"
     assert book.take_outputs() == [RequestOutput("x0", "hi", [7, 8], 2)]
-    book.end(a, Status.FINISHED, "length")
-    book.end(b, Status.ABORTED, "abort", "gone")
-    book.end(c, Status.ABORTED, "error", "boom")
+    book.end(a, Status.FINISHED, "length", None, 1.0)
+    book.end(b, Status.ABORTED, "abort", "gone", 1.0)
+    book.end(c, Status.ABORTED, "error", "boom", 1.0)
     assert [book.counters[k] for k in ("requests_finished", "requests_aborted", "requests_failed")] == [1, 1, 1]
     assert list(book.done) == ["x1", "x2"] and not book.live   # the oldest ended one is forgotten
     with pytest.raises(KeyError):

@@ -37,8 +37,7 @@ class SimEngine:
         self.fit, self.now = fit, 0.0
         self.block_manager = BlockManager(workload.num_kv_blocks, workload.block_size, workload.enable_prefix_caching)
         self.block_manager.set_capacity(workload.max_kv_blocks)
-        self.scheduler = Scheduler(self.block_manager, resolve(policy), workload.token_budget, workload.max_num_seqs,
-                                   clock=self.clock)
+        self.scheduler = Scheduler(self.block_manager, resolve(policy), workload.token_budget, workload.max_num_seqs)
         self.requests: dict[str, Sequence] = {}
         self.done: dict[str, Sequence] = {}
         self.listeners = Listeners()
@@ -69,7 +68,7 @@ class SimEngine:
         if not self.scheduler.has_work():
             return None
         t_start = self.now
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self.now)
         before = read_batch(batch, self.scheduler.running)
         for seq in batch.preempted:
             self._emit(seq, "preempted", step=self.step_index)

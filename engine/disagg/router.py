@@ -68,6 +68,7 @@ from engine.disagg.worker import Staging, worker_main
 from engine.errors import SpeculationRefused
 from engine.llm_engine import LLMEngine
 from engine.memory import resident_bytes
+from engine.outputs.detokenizer import Detokenizer
 from engine.outputs.records import KVState, PolicyEvent, RequestEvent
 from engine.outputs.requests import RequestBook, RequestFront, StepCounter
 from engine.protocol import StepOutputs
@@ -156,7 +157,7 @@ class DisaggregatedEngine(RequestFront):
                           "max_num_seqs": config.max_num_seqs, "max_prefill_chunk": config.max_prefill_chunk}
         # ---- requests (d0, d1...: never an id of the single engine, r0, r1...), records, counters ----
         self.t0 = time.perf_counter() if t0 is None else t0
-        self.book = RequestBook(lambda: self.clock(), lambda t: self.tokenizer.decode([t]), id_prefix="d",
+        self.book = RequestBook(Detokenizer(self.tokenizer).token_text, id_prefix="d",
                                 extra_counters=("kv_transfers", "worker_restarts"))
         self.counters = self.book.counters
         self.steps = steps or StepCounter()          # step records relayed, both workers together
@@ -311,7 +312,8 @@ class DisaggregatedEngine(RequestFront):
                     prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,
                     label: str | None = None, request_id: str | None = None) -> str:
         self._watch()          # a worker that died while the pair was idle: replaced before this request reaches it
-        seq = self.book.admit(self.tokenize(prompt, messages, prompt_token_ids), params, label, request_id)
+        seq = self.book.admit(self.tokenize(prompt, messages, prompt_token_ids), params, label, request_id,
+                              self.clock())
         self.router.holder[seq.id] = "prefill"
         self.book.arrived(seq)
         self._send("prefill", Add(dict(prompt_token_ids=seq.prompt_token_ids, params=seq.params, label=seq.label,
@@ -332,12 +334,11 @@ class DisaggregatedEngine(RequestFront):
     def _end(self, seq: Sequence, finish_reason: str, reason: str):
         """The router ends a request: an abort, or its worker died. Later word of it from a worker is dropped."""
         self.router.ended.add(seq.id)
-        self._retire(seq, Status.ABORTED, finish_reason, reason)
+        self._retire(seq, Status.ABORTED, finish_reason, reason, self.clock())
         self.book.emit(RequestEvent("aborted", seq.id, seq.label, seq.finish_time, reason=reason,
                                     finish_reason=finish_reason))
 
-    def _retire(self, seq: Sequence, status: Status, finish_reason: str, error: str | None,
-                t: float | None = None):
+    def _retire(self, seq: Sequence, status: Status, finish_reason: str, error: str | None, t: float):
         self.router.holder.pop(seq.id, None)
         for old in self.book.end(seq, status, finish_reason, error, t):
             self.router.ended.discard(old)

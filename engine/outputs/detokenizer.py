@@ -16,6 +16,10 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
+    def token_text(self, token: int) -> str:
+        """One token's text alone (what names a logprob; not a reply's text, which update() builds)."""
+        return self.tokenizer.decode([token])
+
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -46,3 +50,23 @@ class Detokenizer:
         seq.output_text += seq.text_buffer
         seq.text_buffer = ""
         return False
+
+
+class StopCheck:
+    """Whether a reply is over, asked after each token appended (Scheduler.update's `ended`): a stop
+    string (the detokenizer extends the text as it looks), an end-of-sequence or stop token, max_tokens,
+    the model's context (Sequence.stop_reason). It only says so and keeps the reason: ending the request
+    (freeing its blocks, its events) is the engine's, after the update, so nothing calls back into it."""
+
+    def __init__(self, detokenizer: Detokenizer, eos_token_ids: list[int], max_model_len: int):
+        self.detokenizer, self.eos_token_ids, self.max_model_len = detokenizer, eos_token_ids, max_model_len
+        self.ended: dict[str, str] = {}     # request id -> finish reason, until the engine takes it
+
+    def __call__(self, seq: Sequence) -> bool:
+        stop_string = self.detokenizer.update(seq)     # every token: it also extends the text
+        reason = "stop" if stop_string else seq.stop_reason(self.eos_token_ids, self.max_model_len)
+        if reason is None:
+            return False
+        self.detokenizer.update(seq, final=True)
+        self.ended[seq.id] = reason
+        return True

@@ -39,10 +39,11 @@ class StepCounter:
 
 
 class RequestBook:
-    def __init__(self, clock: Callable[[], float], decode_token: Callable[[int], str], id_prefix: str = "r",
+    def __init__(self, decode_token: Callable[[int], str], id_prefix: str = "r",
                  extra_counters: tuple[str, ...] = (), max_done: int = 4096):
-        """decode_token(id): one token's text alone (names the logprobs); id_prefix: `r` for r0, r1..."""
-        self.clock, self.decode_token, self.id_prefix = clock, decode_token, id_prefix
+        """decode_token(id): one token's text alone (names the logprobs); id_prefix: `r` for r0, r1...
+        The book keeps no clock: the engine passes each time (`t`, on its own clock) as it calls."""
+        self.decode_token, self.id_prefix = decode_token, id_prefix
         self.live: dict[str, Sequence] = {}
         self.done: OrderedDict[str, Sequence] = OrderedDict()  # finished or aborted, newest last
         self.max_done = max_done
@@ -53,16 +54,16 @@ class RequestBook:
 
     # ---- admission ----
     def admit(self, ids: list[int], params: SamplingParams | None, label: str | None,
-              request_id: str | None) -> Sequence:
-        """A new live request (prompt ids already checked by engine.outputs.prompts.tokenize); ValueError or
-        TypeError name what is wrong. The caller hands it to whatever runs it, then calls arrived()."""
+              request_id: str | None, t: float) -> Sequence:
+        """A new live request arriving at time t (prompt ids already checked by engine.outputs.prompts.tokenize);
+        ValueError or TypeError name what is wrong. The caller hands it to whatever runs it, then calls arrived()."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         rid = request_id or f"{self.id_prefix}{next(self._ids)}"
         if rid in self.live or rid in self.done:
             raise ValueError(f"request id {rid!r} is already in use")
-        seq = Sequence(rid, str(label) if label is not None else rid, ids, params, self.clock())
+        seq = Sequence(rid, str(label) if label is not None else rid, ids, params, t)
         self.live[rid] = seq
         self._sent[rid] = (0, 0, 0)
         self.counters["prompt_tokens"] += len(ids)
@@ -83,12 +84,11 @@ class RequestBook:
         return RequestInfo(seq.id, seq.label, seq.prompt_token_ids, seq.params, seq.arrival_time)
 
     # ---- the end ----
-    def end(self, seq: Sequence, status: Status, finish_reason: str, error: str | None = None,
-            t: float | None = None) -> list[str]:
-        """seq has ended: stop | length (FINISHED), abort | error (ABORTED, error says why). Counts it and
-        moves it to the store of ended requests; returns the ids that store let go of."""
+    def end(self, seq: Sequence, status: Status, finish_reason: str, error: str | None, t: float) -> list[str]:
+        """seq has ended at time t: stop | length (FINISHED), abort | error (ABORTED, error says why). Counts it
+        and moves it to the store of ended requests; returns the ids that store let go of."""
         seq.status, seq.finish_reason = status, finish_reason
-        seq.finish_time = self.clock() if t is None else t
+        seq.finish_time = t
         if error is not None:
             seq.error = error
         key = {Status.FINISHED: "requests_finished"}.get(status) or \
@@ -145,9 +145,9 @@ class RequestBook:
     def emit(self, record: Record | dict) -> dict:
         return self.listeners.emit(record)
 
-    def emit_request(self, seq: Sequence, event: str, t: float | None = None, **extra):
+    def emit_request(self, seq: Sequence, event: str, t: float, **extra):
         if self.listeners:
-            self.listeners.emit(RequestEvent(event, seq.id, seq.label, self.clock() if t is None else t, **extra))
+            self.listeners.emit(RequestEvent(event, seq.id, seq.label, t, **extra))
 
 
 class RequestFront:

@@ -174,11 +174,11 @@ class StepView:
     `bm`, `find`, `is_running`, `in_step`, `step_tokens`, `run` and `drop`; `batch` is the step so far.
     """
 
-    def __init__(self, sched, batch, index: int):
+    def __init__(self, sched, batch, index: int, now: float | None = None):
         self._sched, self._batch, self.index = sched, batch, index
         self._views: dict[int, RequestView] = {}
         self.open = True
-        self.now: float | None = sched.clock() if sched.clock else None
+        self.now = now          # the engine's clock at the step's start (None without one): a value, not a call
 
     def _view(self, seq: Sequence) -> RequestView:
         v = self._views.get(id(seq))

@@ -89,13 +89,11 @@ class Batch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, policy: Policy, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_prefill_chunk: int | None = None,
-                 clock: Callable[[], float] | None = None):
+                 max_num_seqs: int, max_prefill_chunk: int | None = None):
         self.bm = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # admission order: the newest is preempted first
         self.num_steps = 0
-        self.clock = clock                     # the engine's clock: a policy sees `now` and waits by it
         self.cost_fit = None                   # a measured step-cost fit a policy may read (app/readers/analysis.py)
         self.slo_classes: dict[str, str] = {}  # request id -> SLO class, for policies that read it
         # while a step is built: who is where, by id(seq), so each check is O(1) (the lists stay the truth)
@@ -178,13 +176,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- the step ----
-    def schedule(self) -> Batch:
-        """The policy builds the step; a broken rule undoes it and raises PolicyError (nothing leaks)."""
+    def schedule(self, now: float | None = None) -> Batch:
+        """The policy builds the step; a broken rule undoes it and raises PolicyError (nothing leaks).
+        now: the engine's clock at the step's start (StepView.now: a policy waits by it); None without one."""
         batch = Batch()
         self._admitted, self._in_batch, self._batch_tokens = [], set(), 0
         self._running_ids, self._waiting_ids = {id(s) for s in self.running}, {id(s) for s in self.waiting}
         self._by_id = {s.id: s for s in (*self.running, *self.waiting)}
-        step = StepView(self, batch, self.num_steps)
+        step = StepView(self, batch, self.num_steps, now)
         waiting_before = list(self.waiting)
         try:
             self._build(step)
@@ -210,7 +209,7 @@ class Scheduler:
         token; for a decode that verified drafts, the list of drafts it accepted followed by the token
         sampled after them; None where the logits were non-finite (that sequence publishes nothing to
         the prefix cache: its KV is suspect). ended(seq), called after each token appended (the engine's
-        stop checks), says the reply is over: the rest of a verified run is dropped.
+        StopCheck, engine/outputs/detokenizer.py), says the reply is over: the rest of a verified run is dropped.
         Returns (sequence, token) for each token appended (and each None); ending a request is the engine's call.
         """
         sampled, out = iter(tokens), []
