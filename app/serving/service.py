@@ -138,7 +138,8 @@ class EngineService(ServiceFront):
                 raise QueueFull(f"{self.config.max_waiting} requests are already waiting; try again shortly",
                                 self.config.retry_after_s)
             info = self.loop.add(stream, held_by=held_by, prompt=prompt, messages=messages,
-                                 prompt_token_ids=prompt_token_ids, params=ArrivalLog.seeded(params or SamplingParams()), label=label)
+                                 prompt_token_ids=prompt_token_ids, label=label,
+                                 params=ArrivalLog.seeded(params or SamplingParams()))
             self.arrival_log.arrived(info.request_id, info.label, info.arrival_time, self.engine.step_index,
                                      info.prompt_token_ids, info.params)
             return stream
