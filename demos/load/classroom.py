@@ -1,9 +1,10 @@
 """A long lecture: students join, chat and leave for half an hour while the lecturer presses the lessons.
 
     python -m demos.load.classroom                       # 30 minutes, 60 students, a lesson every 3 minutes
-    python -m demos.load.classroom --minutes 3 --students 12 --lesson-every 50 --json room.json
+    python -m demos.load.classroom --minutes 3 --students 12 --lesson-every 60 --lesson-seconds 20 --settle 10 \
+        --window 1 --warmup-minutes 1 --json room.json
 
-Not in CI (tests/test_classroom_soak.py runs a two-minute form when BATCHSCOPE_LONG=1). It starts
+A measurement, not a test: it is not in the suite. It starts
 `python -m app` on the server's own defaults on a free 127.0.0.1 port and plays a lecture against it:
   - --students simulated students on the room's own API (POST /api/room/join, /api/room/chat,
     /api/room/leave, as the student page calls them): each joins under a name, sends a few messages
@@ -21,9 +22,9 @@ After --minutes it stops the students, waits for the engine to empty, and checks
   - no leak: KV blocks in use and live requests back to 0; the server's resident memory at the end within
     --rss-tolerance (5 %) of what it was after the first --warmup-minutes (the model, the caches and the
     lessons' one-time setup are in place by then);
-  - time between tokens steady: p99 of the gaps between a reply's streamed chunks (each divided by the
-    tokens the chunk carries is not known on this API, so per chunk), while no lesson is in force, in
-    the first --window minutes and in the last, the last at most --tbt-tolerance (1.25x) the first.
+  - time between tokens steady: p99 of the gaps between a reply's streamed chunks (the room's chat
+    sends a chunk per decoded piece of text, usually one token), while no lesson is in force, in the
+    first --window minutes and in the last, the last at most --tbt-tolerance (1.25x) the first.
     Gaps while a lesson is in force are reported apart: lesson 2 stalls replies on purpose.
 Percentiles are app.readers.metrics.percentile. The CPU is named in the report.
 """

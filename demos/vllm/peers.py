@@ -1,6 +1,6 @@
 """batchscope beside vLLM on the same CPU, the same model folder and the same workload, one measured at a time.
 
-    python demos/vllm/peers.py [--concurrency 8,32] [--prompt-tokens 256] [--output-tokens 64]
+    python demos/vllm/peers.py [--concurrency 1,8,32] [--prompt-tokens 256] [--output-tokens 64]
                                 [--vllm-python PATH/TO/VENV/bin/python]
 
 Both servers are started on free loopback ports with the same prepared model folder (a standard
@@ -158,7 +158,7 @@ def load() -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--concurrency", default="8,32")
+    p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--requests", type=int, default=3, help="requests per stream and level")
