@@ -76,6 +76,10 @@ class ReferenceScheduler:
             self._schedule_continuous(batch)
         else:
             self._schedule_static(batch)
+        in_batch = {id(s) for s, _ in batch.items}
+        for seq in self.running:                # a re-admitted decode left out holds what it computed
+            if id(seq) not in in_batch:
+                self.bm.trim(seq, seq.num_computed_tokens)
         # decodes first: the runner lays out one token per decode, then the chunks (stable: order kept)
         batch.items.sort(key=lambda item: not item[0].is_prefill_done)
         for seq, _ in batch.items:

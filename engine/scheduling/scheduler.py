@@ -192,6 +192,9 @@ class Scheduler:
             raise
         finally:
             step.open = False
+        for seq in self.running:                # one the step took back out (drop) holds what it computed
+            if id(seq) not in self._in_batch:
+                self.bm.trim(seq, seq.num_computed_tokens)
         self._left_out(batch)
         # decodes first: the runner lays out one token per decode, then decodes verifying drafts, then
         # the chunks (stable: order kept)
