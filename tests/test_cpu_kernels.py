@@ -202,6 +202,40 @@ def test_packed_linears_compute_what_f_linear_does(dtype):
         assert close_to_f_linear(lin(x), x, lin.weight, lin.bias)
 
 
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 4096), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_packed_linears_see_few_row_counts_and_keep_every_row(rows, bias, seed):
+    """oneDNN builds, and keeps, one primitive per input shape, with buffers of that shape: fed every row
+    count a flat batch can have, a process grew by gigabytes (docs/reliability.md). packed_linear hands it
+    a few row counts only (at most 16 per power of two, each at most 1/16 more rows than asked), and
+    returns exactly the rows asked for, F.linear's values."""
+    from engine.models import linears
+    if not linears.packed_weights_work(torch.float32):
+        pytest.skip("this torch has no oneDNN fp32 linear")
+    assert rows <= linears.padded_rows(rows) <= rows + rows // 16
+    g = torch.Generator().manual_seed(seed)
+    w, b = torch.randn(48, 40, generator=g), torch.randn(48, generator=g) if bias else None
+    x = torch.randn(rows, 40, generator=g)
+    seen = []
+
+    def onednn(x, packed, b):
+        seen.append(x.shape[0])
+        return real(x, packed, b)
+    real, linears._onednn = linears._onednn, onednn
+    try:
+        y = linears.packed_linear(x, linears.pack(w), b)
+    finally:
+        linears._onednn = real
+    assert seen == [linears.padded_rows(rows)]
+    assert y.shape == (rows, 48) and linears.close_to_f_linear(y, x, w, b)
+
+
+def test_packed_linears_row_counts_are_bounded():
+    from engine.models import linears
+    sizes = {linears.padded_rows(m) for m in range(1, 8193)}
+    assert len(sizes) <= 16 * 13 and all(linears.padded_rows(s) == s for s in sizes)
+
 # ---- the bf16 elementwise chains against models.llama's torch versions ----
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """How many bf16 steps apart two bf16 tensors are, element by element (same sign assumed near 0)."""

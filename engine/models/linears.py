@@ -69,8 +69,28 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def padded_rows(rows: int) -> int:
+    """The row count packed_linear hands oneDNN for `rows` rows: up to 16 exactly, above that the next
+    multiple of a sixteenth of the power of two at or below `rows` (16 sizes per power of two, at most
+    1/16 more rows than asked)."""
+    step = max(1, (1 << (rows.bit_length() - 1)) // 16)
+    return -(-rows // step) * step
+
+
+def _onednn(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ b) on weights in oneDNN's layout. oneDNN builds one primitive per input shape and keeps
+    it, with buffers of that shape, in a cache of about a thousand; a flat batch's row count changes from
+    step to step, so a server fed every row count grew by gigabytes. Rows are padded with zeros up to
+    padded_rows (a few sizes, as CUDA graphs are captured for a few batch sizes) and cut off again."""
+    rows = x.shape[0]
+    padded = padded_rows(rows) if rows else rows
+    if padded == rows:
+        return _onednn(x, packed, b)
+    return _onednn(F.pad(x, (0, 0, 0, padded - rows)), packed, b)[:rows]
 
 
 def amx_linears_work() -> bool:
