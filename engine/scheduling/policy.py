@@ -294,7 +294,8 @@ class StepView:
         return self._sched.run(self, req, num_tokens)
 
     def drop(self, req):
-        """Take `req` back out of this step; it keeps its place and its KV (continuous: decodes wait)."""
+        """Take `req` back out of this step; it keeps its place and the KV of what it computed (continuous:
+        decodes wait); a block taken for this step's tokens goes back once the step is built."""
         self._sched.drop(self, req)
 
 
