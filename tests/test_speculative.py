@@ -187,15 +187,27 @@ def chi_square_p(samples, probs):
     return chisquare([observed[x] for x in keep], expected).pvalue
 
 
-@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (0.7, 4)])
-def test_verification_samples_the_target_distribution(temperature, top_k):
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.0, 0, 0.97), (1.3, 0, 0.9)])
+def test_verification_samples_the_target_distribution(temperature, top_k, top_p):
     logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(5)) * 1.5
-    params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=10)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=10)
     drafts = [int(logits[0].argsort()[-2]), int(logits[1].argmax())]    # a likely and an unlikely guess
     first, second = draw(logits, drafts, params, 6000)
     assert chi_square_p(first, target_probs(logits[0], params).tolist()) > 1e-3
     assert len(second) > 300
     assert chi_square_p(second, target_probs(logits[1], params).tolist()) > 1e-3
+
+
+def test_a_draft_that_top_p_alone_keeps_is_always_kept():
+    """top_p keeps only the draft: the target is that one token, so no verification may reject it (a
+    rejection would leave nothing to draw from: a lecture's room, sampling with top_p under the speculative
+    lesson, had replies fail with 'invalid multinomial distribution')."""
+    logits = torch.tensor([[0.0, 2.0, 0.5, 0.1], [0.3, 0.2, 0.1, 0.0]])
+    params = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=10)
+    probs = target_probs(logits[0], params)
+    assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
+    first, _ = draw(logits, [1], params, 500)
+    assert first == [1] * 500
 
 
 def test_always_accepting_would_be_caught():

@@ -148,6 +148,7 @@ def target_probs(logits: torch.Tensor, p) -> torch.Tensor:
         drop = sorted_probs.cumsum(-1) - sorted_probs > p.top_p
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        probs = probs / probs.sum()     # a distribution again: verify() compares a draft's p(x) with a uniform draw
     return probs
 
 
