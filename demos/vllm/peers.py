@@ -1,14 +1,16 @@
 """batchscope beside vLLM on the same CPU, the same model folder and the same workload, one measured at a time.
 
     python demos/vllm/peers.py [--concurrency 1,8,32] [--prompt-tokens 256] [--output-tokens 64]
-                                [--vllm-python PATH/TO/VENV/bin/python]
+                                [--vllm-python PATH/TO/VENV/bin/python] [--baseline PATH/TO/CHECKOUT]
 
 Both servers are started on free loopback ports with the same prepared model folder (a standard
 Hugging Face folder) and stay up; then, for --rounds rounds, they take turns at each concurrency level
 (one measured at a time, the other idle), so a change in the machine's load hits both, and the medians
 and the per-round ratios are printed: batchscope with its serving preset (`python -m app --serving`), vLLM
 (`python -m vllm.entrypoints.openai.api_server`, both cores) where --vllm-python (or $VLLM_PYTHON)
-is a Python that imports vllm; otherwise its row says "not installed". Both compute in the same
+is a Python that imports vllm; otherwise its row says "not installed"; and, with --baseline, batchscope
+from another checkout of this project (a worktree of an earlier commit: before and after a change, in the
+same run, with the same flags). Both compute in the same
 precision: --dtype (auto: bfloat16 on a CPU with AMX, else float32, as batchscope picks) goes to both;
 int8 (batchscope's int8 linears) has no vLLM-CPU counterpart, so vLLM then runs float32. Each row
 names its dtype. For each concurrency level the
@@ -58,6 +60,8 @@ def dtypes(given: str) -> tuple[str, str]:
 
 
 def batchscope_cmd(folder: Path, port: int, args) -> tuple[list[str], dict]:
+    """The server's command and its extra environment (run from this checkout, or from --baseline's: `python -m
+    app` imports the app and the engine of the folder it starts in)."""
     cmd = [sys.executable, "-m", "app", "--serving", "--model", str(folder), "--served-model-name", NAME,
            "--port", str(port), "--dtype", dtypes(args.dtype)[0], "--log-level", "warning",
            *args.batchscope_args.split()]
@@ -79,10 +83,10 @@ def vllm_python(given: str | None) -> str | None:
     return python if ok else None
 
 
-def start(cmd: list[str], env: dict, port: int, timeout: float) -> subprocess.Popen:
+def start(cmd: list[str], env: dict, port: int, timeout: float, cwd: Path = ROOT) -> subprocess.Popen:
     import httpx
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_peers_{port}.log", "w+")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -169,27 +173,35 @@ def main():
     p.add_argument("--vllm-python", default=None, help="a Python that imports vllm (default $VLLM_PYTHON)")
     p.add_argument("--start-timeout", type=float, default=1800, help="seconds a server may take to start")
     p.add_argument("--rounds", type=int, default=3, help="rounds in which the servers take turns at each level")
+    p.add_argument("--baseline", type=Path, default=None, help="another checkout of batchscope, served beside "
+                   "this one with the same flags (e.g. a worktree of an earlier commit)")
     args = p.parse_args()
+    if args.baseline and not (args.baseline / "app" / "__main__.py").exists():
+        p.error(f"--baseline {args.baseline}: not a checkout of batchscope (no app/__main__.py)")
     from engine.weights.loader import resolve_model
     folder = resolve_model(args.model)
     levels = [int(x) for x in args.concurrency.split(",")]
     ours, theirs = dtypes(args.dtype)
-    servers = [(" ".join(["batchscope --serving", args.batchscope_args]).strip() + f" ({ours})",
-                lambda port: batchscope_cmd(folder, port, args))]
+    flags = " ".join(["--serving", args.batchscope_args]).strip()
+    servers = [(f"batchscope {flags} ({ours})", lambda port: batchscope_cmd(folder, port, args), ROOT)]
+    if args.baseline:
+        servers.append((f"baseline {flags} ({ours})", lambda port: batchscope_cmd(folder, port, args),
+                        args.baseline.resolve()))
     python = vllm_python(args.vllm_python)
-    servers.append((f"vLLM-CPU ({theirs})", (lambda port: vllm_cmd(python, folder, port, args)) if python else None))
+    servers.append((f"vLLM-CPU ({theirs})", (lambda port: vllm_cmd(python, folder, port, args)) if python else None,
+                    ROOT))
     print(f"load average before: {load()}; cpu: {cpu_name()}; {args.prompt_tokens}-token prompts, "
           f"{args.output_tokens}-token replies, {args.requests} requests per stream, {args.rounds} rounds")
     running, results = [], {}          # results[(server, level)]: one measurement per round
     try:
-        for name, make in servers:     # every server up first; an idle one waits on its socket, using no CPU
+        for name, make, cwd in servers:  # every server up first; an idle one waits on its socket, using no CPU
             if make is None:
                 print(f"{name}: not installed (give --vllm-python)", file=sys.stderr)
                 continue
             port = free_port()
             cmd, env = make(port)
             try:
-                proc = start(cmd, env, port, args.start_timeout)
+                proc = start(cmd, env, port, args.start_timeout, cwd)
             except RuntimeError as e:
                 print(f"{name}: {e}", file=sys.stderr)
                 continue
@@ -211,12 +223,13 @@ def main():
     print("| concurrency | server | output tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms |")
     print("|---|---|---|---|---|---|---|")
     for c in levels:
-        for name, _ in servers:
+        for name, _, _ in servers:
             ms = results.get((name, c))
             print(row(name, c, median_of(ms)) if ms else row(name, c, None, "did not run (see above)"))
-    if len(running) == 2:
-        (a, _, _), (b, _, _) = running
+    others = running[1:] if running and running[0][0] == servers[0][0] else []
+    for b, _, _ in others:             # this checkout against each other server, round by round
         for c in levels:
+            a = servers[0][0]
             ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(results[(a, c)], results[(b, c)])]
             print(f"{c} streams: {a} / {b} output tokens/s, per round: "
                   f"{', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}")
