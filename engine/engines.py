@@ -3,13 +3,17 @@
     engine = EngineSwitch(EngineConfig(policy="chunked"), call_soon=loop.post)   # loads the single engine
     engine.set_policy("disaggregated")    # the first time: starts the pair on a helper thread
     engine.pair_state                     # None, "starting", "ready" or "failed: <why>" (also in stats())
+    engine.set_policy("chunked")          # back: the pair stops once it has been idle PAIR_IDLE_S seconds
 
 Three settings (`static`, `continuous`, `chunked`) run on one LLMEngine. The fourth,
 `disaggregated`, runs on a DisaggregatedEngine (engine/disagg/router.py: two worker
 processes, each loading its own copy of the model). The pair starts on a helper
 thread the first time the setting is chosen; until it is ready new requests keep
 going to the single engine. Then new requests go to the engine of the setting in
-force, and requests in flight finish on the engine they started on.
+force, and requests in flight finish on the engine they started on. Once another
+setting is chosen, the pair stops when it has had nothing to do for PAIR_IDLE_S
+seconds (its two workers hold two more copies of the model, gigabytes on a lecturer's
+laptop); choosing `disaggregated` again starts a new one.
 
 Both engines share one clock and one step counter, so their records form one
 stream, each step number given once, by the engine that ran the step.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
@@ -32,6 +37,7 @@ from engine.protocol import RequestInfo, RequestOutput, StepOutputs
 log = logging.getLogger("batchscope.engine")
 _UNSET = object()
 BUDGETS = ("max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk")
+PAIR_IDLE_S = 180.0     # seconds a pair no setting asks for may sit idle before its workers stop
 
 
 class EngineSwitch:
@@ -53,6 +59,8 @@ class EngineSwitch:
         self.owner: dict[str, object] = {}      # live request id -> the engine it runs on
         self.listeners: list[Callable[[dict], None]] = []   # subscribed to both engines, as each starts
         self.closed = False
+        self._pair_used = 0.0                   # monotonic time the pair was last chosen or busy
+        self._idle_timer: threading.Timer | None = None
         self.model_name, self.max_model_len = self.single.model_name, self.single.max_model_len
         if disaggregated:                       # soon, so that a subscriber added now hears its policy event
             self.call_soon(lambda: self.set_policy("disaggregated"))
@@ -94,6 +102,8 @@ class EngineSwitch:
         """One step of every engine with requests (the pair relays its workers' records, waiting 0.05 s at
         most). The record is the last engine's; the outputs are both engines'. None when both were idle."""
         self._run_later()
+        if self.pair is not None and self.pair.has_unfinished():
+            self._pair_used = time.monotonic()
         results = [e.step() if e is self.single else e.step(timeout=0.05)
                    for e in self.engines if e.has_unfinished()]
         results = [r for r in results if r is not None]
@@ -135,7 +145,7 @@ class EngineSwitch:
                 raise ValueError("the disaggregated pair's workers keep their own KV caches: "
                                  "enable_prefix_caching=false and max_kv_blocks apply to the single engine only")
             self.single.speculative = None      # off here too: the pair's policy event says so for both
-            self.want_pair = True
+            self.want_pair, self._pair_used = True, time.monotonic()
             if self.pair is None:
                 self.single.set_policy(None, **budgets, **cache)     # checks and keeps the budgets for the pair
                 if self.pair_state is None or self.pair_state.startswith("failed"):
@@ -147,7 +157,10 @@ class EngineSwitch:
                 self.engine = self.pair
         else:
             self.single.set_policy(policy, **budgets, **cache)
+            if self.want_pair:
+                self._pair_used = time.monotonic()
             self.want_pair, self.engine = False, self.single
+            self._arm_idle_stop(PAIR_IDLE_S)
 
     def reset_prefix_cache(self):
         """The single engine's prefix cache (the pair's workers keep their own)."""
@@ -194,10 +207,35 @@ class EngineSwitch:
         """Engine thread: the loaded pair joins, with the settings chosen meanwhile."""
         for fn in self.listeners:
             pair.subscribe(fn)
-        self.pair, self.pair_state = pair, "ready"
+        self.pair, self.pair_state, self._pair_used = pair, "ready", time.monotonic()
         if self.want_pair:
             s = self.single.settings()
             self.set_policy("disaggregated", **{k: s[k] for k in BUDGETS})
+        else:                                   # another setting was chosen while it loaded
+            self._arm_idle_stop(PAIR_IDLE_S)
+
+    # ---- the pair's stop, once nothing asks for it ----
+    def _arm_idle_stop(self, seconds: float):
+        """In `seconds`, look again on the engine thread (call_soon wakes it, even when idle)."""
+        if self.pair is None or self.closed or self._idle_timer is not None:
+            return
+        self._idle_timer = threading.Timer(seconds, lambda: self.call_soon(self._stop_idle_pair))
+        self._idle_timer.daemon = True
+        self._idle_timer.start()
+
+    def _stop_idle_pair(self):
+        """Engine thread: stop the pair if no setting asks for it and it has been idle PAIR_IDLE_S seconds;
+        if it is still wanted, nothing; if it is busy or was used lately, look again later."""
+        self._idle_timer = None
+        if self.pair is None or self.want_pair or self.closed:
+            return
+        idle = time.monotonic() - self._pair_used
+        if self.pair.has_unfinished() or idle < PAIR_IDLE_S:
+            self._arm_idle_stop(max(PAIR_IDLE_S - idle, 1.0))
+            return
+        pair, self.pair, self.pair_state = self.pair, None, None
+        log.info("the disaggregated pair was idle %.0f s with another setting in force: its workers stop", idle)
+        pair.close()
 
     def _run_later(self):
         """Without a call_soon: what the helper thread handed over, run now, on the calling thread."""
@@ -219,5 +257,7 @@ class EngineSwitch:
     def close(self):
         """Stop the pair's workers, now or, if they are still loading, as soon as they are loaded."""
         self.closed = True
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         if self.pair is not None:
             self.pair.close()

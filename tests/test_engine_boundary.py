@@ -218,3 +218,73 @@ def test_the_service_serves_any_engine_it_is_given(tiny):
     assert isinstance(last.failure, ShuttingDown)        # the type app/api/errors.py maps to 503
     steps = [x for x in service.ring.last_steps(1024)[1] if x["type"] == "step"]
     assert [s["step"] for s in steps] == list(range(len(steps)))
+
+
+def test_the_pair_stops_once_idle_with_another_setting_in_force(tiny, monkeypatch):
+    """Back from `disaggregated`, the pair's workers (two more copies of the model) stop once the pair has
+    been idle PAIR_IDLE_S seconds, not while it still serves a request; choosing it again starts a new one."""
+    import time
+
+    import engine.disagg.router
+    import engine.engines
+    from engine.engines import EngineSwitch
+    pairs = []
+
+    class Pair:                                 # the DisaggregatedEngine's surface the switch uses
+        def __init__(self, config, t0, steps):
+            self.busy, self.closed, self.policy = False, False, None
+            pairs.append(self)
+
+        def subscribe(self, fn):
+            pass
+
+        def set_policy(self, policy=None, **budgets):
+            self.policy = policy
+
+        def settings(self):
+            return {"policy": "disaggregated"}
+
+        def stats(self):
+            return {}
+
+        def memory(self):
+            return {"workers": {}}
+
+        def has_unfinished(self):
+            return self.busy
+
+        def take_outputs(self):
+            return []
+
+        def close(self):
+            self.closed = True
+    monkeypatch.setattr(engine.disagg.router, "DisaggregatedEngine", Pair)
+    monkeypatch.setattr(engine.engines, "PAIR_IDLE_S", 0.2)
+    sw = EngineSwitch(EngineConfig(model=str(tiny), dtype="float32", num_kv_blocks=64))
+
+    def settle(until, seconds=10.0):
+        deadline = time.monotonic() + seconds
+        while not until():
+            assert time.monotonic() < deadline
+            sw.stats()                          # runs what the helper thread and the timer handed over
+            time.sleep(0.02)
+    sw.set_policy("disaggregated")
+    settle(lambda: sw.pair_state == "ready")
+    first = pairs[0]
+    assert sw.engine is first
+    first.busy = True                           # a request still in flight on the pair
+    sw.set_policy("chunked")
+    time.sleep(0.5)
+    sw.stats()
+    assert sw.pair is first and not first.closed and sw.pair_state == "ready"
+    first.busy = False
+    settle(lambda: first.closed)
+    assert sw.pair is None and sw.pair_state is None and sw.stats()["disaggregated"] is None
+    sw.set_policy("disaggregated")              # chosen again: a new pair starts
+    settle(lambda: sw.pair_state == "ready")
+    assert len(pairs) == 2 and sw.engine is pairs[1] and not pairs[1].closed
+    time.sleep(0.4)
+    sw.stats()
+    assert not pairs[1].closed                  # in force: it stays
+    sw.close()
+    assert pairs[1].closed
