@@ -202,7 +202,6 @@ def test_packed_linears_compute_what_f_linear_does(dtype):
         assert close_to_f_linear(lin(x), x, lin.weight, lin.bias)
 
 
-
 @settings(max_examples=200, deadline=None)
 @given(rows=st.integers(1, 4096), bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_packed_linears_see_few_row_counts_and_keep_every_row(rows, bias, seed):
@@ -235,6 +234,7 @@ def test_packed_linears_row_counts_are_bounded():
     from engine.models import linears
     sizes = {linears.padded_rows(m) for m in range(1, 8193)}
     assert len(sizes) <= 16 * 13 and all(linears.padded_rows(s) == s for s in sizes)
+
 
 # ---- the bf16 elementwise chains against models.llama's torch versions ----
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -180,7 +180,7 @@ class Scheduler:
         """The policy builds the step; a broken rule undoes it and raises PolicyError (nothing leaks).
         now: the engine's clock at the step's start (StepView.now: a policy waits by it); None without one."""
         batch = Batch()
-        self._admitted, self._in_batch, self._batch_tokens = [], set(), 0
+        self._admitted, self._dropped, self._in_batch, self._batch_tokens = [], [], set(), 0
         self._running_ids, self._waiting_ids = {id(s) for s in self.running}, {id(s) for s in self.waiting}
         self._by_id = {s.id: s for s in (*self.running, *self.waiting)}
         step = StepView(self, batch, self.num_steps, now)
@@ -192,8 +192,8 @@ class Scheduler:
             raise
         finally:
             step.open = False
-        for seq in self.running:                # one the step took back out (drop) holds what it computed
-            if id(seq) not in self._in_batch:
+        for seq in self._dropped:               # one the step took back out holds what it computed
+            if id(seq) in self._running_ids and id(seq) not in self._in_batch:
                 self.bm.trim(seq, seq.num_computed_tokens)
         self._left_out(batch)
         # decodes first: the runner lays out one token per decode, then decodes verifying drafts, then
@@ -325,6 +325,7 @@ class Scheduler:
         if seq is None or id(seq) not in self._in_batch:
             raise self._error("not_in_step", step, req_id(req), "drop() of a request this step does not hold")
         self._unplace(step._batch, seq)
+        self._dropped.append(seq)
 
     def _reserve(self, step: StepView, seq: Sequence, n: int) -> bool:
         """Blocks for n more tokens of a running seq; while the cache is full, the policy's victim is
