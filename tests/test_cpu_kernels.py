@@ -298,18 +298,18 @@ def test_fused_f32_chains_are_torchs_up_to_rounding(rows, hidden, seed, scale):
     close(cpu_kernels.rope(qkv[:, :4], cos, sin), llama.apply_rope(qkv[:, :4], cos, sin))
 
 
-def test_bf16_and_fp32_take_the_fused_chains_other_dtypes_small_steps_and_eager_do_not(monkeypatch):
-    from engine.models.fast_paths import KERNEL_MIN_ROWS, FusedOps
+def test_bf16_and_fp32_take_the_fused_chains_at_every_row_count_other_dtypes_and_eager_do_not(monkeypatch):
+    from engine.models.fast_paths import FusedOps
     calls = []
-    monkeypatch.setattr(cpu_kernels, "silu_and_mul", lambda x, inter: calls.append(x.dtype) or x[:, :inter])
+    monkeypatch.setattr(cpu_kernels, "silu_and_mul", lambda x, inter: calls.append((x.dtype, len(x))) or x[:, :inter])
     ops = FusedOps()
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
-        ops.silu_and_mul(torch.zeros(KERNEL_MIN_ROWS, 8, dtype=dtype), 4)
-    assert calls == [torch.bfloat16, torch.float32]
-    ops.silu_and_mul(torch.zeros(KERNEL_MIN_ROWS - 1, 8), 4)   # fewer rows: torch's ops cost less than a call
+        for rows in (1, 64):
+            ops.silu_and_mul(torch.zeros(rows, 8, dtype=dtype), 4)
+    assert calls == [(torch.bfloat16, 1), (torch.bfloat16, 64), (torch.float32, 1), (torch.float32, 64)]
     eager = FusedOps(enabled=False)                              # enforce_eager: torch's ops, op by op
-    eager.silu_and_mul(torch.zeros(KERNEL_MIN_ROWS, 8, dtype=torch.bfloat16), 4)
-    assert calls == [torch.bfloat16, torch.float32]
+    eager.silu_and_mul(torch.zeros(64, 8, dtype=torch.bfloat16), 4)
+    assert len(calls) == 4
 
 
 # ---- bf16 linears on AMX tiles ----
@@ -460,12 +460,8 @@ def test_a_decode_steps_layers_in_one_call_compute_what_the_layers_do(monkeypatc
     """bf16 on AMX, fp32 on AVX-512: a decode step of few sequences runs its layers in one call of the kernels;
     its hidden states are the layer-by-layer forward's bit for bit, step after step, and the replies the same."""
     from engine import EngineConfig, LLMEngine
-    from engine.execution import backends
     from engine.execution.attention import get_metadata
-    from engine.models import fast_paths
     from engine.sampling_params import SamplingParams
-    monkeypatch.setattr(fast_paths, "KERNEL_MIN_ROWS", 0)         # the layers op by op through the same kernels
-    monkeypatch.setattr(backends, "WRITE_KV_MIN_TOKENS", 0)       # (small steps otherwise take torch's ops)
     engine = LLMEngine(EngineConfig(dtype=dtype, kv_cache_gb=0.25, enable_prefix_caching=False))
     model = engine.runner.model
     assert model.fused_decode

@@ -135,7 +135,7 @@ def attention(rounds: int, cases=((1, 512), (8, 512), (32, 512), (8, 64), (32, 1
         print(f"| {n} x {ctx0} | " + " | ".join(row(times, "each")) + " |")
 
 
-def chains(rounds: int, rows=(8, 32, 128, 512, 2048)):
+def chains(rounds: int, rows=(1, 8, 32, 128, 512, 2048)):
     from engine.kernels import reference as ref
 
     def layers(norm, silu, rope, x, res, w, gu, qk, cos, sin):
@@ -166,7 +166,7 @@ def chains(rounds: int, rows=(8, 32, 128, 512, 2048)):
                   + f" | {first:.1f} |")
 
 
-def kv_write(rounds: int, tokens=(8, 32, 128, 512, 2048)):
+def kv_write(rounds: int, tokens=(1, 8, 32, 128, 512, 2048)):
     from engine.kernels import reference as ref
     print("\n| tokens | index_put_ ms | kernel ms | index_put_ / kernel |\n|---:|---:|---:|---:|")
     for dtype in (torch.float32,):

@@ -18,9 +18,6 @@ import os
 import torch
 
 from engine.execution.attention import AttentionMetadata, PrefillChunk, TorchAttention, write_cache
-from engine.kernels import reference
-
-WRITE_KV_MIN_TOKENS = 16
 
 
 class CpuAttention(TorchAttention):
@@ -43,12 +40,8 @@ class CpuAttention(TorchAttention):
         return k_cache.view(nb, kvh, d, bs), v_cache.view(nb, kvh, bs, d)
 
     def write(self, k, v, k_cache, v_cache, meta: AttentionMetadata):
-        """Each token into its block's layout: by the kernel from WRITE_KV_MIN_TOKENS tokens on, below that by
-        one index_put_ per cache, cheaper than a checked op call there (docs/results.md)."""
-        if k.shape[0] < WRITE_KV_MIN_TOKENS:
-            reference.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        else:
-            self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        """Each token into its block's layout."""
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def context(self, k_cache, v_cache, c: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:
         kt, vt = self.views(k_cache, v_cache)

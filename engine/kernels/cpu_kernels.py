@@ -1,6 +1,10 @@
 """The CPU's own kernels (engine/kernels/cpu_kernels.cpp) as checked torch ops, `torch.ops.batchscope.*`.
 
-The core calls one function per op below; its torch reference is beside it in engine/kernels/reference.py
+The core calls one function per op below: the op's checked body itself (engine/kernels/ops.py), as a Python
+function. torch.ops.batchscope.<name> is the same body behind torch's dispatcher (for torch.compile and
+callers that want the schema); in eager CPU code the dispatcher only routes, at several microseconds a
+call, about a millisecond of a decode step's ~200 op calls (docs/results.md). Each op's torch reference
+is beside it in engine/kernels/reference.py
 (`REFERENCES`), and `BATCHSCOPE_CPU_KERNEL=0` runs the references alone (the plain path). Each op checks
 every shape, stride, dtype and index bound before a pointer reaches C++ (engine/kernels/checks.py): bad
 input is a ValueError naming the argument, never a write past a buffer.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import ops
 from engine.kernels.loading import (  # noqa: F401  (the interface the core calls reads them here)
     AMX_ROWS,
     CHAINS,
@@ -46,15 +51,18 @@ from engine.kernels.loading import (  # noqa: F401  (the interface the core call
     supports,
     threads,
 )
-
-
-# ---- the ops the core calls (their checked bodies: engine/kernels/ops.py) ----
-def paged_decode(q, k_cache, v_cache, block_tables, context_lens) -> torch.Tensor:
-    return torch.ops.batchscope.paged_decode(q, k_cache, v_cache, block_tables, context_lens)
-
-
-def write_kv(k, v, k_cache, v_cache, slot_mapping):
-    torch.ops.batchscope.write_kv(k, v, k_cache, v_cache, slot_mapping)
+from engine.kernels.ops import (  # noqa: F401
+    add_rms_norm,
+    linear_amx,
+    linear_f32,
+    pack_amx,
+    pack_f32,
+    paged_decode,
+    rms_norm,
+    rope,
+    silu_and_mul,
+    write_kv,
+)
 
 
 def causal_prefill(q, k, v, m: int) -> torch.Tensor | None:
@@ -64,49 +72,12 @@ def causal_prefill(q, k, v, m: int) -> torch.Tensor | None:
     if (q.dtype not in CHAINS or not avx512() or d not in (64, 128)
             or any(t.dim() != 3 or t.stride()[1:] != (d, 1) for t in (q, k, v))):
         return None
-    return torch.ops.batchscope.causal_prefill(q, k, v, m)
-
-
-def rms_norm(x, weight, eps: float) -> torch.Tensor:
-    return torch.ops.batchscope.rms_norm(x, weight, eps)
-
-
-def add_rms_norm(x, residual, weight, eps: float):
-    return torch.ops.batchscope.add_rms_norm(x, residual, weight, eps)
-
-
-def silu_and_mul(gate_up, inter: int) -> torch.Tensor:
-    return torch.ops.batchscope.silu_and_mul(gate_up, inter)
-
-
-def rope(x, cos, sin) -> torch.Tensor:
-    return torch.ops.batchscope.rope(x, cos, sin)
-
-
-def pack_amx(w) -> torch.Tensor:
-    return torch.ops.batchscope.pack_amx(w)
-
-
-def linear_amx(x, packed, out_features: int) -> torch.Tensor:
-    return torch.ops.batchscope.linear_amx(x, packed, out_features)
-
-
-def pack_f32(w) -> torch.Tensor:
-    return torch.ops.batchscope.pack_f32(w)
-
-
-def linear_f32(x, packed, out_features: int, b=None) -> torch.Tensor:
-    return torch.ops.batchscope.linear_f32(x, packed, out_features, b)
-
-
+    return ops.causal_prefill(q, k, v, m)
 
 
 def decode_layers(x, cos, sin, meta, weights: dict, *, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
     """A decode-only step's layers over x, the step's embeddings (rows, hidden), bf16 or fp32, which it
     overwrites with the last layer's output; returns the residual stream. meta: the step's AttentionMetadata;
     weights: LAYER_WEIGHTS -> one tensor per layer (the linears in their kernel's layout)."""
-    return torch.ops.batchscope.decode_layers(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens,
-                                              *(weights[k] for k in LAYER_WEIGHTS), heads, kv_heads, eps)
-
-
-from engine.kernels import ops  # noqa: E402,F401  (registers torch.ops.batchscope.*)
+    return ops.decode_layers(x, cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens,
+                             *(weights[k] for k in LAYER_WEIGHTS), heads, kv_heads, eps)

@@ -132,6 +132,13 @@ def threads() -> int:
     return torch.get_num_threads()
 
 
+@functools.cache
+def function(op: str, name: str):
+    """The library's C function `name` with its argument types bound, looked up once; a RuntimeError naming
+    `op` where the library did not build."""
+    return getattr(lib_or_fail(op), name)
+
+
 def lib_or_fail(op: str) -> ctypes.CDLL:
     lib = library()
     if lib is None:

@@ -14,6 +14,9 @@ from engine.kernels import loading as k
 
 FLOAT = (torch.float32, torch.bfloat16)
 LIB = Library("batchscope", "DEF")
+# each op's C function per dtype (cpu_kernels.cpp's names: the chains and the causal kernel per dtype suffix)
+NORM, SILU, ROPE, CAUSAL = ({dt: f"{op}_{sfx}" for dt, sfx in k.CHAINS.items()}
+                            for op in ("rms_norm", "silu_and_mul", "rope", "causal_prefill"))
 
 
 def op(schema: str):
@@ -28,11 +31,12 @@ def op(schema: str):
 # ---- attention over the paged cache ----
 def cache_pair(k_cache, v_cache, dtype) -> tuple[int, int, int, int]:
     """(num_blocks, block_size, kv_heads, head_dim) of two contiguous caches of one shape and `dtype`."""
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        c.tensor(name, t, 4, dtype)
-        c.contiguous(name, t)
-    c.shape("v_cache", v_cache, tuple(k_cache.shape))
-    return tuple(k_cache.shape)
+    c.tensor("k_cache", k_cache, 4, dtype)
+    c.contiguous("k_cache", k_cache)
+    c.tensor("v_cache", v_cache, 4, dtype)
+    c.contiguous("v_cache", v_cache)
+    c.shape("v_cache", v_cache, k_cache.shape)
+    return k_cache.shape
 
 
 def index_tables(n: int, block_tables, context_lens, num_blocks: int, block_size: int):
@@ -41,15 +45,15 @@ def index_tables(n: int, block_tables, context_lens, num_blocks: int, block_size
     c.tensor("block_tables", block_tables, 2, torch.long)
     c.tensor("context_lens", context_lens, 1, torch.long)
     c.contiguous("context_lens", context_lens)
-    if block_tables.shape[0] < n or context_lens.shape[0] < n:
-        c.fail("block_tables" if block_tables.shape[0] < n else "context_lens",
-               f"has {min(block_tables.shape[0], context_lens.shape[0])} rows for {n} sequences")
-    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
+    (tables, width), lens = block_tables.shape, context_lens.shape[0]
+    if tables < n or lens < n:
+        c.fail("block_tables" if tables < n else "context_lens", f"has {min(tables, lens)} rows for {n} sequences")
+    if width > 1 and block_tables.stride(1) != 1:
         c.fail("block_tables", f"each row must be packed (strides {block_tables.stride()})")
     # the whole tensors (the runner's rows beyond the decodes are valid too): the same objects in every layer
-    c.ids("block_tables", block_tables, 0, num_blocks, f"the cache has {num_blocks} blocks")
-    c.ids("context_lens", context_lens, 1, block_tables.shape[1] * block_size + 1,
-          f"a row of {block_tables.shape[1]} blocks of {block_size} holds that many tokens, and at least one")
+    c.ids("block_tables", block_tables, 0, num_blocks, "the cache's num_blocks")
+    c.ids("context_lens", context_lens, 1, width * block_size + 1,
+          "a row of the table holds its width * block_size tokens, and at least one")
 
 
 @op("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens) -> Tensor")
@@ -60,8 +64,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens):
     and bound (checks.ids): a step's layers share them."""
     c.tensor("q", q, 3, FLOAT)
     nb, bs, kvh, d = cache_pair(k_cache, v_cache, q.dtype)
-    n, heads, _ = q.shape
-    c.shape("q", q, (None, None, d))
+    n, heads, q_d = q.shape
+    if q_d != d:
+        c.fail("q", f"must have shape (*, *, {d}), has {tuple(q.shape)}")
     c.inner_rows("q", q)
     c.divides("kv_heads", kvh, heads, "q's heads")
     if (bs, d) not in k.SHAPES:
@@ -69,7 +74,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens):
     index_tables(n, block_tables, context_lens, nb, bs)
     out = torch.empty(n, heads, d, dtype=q.dtype)
     if n:
-        getattr(k.lib_or_fail("paged_decode"), k.FUNCTIONS[q.dtype])(
+        k.function("paged_decode", k.FUNCTIONS[q.dtype])(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), n, heads, kvh, d, bs, d ** -0.5,
             k.threads())
@@ -86,13 +91,13 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping):
     for name, t in (("k", key), ("v", value)):
         c.shape(name, t, (None, kvh, d))
         c.inner_rows(name, t)
-    c.shape("v", value, tuple(key.shape))
+    c.shape("v", value, key.shape)
     c.tensor("slot_mapping", slot_mapping, 1, torch.long)
     c.shape("slot_mapping", slot_mapping, (key.shape[0],))
     slots = slot_mapping.contiguous()
-    c.ids("slot_mapping", slots, 0, nb * bs, f"the cache has {nb} blocks of {bs} slots")
+    c.ids("slot_mapping", slots, 0, nb * bs, "the cache's num_blocks * block_size slots")
     if key.shape[0]:
-        getattr(k.lib_or_fail("write_kv"), {2: "write_kv_16", 4: "write_kv_32"}[key.element_size()])(
+        k.function("write_kv", "write_kv_16" if key.element_size() == 2 else "write_kv_32")(
             key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             slots.data_ptr(), key.shape[0], kvh, d, bs, k.threads())
 
@@ -116,7 +121,7 @@ def causal_prefill(q, key, value, m):
         c.fail("q", f"causal_prefill has no kernel for head_dim {d} in this build (64 and 128, on AVX-512)")
     out = q.new_empty(rows, heads, d)
     if rows:
-        getattr(k.lib_or_fail("causal_prefill"), f"causal_prefill_{k.CHAINS[q.dtype]}")(
+        k.function("causal_prefill", CAUSAL[q.dtype])(
             q.data_ptr(), q.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
             out.data_ptr(), m, rows // m, heads, kvh, d, d ** -0.5, k.threads())
     return out
@@ -124,19 +129,27 @@ def causal_prefill(q, key, value, m):
 
 # ---- elementwise chains ----
 def rows_of(name: str, x, weight) -> torch.Tensor:
+    """x as contiguous (rows, hidden): itself where it already is (the hidden states), else a copy."""
     c.tensor(name, x, None, FLOAT)
     if x.dim() < 1 or x.shape[-1] == 0:
         c.fail(name, f"needs a last dimension to normalise over, has shape {tuple(x.shape)}")
     c.tensor("weight", weight, 1, x.dtype)
     c.shape("weight", weight, (x.shape[-1],))
-    return x.reshape(-1, x.shape[-1]).contiguous()      # a view where it already is (the hidden states)
+    if x.dim() == 2 and x.is_contiguous():
+        return x
+    return x.reshape(-1, x.shape[-1]).contiguous()
 
 
 def norm_call(x, residual, weight, eps, out, total):
     if x.shape[0]:
-        getattr(k.lib_or_fail("rms_norm"), f"rms_norm_{k.CHAINS[x.dtype]}")(
+        k.function("rms_norm", NORM[x.dtype])(
             x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.contiguous().data_ptr(),
             out.data_ptr(), 0 if total is None else total.data_ptr(), x.shape[0], x.shape[1], eps, k.threads())
+
+
+def like(out, x):
+    """out, (rows, hidden), in x's shape (a view; itself where x is 2-D)."""
+    return out if x.dim() == 2 else out.view(x.shape)
 
 
 @op("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
@@ -145,7 +158,7 @@ def rms_norm(x, weight, eps):
     flat = rows_of("x", x, weight)
     out = torch.empty_like(flat)
     norm_call(flat, None, weight, eps, out, None)
-    return out.view(x.shape)
+    return like(out, x)
 
 
 @op("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)")
@@ -153,11 +166,11 @@ def add_rms_norm(x, residual, weight, eps):
     """(norm(x + residual), x + residual) over the last dim; residual: x's shape and dtype."""
     flat = rows_of("x", x, weight)
     c.tensor("residual", residual, None, x.dtype)
-    c.shape("residual", residual, tuple(x.shape))
-    res = residual.reshape(flat.shape).contiguous()
+    c.shape("residual", residual, x.shape)
+    res = residual if residual.dim() == 2 and residual.is_contiguous() else residual.reshape(flat.shape).contiguous()
     out, total = torch.empty_like(flat), torch.empty_like(flat)
     norm_call(flat, res, weight, eps, out, total)
-    return out.view(x.shape), total.view(x.shape)
+    return like(out, x), like(total, x)
 
 
 @op("silu_and_mul(Tensor gate_up, int inter) -> Tensor")
@@ -169,7 +182,7 @@ def silu_and_mul(gate_up, inter):
     gate_up = gate_up.contiguous()
     out = gate_up.new_empty(gate_up.shape[0], inter)
     if gate_up.shape[0]:
-        getattr(k.lib_or_fail("silu_and_mul"), f"silu_and_mul_{k.CHAINS[gate_up.dtype]}")(
+        k.function("silu_and_mul", SILU[gate_up.dtype])(
             gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, k.threads())
     return out
 
@@ -194,7 +207,7 @@ def rope(x, cos, sin):
     cos, sin = rope_table("cos", cos, rows, d, x.dtype), rope_table("sin", sin, rows, d, x.dtype)
     out = x.new_empty(rows, heads, d)
     if out.numel():
-        getattr(k.lib_or_fail("rope"), f"rope_{k.CHAINS[x.dtype]}")(
+        k.function("rope", ROPE[x.dtype])(
             x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), rows, heads, d, k.threads())
     return out
 
@@ -253,7 +266,7 @@ def pack_f32(w):
 
 
 @op("linear_f32(Tensor x, Tensor packed, int out_features, Tensor? b) -> Tensor")
-def linear_f32(x, packed, out_features, b):
+def linear_f32(x, packed, out_features, b=None):
     """x: (rows, in) fp32, pack_f32's w, b: (out,) or None -> x w^T + b, (rows, out_features); a row's values
     do not depend on the other rows (where avx512())."""
     x = linear_args(x, packed, out_features, torch.float32, "linear_f32")
@@ -314,12 +327,12 @@ def decode_layers(x, cos, sin, slot_mapping, block_tables, context_lens, input_n
     c.tensor("slot_mapping", slot_mapping, 1, torch.long)
     c.shape("slot_mapping", slot_mapping, (rows,))
     slots = slot_mapping.contiguous()
-    c.ids("slot_mapping", slots, 0, nb * bs, f"the cache has {nb} blocks of {bs} slots")
+    c.ids("slot_mapping", slots, 0, nb * bs, "the cache's num_blocks * block_size slots")
     index_tables(rows, block_tables, context_lens, nb, bs)
     table = (LayerWeights * layers)(*(LayerWeights(*(t.data_ptr() for t in ts))
                                       for ts in zip(input_norm, qkv, o, post_norm, gate_up, down, k_cache, v_cache)))
     residual = torch.empty_like(x)
-    if rows and not getattr(k.lib_or_fail("decode_layers"), f"decode_layers_{k.CHAINS[x.dtype]}")(
+    if rows and not k.function("decode_layers", f"decode_layers_{k.CHAINS[x.dtype]}")(
             ctypes.addressof(table), layers, x.data_ptr(), residual.data_ptr(), rows, hidden, heads, kv_heads, d,
             inter, bs, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), context_lens.data_ptr(), eps, d ** -0.5, k.threads()):

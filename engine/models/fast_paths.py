@@ -20,7 +20,6 @@ from engine.kernels.reference import add_rms_norm, apply_rope, rms_norm, silu_an
 from engine.models.linears import Linear, amx_linears_work, f32_linears_work, pack, packed_weights_work
 
 log = logging.getLogger("batchscope.engine")
-KERNEL_MIN_ROWS = 64                # the chains' kernels from this many rows (tokens) of a step on
 
 
 class Fused:
@@ -31,11 +30,10 @@ class Fused:
       function: there a compiled region's guards and dispatch cost more host time than the fusion
       saves (docs/gpu.md).
     - CPU, bf16 and fp32: one pass of engine/kernels/cpu_kernels.cpp where that library built (the same values
-      up to the last bit of an fp32 exp or rsqrt) instead of torch's several passes over memory, which
-      dominate a long prefill step's elementwise time (docs/results.md).
-    - Otherwise, or when `enabled` is off (enforce_eager): the plain function, which is also what runs below
-      KERNEL_MIN_ROWS rows: there torch's few passes over so little memory cost less than one checked op
-      call (docs/results.md, "The CPU kernels as checked ops")."""
+      up to the last bit of an fp32 exp or rsqrt) instead of torch's several passes over memory, at every
+      row count: a long prefill step's passes cost more than one, and a decode step's several small ops more
+      than one checked call (docs/results.md, "The CPU kernels as checked ops").
+    - Otherwise, or when `enabled` is off (enforce_eager): the plain function."""
 
     def __init__(self, fn, cpu_name: str, enabled: bool = True):
         self.fn, self.enabled, self.active, self.compiled = fn, enabled, False, None
@@ -43,7 +41,7 @@ class Fused:
 
     def __call__(self, x, *args):
         if not x.is_cuda:
-            if x.dtype not in cpu_kernels.CHAINS or not self.enabled or x.shape[0] < KERNEL_MIN_ROWS:
+            if x.dtype not in cpu_kernels.CHAINS or not self.enabled:
                 return self.fn(x, *args)
             if self.cpu is None:             # first call: the C++ form, or the plain one without it
                 self.cpu = getattr(cpu_kernels, self.cpu_name) if cpu_kernels.fused_chains() else self.fn
