@@ -342,11 +342,15 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, batch: Batch):
-        """Recompute preemption: drop its KV and its place in this step; it goes back to the head of the queue."""
+        """Recompute preemption: drop its KV and its place in this step; it goes back to the head of the queue.
+        One admitted in this same step is an admission undone: its prefix hit was never served, so uncounted."""
         self.running.remove(seq)
         self._running_ids.discard(id(seq))
         self._unplace(batch, seq)
-        self.bm.free(seq)
+        if seq in self._admitted:
+            self.bm.undo_match(seq)
+        else:
+            self.bm.free(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.draft_token_ids = []
         seq.status = Status.WAITING
