@@ -99,7 +99,7 @@ def causal(data, g):
 
 def linears(data, g):
     rows, n, kk = data.draw(st.integers(0, 40)), 16 * data.draw(st.integers(1, 9)), data.draw(st.integers(1, 100))
-    if k.avx512():
+    if k.f32_kernel():
         x, w = rows_view(data, g, rows, kk, torch.float32), rand(g, n, kk)
         b = rand(g, n) if data.draw(st.booleans()) else None
         close(k.linear_f32(x, k.pack_f32(w), n, b), ref.linear(x, w, b), torch.float32)
@@ -131,7 +131,7 @@ def layer_stack(data, g, dtype):
 
 
 def layers(data, g):
-    dtype = torch.float32 if k.avx512() else None
+    dtype = torch.float32 if k.f32_kernel() else None
     dtype = torch.bfloat16 if k.amx_bf16() and data.draw(st.booleans()) else dtype
     if dtype is None:
         return
@@ -198,14 +198,15 @@ def broken(data, g):
         "tile layout input not a multiple of 32": (lambda: k.pack_amx(rand(g, 32, 48, dtype=torch.bfloat16)), "w"),
     }
     if k.avx512():
+        cases["chunks that do not split the rows"] = (lambda: torch.ops.batchscope.causal_prefill(
+            rand(g, 5, 2, 64), rand(g, 5, 2, 64), rand(g, 5, 2, 64), 2), "m")
+    if k.f32_kernel():
         packed = k.pack_f32(rand(g, 32, 40))
         cases |= {
             "packed weight against x": (lambda: k.linear_f32(rand(g, 3, 41), packed, 32), "x"),
             "out_features against the packed weight": (lambda: k.linear_f32(x, packed, 48), "out_features"),
             "packed outputs not a multiple of 16": (lambda: k.linear_f32(x, rand(g, 24, 40), 24), "packed"),
             "bias length": (lambda: k.linear_f32(x, packed, 32, rand(g, 31)), "b"),
-            "chunks that do not split the rows": (lambda: torch.ops.batchscope.causal_prefill(
-                rand(g, 5, 2, 64), rand(g, 5, 2, 64), rand(g, 5, 2, 64), 2), "m"),
         }
         x2, cos, sin, meta, packed_w, _, heads, kvh = layer_stack(data, g, torch.float32)
         stack_slots = packed_w["k_cache"][0].shape[0] * packed_w["k_cache"][0].shape[1]

@@ -88,7 +88,7 @@ def test_decode_kernel_matches_fp64_attention(ctx, seed):
     torch.testing.assert_close(out[0].double(), ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(not cpu_kernels.f32_linears(), reason="the CPU kernels were built without AVX-512")
+@pytest.mark.skipif(not cpu_kernels.avx512(), reason="the CPU kernels were built without AVX-512")
 @settings(max_examples=80, deadline=None)
 @given(m=st.integers(1, 4), q_len=st.integers(1, 300), d=st.sampled_from([64, 128]), kv_heads=st.integers(1, 3),
        group=st.integers(1, 4), seed=st.integers(0, 2**16), scale=st.sampled_from([0.1, 1.0, 3.0]))
@@ -97,7 +97,7 @@ def test_causal_prefill_kernel_matches_fp64_attention(m, q_len, d, kv_heads, gro
     check_causal(m, q_len, d, kv_heads, group, seed, scale, torch.float32)
 
 
-@pytest.mark.skipif(not cpu_kernels.f32_linears(), reason="the CPU kernels were built without AVX-512")
+@pytest.mark.skipif(not cpu_kernels.avx512(), reason="the CPU kernels were built without AVX-512")
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(1, 4), q_len=st.integers(1, 300), d=st.sampled_from([64, 128]), kv_heads=st.integers(1, 3),
        group=st.integers(1, 4), seed=st.integers(0, 2**16), scale=st.sampled_from([0.1, 1.0, 3.0]))
@@ -382,8 +382,9 @@ def test_amx_can_be_switched_off_and_fp32_never_takes_it(monkeypatch):
         cpu_kernels.amx_bf16.cache_clear()
 
 
-# ---- fp32 linears of a decode step's few rows (AVX-512) ----
-needs_f32 = pytest.mark.skipif(not cpu_kernels.f32_linears(), reason="the CPU kernels were built without AVX-512")
+# ---- fp32 linears of a decode step's few rows (AVX-512, or AVX2 with FMA) ----
+needs_f32 = pytest.mark.skipif(not cpu_kernels.f32_linears(),
+                               reason="the CPU kernels were built without AVX-512 or AVX2 with FMA")
 
 
 @needs_f32
@@ -408,7 +409,9 @@ def test_f32_linears_compute_what_f_linear_does_whatever_shares_the_step(rows, o
 
 
 @needs_f32
-def test_an_fp32_model_takes_the_f32_linears_at_every_row_count(monkeypatch):
+def test_an_fp32_model_takes_the_f32_linears_where_they_win(monkeypatch):
+    """Every row count with AVX-512 (no oneDNN copy beside the kernel's); with AVX2, up to
+    F32_AVX2_ROWS rows, oneDNN's packed copy above."""
     from transformers import Qwen2Config
 
     from engine.models.linears import Linear, close_to_f_linear, f32_linears_work
@@ -421,20 +424,23 @@ def test_an_fp32_model_takes_the_f32_linears_at_every_row_count(monkeypatch):
     for p in model.parameters():                                 # built with uninitialised weights
         p.copy_(torch.randn(p.shape, generator=g))
     model.pack_weights()
+    every_row = cpu_kernels.avx512()
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.f32 is not None and m.packed is None and m.amx is None for m in linears)
-    assert model.f32_head is not None and model.amx_head is None and model.packed_head is None
+    assert linears and all(m.f32 is not None and (m.packed is None) == every_row and m.amx is None for m in linears)
+    assert model.f32_head is not None and model.amx_head is None and (model.packed_head is None) == every_row
     calls = []
     real = cpu_kernels.linear_f32
     monkeypatch.setattr(cpu_kernels, "linear_f32", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     lin = linears[0]
     assert lin.bias is not None
-    for rows in (1, 32, 129, 2048):
+    sizes = (1, cpu_kernels.F32_AVX2_ROWS, cpu_kernels.F32_AVX2_ROWS + 1, 32, 129, 2048)
+    for rows in sizes:
         x = torch.randn(rows, lin.in_features, generator=g)
         assert close_to_f_linear(lin(x), x, lin.weight, lin.bias)
-    assert calls == [1, 32, 129, 2048]
-    model.compute_logits(torch.randn(3, 64))
-    assert calls[-1] == 3
+    assert calls == [r for r in sizes if every_row or r <= cpu_kernels.F32_AVX2_ROWS]
+    for rows in (3, 40):
+        model.compute_logits(torch.randn(rows, 64))
+        assert (calls[-1] == rows) == (every_row or rows <= cpu_kernels.F32_AVX2_ROWS)
 
 
 def test_the_f32_kernel_can_be_switched_off(monkeypatch):

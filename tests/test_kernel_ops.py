@@ -50,6 +50,20 @@ def test_the_fuzz_runs_clean_under_address_sanitizer():
     run_fuzz("invalid", 100, **env)
 
 
+@pytest.mark.skipif(not {"avx512f", "avx2", "fma"} <= set(cpu_kernels.cpu_flags().split()),
+                    reason="the AVX2 build is the native one here (or this CPU has not AVX2): the other tests run it")
+def test_the_avx2_build_passes_the_fuzz_on_a_cpu_with_avx512():
+    """What a CPU with AVX2 and FMA but no AVX-512 runs (the fp32 linears' 8-wide form, no causal kernel), built
+    with -march=x86-64-v3 and fuzzed here, so a CPU with AVX-512 tests it too."""
+    env = dict(BATCHSCOPE_CPU_ARCH="x86-64-v3")
+    r = subprocess.run([sys.executable, "-c", "from engine.kernels import cpu_kernels as k; "
+                        "print(k.library() is not None, k.f32_kernel(), k.avx512())"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env={**os.environ, **env})
+    assert r.stdout.split() == ["True", "True", "False"], r.stderr[-2000:]
+    run_fuzz("valid", 100, **env)
+    run_fuzz("invalid", 100, **env)
+
+
 def test_the_registered_torch_ops_run_the_checked_bodies_the_core_calls():
     """The core calls each op's body as a Python function (no dispatcher); torch.ops.batchscope.<name> is the
     same body: the same values, the same refusal by name, nothing written on a refusal."""

@@ -1,6 +1,7 @@
 """Building, probing and loading the CPU library (cpu_kernels.cpp), once per machine.
 
-build   the system's C++ compiler (g++, c++ or clang++; $CXX first) for this CPU (-march=native), into
+build   the system's C++ compiler (g++, c++ or clang++; $CXX first) for this CPU (-march=native, or
+        $BATCHSCOPE_CPU_ARCH: x86-64-v3 builds what a CPU with AVX2 and FMA but no AVX-512 gets), into
         the batchscope cache under a name that hashes the source, the flags, the compiler, torch's OpenMP
         runtime and the CPU's feature flags, so a cache folder shared by machines with other CPUs never
         loads code built for another.
@@ -40,7 +41,7 @@ def source_text() -> str:
 # top of cpu_kernels.cpp) and reorders the sums, but may not assume that no value is NaN or infinite, which
 # the engine relies on to fail a request whose logits went non-finite (tests/test_kernel_ops.py). Given only
 # when compiling, not when linking, so the library does not switch the process to flush-to-zero.
-COMPILE = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+COMPILE = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
            "-fassociative-math", "-freciprocal-math", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-std=c++17"]
 ASAN = ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"]   # the build variant the fuzz runs under once
 
@@ -59,7 +60,7 @@ def link_flags(sanitize: bool = False) -> list[str]:
 
 
 def compile_flags(sanitize: bool = False) -> list[str]:
-    return COMPILE + (ASAN if sanitize else [])
+    return [f"-march={os.environ.get('BATCHSCOPE_CPU_ARCH', 'native')}", *COMPILE, *(ASAN if sanitize else [])]
 
 
 def library_path(cxx: str, cpu_flags: str, root: Path, sanitize: bool = False) -> Path:

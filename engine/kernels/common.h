@@ -16,7 +16,7 @@ extern "C" float expf(float) noexcept __attribute__((__simd__("notinbranch")));
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__) || (defined(__AMX_TILE__) && defined(__AMX_BF16__))
+#if defined(__AVX512F__) || defined(__AVX2__) || (defined(__AMX_TILE__) && defined(__AMX_BF16__))
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)

@@ -5,7 +5,7 @@
 //      each a pass over memory), in bf16 rounding where torch's ops round, so the values are torch's
 //      up to the last bit of an fp32 exp or rsqrt; and in fp32;
 //   3. linears of a decode step's few rows: bf16 on AMX tiles, where the CPU and the OS have them
-//      (3a), fp32 on AVX-512 (3b);
+//      (3a), fp32 on AVX-512 or AVX2 with FMA (3b);
 //   4. a decode step's layers in one call of the kernels above.
 //
 // One section a file, all compiled as this one translation unit: common.h (headers, bf16 <-> fp32,
@@ -58,9 +58,17 @@ int amx_bf16_ready() {
     return 0;
 #endif
 }
-// whether this build has the AVX-512 kernels (the fp32 linears, causal prefill, decode_layers in fp32)
+// whether this build has the AVX-512 kernels (causal prefill; the fp32 linears' widest form)
 int has_avx512() {
 #ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+// whether this build has the fp32 linears (AVX-512, or AVX2 with FMA) and so decode_layers in fp32
+int has_f32_linears() {
+#ifdef HAVE_F32_LINEARS
     return 1;
 #else
     return 0;
@@ -79,10 +87,11 @@ int linear_amx_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wp,
 }
 // w: (N, K) fp32, N a multiple of 16 -> out: N * K fp32 in the layout of section 3b
 void pack_f32_weights(const float* w, int64_t N, int64_t K, float* out) { pack_f32(w, N, K, out); }
-// x: (M, K), wp: pack_f32_weights', bias: (N,) or null, y: (M, N), fp32, contiguous -> 1, or 0 without AVX-512
+// x: (M, K), wp: pack_f32_weights', bias: (N,) or null, y: (M, N), fp32, contiguous -> 1, or 0 where this
+// build has not the fp32 linears
 int linear_f32(const float* x, int64_t M, int64_t K, const float* wp, const float* bias, int64_t N, float* y,
                int threads) {
-#ifdef __AVX512F__
+#ifdef HAVE_F32_LINEARS
     skinny_linear_f32(x, M, K, wp, bias, N, y, threads);
     return 1;
 #else
@@ -107,7 +116,7 @@ int decode_layers_f32(const LayerWeights* layers, int num_layers, float* x, floa
                       int heads, int kv_heads, int head_dim, int inter, int block_size, const float* cos,
                       const float* sin, const int64_t* slots, const int64_t* tables, int64_t bt_stride,
                       const int64_t* ctx_lens, float eps, float scale, int threads) {
-#ifdef __AVX512F__
+#ifdef HAVE_F32_LINEARS
     if (!layer_shapes(hidden, heads, head_dim, inter, block_size)) return 0;
     decode_layers(layers, num_layers, x, residual, M, hidden, heads, kv_heads, head_dim, inter, block_size, cos, sin,
                   slots, tables, bt_stride, ctx_lens, eps, scale, threads);

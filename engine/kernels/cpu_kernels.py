@@ -18,7 +18,8 @@ input is a ValueError naming the argument, never a write past a buffer.
   pack_amx, linear_amx
                  bf16 linears of 1 to 32 rows on AMX tiles, over weights laid out once for them
   pack_f32, linear_f32
-                 fp32 linears on AVX-512, over weights laid out once for them
+                 fp32 linears on AVX-512 (every row count) or AVX2 with FMA (a decode step's few rows),
+                 over weights laid out once for them
   decode_layers  a decode step's layers in one call of the kernels above, in the model's order, given the
                  layers' weights and caches as tensors (models.fast_paths.decode_weights)
 
@@ -33,6 +34,7 @@ from engine.kernels import ops
 from engine.kernels.loading import (  # noqa: F401  (the interface the core calls reads them here)
     AMX_ROWS,
     CHAINS,
+    F32_AVX2_ROWS,
     F32_ROWS,
     FUNCTIONS,
     LAYER_WEIGHTS,
@@ -44,6 +46,8 @@ from engine.kernels.loading import (  # noqa: F401  (the interface the core call
     bind,
     compiler,
     cpu_flags,
+    f32_kernel,
+    f32_kernel_rows,
     f32_linears,
     fused_chains,
     lib_or_fail,

@@ -5,7 +5,7 @@
 #include "chains.h"
 #include "linears.h"
 
-// ---- 4. a decode step's layers in one call (Llama-shaped; bf16 on AMX, fp32 on AVX-512) ----
+// ---- 4. a decode step's layers in one call (Llama-shaped; bf16 on AMX, fp32 on AVX-512 or AVX2) ----
 //
 // The same kernels in the same order as the model's layer-by-layer forward (models.llama.DecoderLayer with
 // CpuAttention, for a decode-only step of few sequences), so the same values bit for bit; what it saves is
@@ -22,10 +22,12 @@ static void linear_rows(const uint16_t* x, int64_t M, int64_t K, const void* w, 
     linear_amx(x, M, K, (const uint16_t*)w, N, y, threads);
 }
 #endif
-#ifdef __AVX512F__
+#ifdef HAVE_F32_LINEARS
 static void linear_rows(const float* x, int64_t M, int64_t K, const void* w, int64_t N, float* y, int threads) {
     skinny_linear_f32(x, M, K, (const float*)w, nullptr, N, y, threads);
 }
+#endif
+#if defined(HAVE_AMX) || defined(HAVE_F32_LINEARS)
 
 template <typename T>
 static void decode_layers(const LayerWeights* layers, int num_layers, T* x, T* residual, int64_t M, int hidden,

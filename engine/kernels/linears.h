@@ -91,16 +91,18 @@ static void linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* 
 
 #endif
 
-// ---- 3b. fp32 linears of a decode step's few rows on AVX-512 ----
+// ---- 3b. fp32 linears of a decode step's few rows, on AVX-512 or AVX2 with FMA ----
 //
-// y = x w^T + b for 1 to 32 rows. MKL's skinny fp32 matmul is compute-bound well before that here;
-// this one keeps R x 2 vectors of sums in registers (R rows, 32 outputs), and every weight is loaded
-// once for R rows and every input once for 32 outputs. The weights are laid out once (pack_f32) in
-// groups of 32 outputs, a group's weights for one input next to each other: w[n][k] for the group's 32
-// n, then k + 1, ..., one stream the loop reads in order. Each output sums its products in input
-// order, one multiply-add after another: the same order at every row count and every place of a row
-// in the batch, so a sequence's values do not depend on what shares its step. (MKL's order is its
-// own, so not F.linear's values bit for bit; tests/test_cpu_kernels.py bounds the difference.)
+// y = x w^T + b. MKL's skinny fp32 matmul is compute-bound well before 32 rows; this one keeps R rows x 32
+// outputs of sums in registers, and every weight is loaded once for R rows and every input once for 32
+// outputs. The weights are laid out once (pack_f32) in groups of 32 outputs, a group's weights for one
+// input next to each other: w[n][k] for the group's 32 n, then k + 1, ..., one stream the loop reads in
+// order. Each output sums its products in input order, one multiply-add after another: the same order at
+// every row count, every place of a row in the batch and either vector width, so a sequence's values do
+// not depend on what shares its step. (MKL's order is its own, so not F.linear's values bit for bit;
+// tests/test_cpu_kernels.py bounds the difference.) AVX-512 holds 12 rows x 32 outputs of sums in its 32
+// registers, AVX2 3 rows in its 16: there oneDNN is faster from about a dozen rows on, and the engine
+// hands it those steps (loading.f32_kernel_rows).
 constexpr int F32_GROUP = 32;
 
 static void pack_f32(const float* w, int64_t N, int64_t K, float* out) {
@@ -111,44 +113,70 @@ static void pack_f32(const float* w, int64_t N, int64_t K, float* out) {
     }
 }
 
-#ifdef __AVX512F__
-template <int R, int C>     // R rows x C vectors of 16 outputs; wp: the group's weights, C * 16 a step of k
+#if defined(__AVX512F__)
+#define HAVE_F32_LINEARS 1
+constexpr int LANES = 16;           // one vector of sums: 16 outputs
+using vec = __m512;
+static inline vec v_zero() { return _mm512_setzero_ps(); }
+static inline vec v_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline vec v_set1(float x) { return _mm512_set1_ps(x); }
+static inline vec v_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec v_add(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline void v_store(float* p, vec v) { _mm512_storeu_ps(p, v); }
+template <int C> constexpr int block_rows() { return 12; }    // 24 sums, 2 weight vectors, a broadcast input
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_F32_LINEARS 1
+constexpr int LANES = 8;
+using vec = __m256;
+static inline vec v_zero() { return _mm256_setzero_ps(); }
+static inline vec v_load(const float* p) { return _mm256_loadu_ps(p); }
+static inline vec v_set1(float x) { return _mm256_set1_ps(x); }
+static inline vec v_fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec v_add(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline void v_store(float* p, vec v) { _mm256_storeu_ps(p, v); }
+template <int C> constexpr int block_rows() { return C == 4 ? 3 : 6; }   // 12 sums + 4 weights + 1, of 16
+#endif
+
+#ifdef HAVE_F32_LINEARS
+template <int R, int C>     // R rows x C vectors of outputs; wp: the group's weights, C * LANES a step of k
 static void outer_block(const float* x, int64_t K, const float* wp, const float* bias, float* y, int64_t N) {
-    __m512 acc[R][C];
+    vec acc[R][C];
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; ++k, wp += 16 * C) {
-        __m512 wv[C];
-        for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_ps(wp + 16 * c);
+        for (int c = 0; c < C; ++c) acc[r][c] = v_zero();
+    for (int64_t k = 0; k < K; ++k, wp += LANES * C) {
+        vec wv[C];
+        for (int c = 0; c < C; ++c) wv[c] = v_load(wp + LANES * c);
         for (int r = 0; r < R; ++r) {
-            const __m512 xv = _mm512_set1_ps(x[r * K + k]);
-            for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+            const vec xv = v_set1(x[r * K + k]);
+            for (int c = 0; c < C; ++c) acc[r][c] = v_fma(xv, wv[c], acc[r][c]);
         }
     }
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c)
-            _mm512_storeu_ps(y + r * N + 16 * c, bias ? _mm512_add_ps(acc[r][c], _mm512_loadu_ps(bias + 16 * c)) : acc[r][c]);
+            v_store(y + r * N + LANES * c, bias ? v_add(acc[r][c], v_load(bias + LANES * c)) : acc[r][c]);
 }
 
-constexpr int F32_R = 12;          // 24 sums in registers, 2 weight vectors and a broadcast input beside them
-
-template <int R = F32_R>
-static void outer_rows(int r, int c, const float* x, int64_t K, const float* wp, const float* bias, float* y, int64_t N) {
-    if constexpr (R > 1) if (r < R) return outer_rows<R - 1>(r, c, x, K, wp, bias, y, N);
-    if (c == 2) outer_block<R, 2>(x, K, wp, bias, y, N);
-    else outer_block<R, 1>(x, K, wp, bias, y, N);
+template <int C, int R = block_rows<C>()>     // r rows (r <= R) of one group of C vectors
+static void outer_rows(int r, const float* x, int64_t K, const float* wp, const float* bias, float* y, int64_t N) {
+    if constexpr (R > 1) if (r < R) return outer_rows<C, R - 1>(r, x, K, wp, bias, y, N);
+    outer_block<R, C>(x, K, wp, bias, y, N);
 }
 
 static void skinny_linear_f32(const float* x, int64_t M, int64_t K, const float* wp, const float* bias, int64_t N,
                               float* y, int threads) {
+    constexpr int FULL = F32_GROUP / LANES, HALF = 16 / LANES;    // a group's vectors; the last group's, N % 32 == 16
     const int64_t groups = (N + F32_GROUP - 1) / F32_GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t g = 0; g < groups; ++g) {              // each thread streams one stretch of the weights
         const int64_t n0 = g * F32_GROUP;
-        const int c = int(std::min<int64_t>(F32_GROUP, N - n0) / 16);
-        for (int64_t m0 = 0; m0 < M; m0 += F32_R)       // the next rows read the group's weights from L2
-            outer_rows(int(std::min<int64_t>(F32_R, M - m0)), c, x + m0 * K, K, wp + n0 * K, bias ? bias + n0 : nullptr,
-                       y + m0 * N + n0, N);
+        const bool full = N - n0 >= F32_GROUP;
+        const int64_t step = full ? block_rows<FULL>() : block_rows<HALF>();
+        for (int64_t m0 = 0; m0 < M; m0 += step) {      // the next rows read the group's weights from L2
+            const int r = int(std::min<int64_t>(step, M - m0));
+            const float *xr = x + m0 * K, *wg = wp + n0 * K, *bg = bias ? bias + n0 : nullptr;
+            if (full) outer_rows<FULL>(r, xr, K, wg, bg, y + m0 * N + n0, N);
+            else outer_rows<HALF>(r, xr, K, wg, bg, y + m0 * N + n0, N);
+        }
     }
 }
 #endif

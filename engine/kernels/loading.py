@@ -25,6 +25,8 @@ AMX_ROWS = 32       # up to this many rows the tile kernel computes F.linear's v
 # decode_layers: one tensor of each per layer
 LAYER_WEIGHTS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache")
 F32_ROWS = 128      # a fp32 decode step of up to this many sequences runs its layers in one call (decode_layers)
+F32_AVX2_ROWS = 8   # without AVX-512 the fp32 linears' kernel holds 3 rows of sums, and oneDNN is faster from
+                    # about a dozen rows on (docs/results.md): up to this many rows the kernel, then oneDNN
 REFERENCES = {"paged_decode": reference.paged_decode, "write_kv": reference.write_kv,
               "causal_prefill": reference.causal_prefill, "rms_norm": reference.rms_norm,
               "add_rms_norm": reference.add_rms_norm, "silu_and_mul": reference.silu_and_mul,
@@ -89,7 +91,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "pack_amx_bf16": ([ptr, i64, i64, ptr], None), "pack_f32_weights": ([ptr, i64, i64, ptr], None),
         "linear_amx_bf16": ([ptr, i64, i64, ptr, i64, ptr, i32], i32),
         "linear_f32": ([ptr, i64, i64, ptr, ptr, i64, ptr, i32], i32), "amx_bf16_ready": ([], i32),
-        "has_avx512": ([], i32), "causal_prefill_f32": (causal, i32), "causal_prefill_bf16": (causal, i32),
+        "has_avx512": ([], i32), "has_f32_linears": ([], i32), "causal_prefill_f32": (causal, i32),
+        "causal_prefill_bf16": (causal, i32),
         "decode_layers_bf16": (layers, i32), "decode_layers_f32": (layers, i32)}
     for name, (args, res) in signatures.items():
         fn = getattr(lib, name)
@@ -112,11 +115,21 @@ def amx_bf16() -> bool:
     return lib is not None and os.environ.get("BATCHSCOPE_AMX", "1") != "0" and bool(lib.amx_bf16_ready())
 
 
+def f32_kernel() -> bool:
+    """Whether the library has the fp32 linears' kernel (built with AVX-512, or AVX2 with FMA)."""
+    lib = library()
+    return lib is not None and bool(lib.has_f32_linears())
+
+
 @functools.cache
 def f32_linears() -> bool:
-    """Whether the library was built with AVX-512, which the fp32 kernel needs; `BATCHSCOPE_F32_KERNEL=0` keeps MKL."""
-    lib = library()
-    return lib is not None and os.environ.get("BATCHSCOPE_F32_KERNEL", "1") != "0" and bool(lib.has_avx512())
+    """Whether a model's fp32 linears take that kernel; `BATCHSCOPE_F32_KERNEL=0` keeps oneDNN (or MKL)."""
+    return os.environ.get("BATCHSCOPE_F32_KERNEL", "1") != "0" and f32_kernel()
+
+
+def f32_kernel_rows() -> int:
+    """Up to how many rows the fp32 kernel beats oneDNN: every row count with AVX-512, F32_AVX2_ROWS without."""
+    return 1 << 62 if avx512() else F32_AVX2_ROWS
 
 
 def avx512() -> bool:

@@ -268,14 +268,14 @@ def pack_f32(w):
 @op("linear_f32(Tensor x, Tensor packed, int out_features, Tensor? b) -> Tensor")
 def linear_f32(x, packed, out_features, b=None):
     """x: (rows, in) fp32, pack_f32's w, b: (out,) or None -> x w^T + b, (rows, out_features); a row's values
-    do not depend on the other rows (where avx512())."""
+    do not depend on the other rows."""
     x = linear_args(x, packed, out_features, torch.float32, "linear_f32")
     if b is not None:
         c.tensor("b", b, 1, torch.float32)
         c.shape("b", b, (out_features,))
         b = b.contiguous()
-    if not k.avx512():
-        raise RuntimeError("linear_f32: the CPU kernels were built without AVX-512")
+    if not k.f32_kernel():
+        raise RuntimeError("linear_f32: the CPU kernels were built without AVX-512 or AVX2 with FMA")
     y = x.new_empty(x.shape[0], out_features)
     if x.shape[0]:
         k.lib_or_fail("linear_f32").linear_f32(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(),
@@ -313,7 +313,7 @@ def decode_layers(x, cos, sin, slot_mapping, block_tables, context_lens, input_n
     if not (hidden % 32 == 0 and heads * d % 32 == 0 and inter % 32 == 0 and inter > 0 and (bs, d) in k.SHAPES):
         c.fail("x", f"decode_layers has no kernel for hidden {hidden}, heads {heads} x {d}, inter {inter}, "
                f"block_size {bs} (multiples of 32; {sorted(k.SHAPES)})")
-    if not (k.amx_bf16() if x.dtype == torch.bfloat16 else k.avx512()):
+    if not (k.amx_bf16() if x.dtype == torch.bfloat16 else k.f32_kernel()):
         raise RuntimeError(f"decode_layers: this build has no {x.dtype} linears' kernel")
     want = {"input_norm": (hidden,), "post_norm": (hidden,), "qkv": ((heads + 2 * kv_heads) * d, hidden),
             "o": (hidden, heads * d), "gate_up": (2 * inter, hidden), "down": (hidden, inter),

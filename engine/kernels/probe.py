@@ -49,7 +49,7 @@ def main(path: str):
             print(f"causal_prefill {dtype}", flush=True)
             q, kk = r(6, 4, 64), r(6, 2, 64)
             close("causal_prefill", k.causal_prefill(q, kk, kk, 2), ref.causal_prefill(q, kk, kk, 2), tol)
-    if k.avx512():
+    if k.f32_kernel():
         print("pack_f32, linear_f32", flush=True)
         x, w = torch.randn(3, 40, generator=g), torch.randn(48, 40, generator=g)
         close("linear_f32", k.linear_f32(x, k.pack_f32(w), 48), ref.linear(x, w), 1e-4)

@@ -97,8 +97,9 @@ def decode_weights(model) -> dict[str, list[torch.Tensor]]:
 def pack_weights(model):
     """Every Linear and the logits matrix in oneDNN's layout, and for a decode step's few rows also in a
     kernel's of engine/kernels/cpu_kernels.cpp: bf16 where the CPU has AMX (bias-free linears whose sizes the
-    tiles take); fp32 where it has AVX-512 in that kernel's layout alone, for every row count; each where
-    it computes what F.linear does (packed_weights_work, amx_linears_work, f32_linears_work).
+    tiles take); fp32 where it has AVX-512 in that kernel's layout alone, for every row count, and with AVX2
+    in both, the kernel's for a decode step's few rows (cpu_kernels.f32_kernel_rows); each where it computes
+    what F.linear does (packed_weights_work, amx_linears_work, f32_linears_work).
     The plain weights stay: the embedding shares the head's, and
     readers of the weights (weight_bytes, the int8 path, tests) see the usual tensors; each packed copy
     costs the linears' memory once more (270 MB for the default model in bf16, 540 MB in fp32)."""
@@ -107,17 +108,20 @@ def pack_weights(model):
         return
     amx = dtype == torch.bfloat16 and amx_linears_work()
     f32 = dtype == torch.float32 and f32_linears_work()
+    f32_rows = cpu_kernels.f32_kernel_rows() if f32 else 0
+    every_row = f32_rows >= 1 << 62                         # the kernel takes every row count: no oneDNN copy
     for m in model.modules():
         if isinstance(m, Linear):
             if f32 and m.out_features % 16 == 0:
-                m.f32 = cpu_kernels.pack_f32(m.weight)      # every row count: no oneDNN copy beside it
-                continue
+                m.f32, m.f32_rows = cpu_kernels.pack_f32(m.weight), f32_rows
+                if every_row:
+                    continue
             m.packed = pack(m.weight)
             if amx and m.bias is None and cpu_kernels.amx_shape_ok(*m.weight.shape):
                 m.amx = cpu_kernels.pack_amx(m.weight)
     if f32 and model.cfg.vocab_size % 16 == 0:
-        model.f32_head = cpu_kernels.pack_f32(model.head_weight())
-    else:
+        model.f32_head, model.f32_rows = cpu_kernels.pack_f32(model.head_weight()), f32_rows
+    if not (f32 and model.cfg.vocab_size % 16 == 0 and every_row):
         model.packed_head = pack(model.head_weight())
     if amx and cpu_kernels.amx_shape_ok(*model.head_weight().shape):
         model.amx_head = cpu_kernels.pack_amx(model.head_weight())
@@ -126,4 +130,4 @@ def pack_weights(model):
         isinstance(l.self_attn.backend, CpuAttention) and not l.self_attn.qk_norm and
         all((m.amx is not None or m.f32 is not None) and m.bias is None
             for m in l.modules() if isinstance(m, Linear)) for l in model.layers)
-    model.fused_rows = cpu_kernels.AMX_ROWS if amx else cpu_kernels.F32_ROWS
+    model.fused_rows = cpu_kernels.AMX_ROWS if amx else min(cpu_kernels.F32_ROWS, f32_rows)

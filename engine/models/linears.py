@@ -4,7 +4,8 @@
             format below is made
   oneDNN    weights packed once in oneDNN's blocked layout (`pack`, `packed_linear`): bf16 and fp32
   AMX       bf16 weights laid out once for the tile kernel of engine/kernels/cpu_kernels.cpp, for 1 to 32 rows
-  f32       fp32 weights laid out once for the AVX-512 kernel of engine/kernels/cpu_kernels.cpp, for every row count
+  f32       fp32 weights laid out once for the kernel of engine/kernels/cpu_kernels.cpp: for every row count
+            with AVX-512, for a decode step's few rows with AVX2 (oneDNN's copy beside it for more)
 
 In bf16 every format computes F.linear's values bit for bit. In fp32 oneDNN and the f32 kernel each sum
 in their own order (MKL, behind F.linear, in its own): the same values up to fp32 rounding, the f32
@@ -131,18 +132,20 @@ class Linear(nn.Linear):
     (models.fast_paths.pack_weights) instead of re-laid out on every call:
     - `amx`: bf16, the AMX tile kernel's layout, for a decode step's 1 to 32 rows, where the CPU has AMX
       (engine/cpu_kernels.linear_amx, which streams the weights once per step);
-    - `f32`: fp32, the AVX-512 kernel's layout, for every row count (engine/cpu_kernels.linear_f32; no
-      oneDNN copy is kept beside it, as it was no faster at any row count);
+    - `f32`: fp32, the kernel's layout (engine/cpu_kernels.linear_f32), up to `f32_rows` rows: every row
+      count with AVX-512, where no oneDNN copy is kept beside it (it was no faster at any row count), and
+      a decode step's few rows with AVX2 (cpu_kernels.f32_kernel_rows), oneDNN's copy taking more;
     - `packed`: oneDNN's, for more rows, or every row count without the kernels above (a layout made once
       instead of on every call; each choice is measured in docs/results.md)."""
     packed: torch.Tensor | None = None
     amx: torch.Tensor | None = None
     f32: torch.Tensor | None = None
+    f32_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx is not None and x.shape[0] <= cpu_kernels.AMX_ROWS:
             return cpu_kernels.linear_amx(x, self.amx, self.out_features)
-        if self.f32 is not None:
+        if self.f32 is not None and x.shape[0] <= self.f32_rows:
             return cpu_kernels.linear_f32(x, self.f32, self.out_features, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)

@@ -166,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
             return self.int8_head(hidden)
         if self.amx_head is not None and hidden.shape[0] <= cpu_kernels.AMX_ROWS:
             return cpu_kernels.linear_amx(hidden, self.amx_head, self.cfg.vocab_size)
-        if self.f32_head is not None:
+        if self.f32_head is not None and hidden.shape[0] <= self.f32_rows:
             return cpu_kernels.linear_f32(hidden, self.f32_head, self.cfg.vocab_size)
         if self.packed_head is not None:
             return packed_linear(hidden, self.packed_head)
@@ -175,6 +175,7 @@ class LlamaForCausalLM(nn.Module):
     packed_head: torch.Tensor | None = None
     amx_head: torch.Tensor | None = None
     f32_head: torch.Tensor | None = None
+    f32_rows = 0                    # up to this many rows the f32 head (with AVX2, oneDNN's above: pack_weights)
     # a decode step's layers in one call of the CPU kernels (engine/kernels/cpu_kernels.decode_layers): set by
     # pack_weights where every piece of a layer has its kernel; demos/profile_serving turns it off to time
     # the pieces one by one
