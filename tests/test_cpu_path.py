@@ -232,10 +232,14 @@ def test_a_failed_requests_non_finite_kv_does_not_reach_the_next_owner_of_its_bl
 
 def test_the_cpu_kernels_build_where_a_compiler_is():
     """tests/test_cpu_kernels.py skips itself where the library did not build; a compiler that is there and
-    a source that does not compile must fail here instead, and a CPU with AVX-512 must get its kernels."""
+    a source that does not compile must fail here instead, and a CPU with AVX-512 (or AVX2 and FMA) must get its
+    fp32 linears' kernel, and one with AVX-512 its causal prefill kernel too."""
     from engine.kernels import cpu_kernels
     if cpu_kernels.compiler() is None or os.environ.get("BATCHSCOPE_CPU_KERNEL") == "0":
         pytest.skip("no C++ compiler here (or the kernels are switched off)")
     assert cpu_kernels.library() is not None, "engine/kernels/cpu_kernels.cpp did not build: see the warning logged"
-    if "avx512f" in cpu_kernels.cpu_flags().split() and os.environ.get("BATCHSCOPE_F32_KERNEL") != "0":
+    flags, arch = set(cpu_kernels.cpu_flags().split()), os.environ.get("BATCHSCOPE_CPU_ARCH", "native")
+    if ({"avx2", "fma"} <= flags or "avx512f" in flags) and os.environ.get("BATCHSCOPE_F32_KERNEL") != "0":
         assert cpu_kernels.f32_linears()
+    if "avx512f" in flags and arch == "native":
+        assert cpu_kernels.avx512()

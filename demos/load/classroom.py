@@ -296,8 +296,11 @@ def verdict(r: dict, args) -> list[str]:
         problems.append(f"{r['kv_used_after']} KV blocks / {r['live_after']} requests left")
     if not r["healthy_after"]:
         problems.append("server unhealthy afterwards")
-    if r["rss_warm_mb"] is None or r["rss_end_mb"] > r["rss_warm_mb"] * (1 + args.rss_tolerance):
-        problems.append(f"server RSS grew from {r['rss_warm_mb']} to {r['rss_end_mb']:.0f} MB")
+    if r["rss_warm_mb"] is None:
+        problems.append("the server's RSS after the warm-up was not read")
+    elif r["rss_end_mb"] > r["rss_warm_mb"] * (1 + args.rss_tolerance):
+        problems.append(f"server RSS grew from {r['rss_warm_mb']:.0f} to {r['rss_end_mb']:.0f} MB "
+                        f"({r['rss_end_mb'] / r['rss_warm_mb'] - 1:+.1%}, bound {args.rss_tolerance:.0%})")
     first, last = r["windows"][0]["tbt_p99_room"], r["windows"][-1]["tbt_p99_room"]
     if first is None or last is None or last > first * args.tbt_tolerance:
         problems.append(f"p99 time between tokens went from {first} s (first window) to {last} s (last)")
