@@ -20,8 +20,9 @@ A measurement, not a test: it is not in the suite. It starts
 After --minutes it stops the students, waits for the engine to empty, and checks:
   - no 5xx, no failed connection, no reply that ended with an error other than the student leaving;
   - no leak: KV blocks in use and live requests back to 0; the server's resident memory at the end within
-    --rss-tolerance (5 %) of what it was after the first --warmup-minutes (the model, the caches and the
-    lessons' one-time setup are in place by then);
+    --rss-tolerance (5 %) of what it was after the first --warmup-minutes (the model and the caches are in
+    place by then, but not each lesson's first run, which raises the process's high-water mark once:
+    docs/reliability.md);
   - time between tokens steady: p99 of the gaps between a reply's streamed chunks (the room's chat
     sends a chunk per decoded piece of text, usually one token), while no lesson is in force, in the
     first --window minutes and in the last, the last at most --tbt-tolerance (1.25x) the first.
