@@ -34,6 +34,7 @@ from engine.kernels import ops
 from engine.kernels.loading import (  # noqa: F401  (the interface the core calls reads them here)
     AMX_ROWS,
     CHAINS,
+    EVERY_ROW,
     F32_AVX2_ROWS,
     F32_ROWS,
     FUNCTIONS,

@@ -25,6 +25,7 @@ AMX_ROWS = 32       # up to this many rows the tile kernel computes F.linear's v
 # decode_layers: one tensor of each per layer
 LAYER_WEIGHTS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache")
 F32_ROWS = 128      # a fp32 decode step of up to this many sequences runs its layers in one call (decode_layers)
+EVERY_ROW = 1 << 62  # f32_kernel_rows where the kernel takes every row count
 F32_AVX2_ROWS = 8   # without AVX-512 the fp32 linears' kernel holds 3 rows of sums, and oneDNN is faster from
                     # about a dozen rows on (docs/results.md): up to this many rows the kernel, then oneDNN
 REFERENCES = {"paged_decode": reference.paged_decode, "write_kv": reference.write_kv,
@@ -129,7 +130,7 @@ def f32_linears() -> bool:
 
 def f32_kernel_rows() -> int:
     """Up to how many rows the fp32 kernel beats oneDNN: every row count with AVX-512, F32_AVX2_ROWS without."""
-    return 1 << 62 if avx512() else F32_AVX2_ROWS
+    return EVERY_ROW if avx512() else F32_AVX2_ROWS
 
 
 def avx512() -> bool:

@@ -109,7 +109,7 @@ def pack_weights(model):
     amx = dtype == torch.bfloat16 and amx_linears_work()
     f32 = dtype == torch.float32 and f32_linears_work()
     f32_rows = cpu_kernels.f32_kernel_rows() if f32 else 0
-    every_row = f32_rows >= 1 << 62                         # the kernel takes every row count: no oneDNN copy
+    every_row = f32_rows == cpu_kernels.EVERY_ROW           # the kernel takes every row count: no oneDNN copy
     for m in model.modules():
         if isinstance(m, Linear):
             if f32 and m.out_features % 16 == 0:
@@ -119,9 +119,10 @@ def pack_weights(model):
             m.packed = pack(m.weight)
             if amx and m.bias is None and cpu_kernels.amx_shape_ok(*m.weight.shape):
                 m.amx = cpu_kernels.pack_amx(m.weight)
-    if f32 and model.cfg.vocab_size % 16 == 0:
+    f32_head = f32 and model.cfg.vocab_size % 16 == 0
+    if f32_head:
         model.f32_head, model.f32_rows = cpu_kernels.pack_f32(model.head_weight()), f32_rows
-    if not (f32 and model.cfg.vocab_size % 16 == 0 and every_row):
+    if not (f32_head and every_row):
         model.packed_head = pack(model.head_weight())
     if amx and cpu_kernels.amx_shape_ok(*model.head_weight().shape):
         model.amx_head = cpu_kernels.pack_amx(model.head_weight())
