@@ -80,6 +80,8 @@ def test_the_lecturers_page_and_the_what_if_panel_idle_during_and_after_lesson_2
         wait_js(pg, "!document.querySelector('[data-testid=whatif-run]').disabled")
         panel.locator("[data-testid=whatif-run]").click()
         panel.locator("[data-testid=whatif-table]").wait_for(state="visible", timeout=300_000)
+        # the table is drawn a moment before the run ends and Run is enabled again (static/whatif.js)
+        wait_js(pg, "!document.querySelector('[data-testid=whatif-run]').disabled")
         no_violations(pg, "the what-if panel with results", "[data-testid=whatif]")
         no_violations(pg, "/ after the what-if replay")
 
