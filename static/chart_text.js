@@ -76,19 +76,24 @@ function renderTable() {
   table.tBodies[0].append(...rows);
 }
 
-function say(now) {
+// the newest step, if the live region has not said it and has been quiet for SAY_EVERY_MS (null otherwise)
+function toSay() {
   const steps = store.steps, s = steps[steps.length - 1];
-  if (!s || view.mode !== "live" || R.step(s) === lastSaid || now - lastSayAt < SAY_EVERY_MS) return false;
-  lastSaid = R.step(s); lastSayAt = now;
-  root.querySelector("[data-testid=chart-live]").textContent = describeStep(s);
-  return true;
+  if (!s || view.mode !== "live" || R.step(s) === lastSaid || performance.now() - lastSayAt < SAY_EVERY_MS) return null;
+  return s;
 }
 
+// The table follows the chart; the live region is written last in the frame (main.js calls this after the
+// other panels) and paced by the clock at the moment of writing, not the frame's start: a slow frame
+// before it (a first Plotly draw) must not bring two announcements closer than SAY_EVERY_MS.
 export function textFrame(now) {
   if (!root || !root.isConnected) return;
-  const spoke = say(now);
+  const s = toSay();
   const shown = !root.querySelector("[data-testid=chart-table-box]").classList.contains("bs-sr");
-  if (spoke || shown || now - lastTableAt >= SAY_EVERY_MS) { lastTableAt = now; renderTable(); }   // shown: as the chart moves
+  if (s || shown || now - lastTableAt >= SAY_EVERY_MS) { lastTableAt = now; renderTable(); }   // shown: as the chart moves
+  if (!s) return;
+  lastSaid = R.step(s); lastSayAt = performance.now();
+  root.querySelector("[data-testid=chart-live]").textContent = describeStep(s);
 }
 
 export function showTable(open) {

@@ -38,10 +38,10 @@ function frame(now) {
     perf.draws++; perf.drawMs += ms; perf.maxDrawMs = Math.max(perf.maxDrawMs, ms);
   }
   metrics.metricsFrame(now);
-  chartText.textFrame(now);
   room.roomFrame(now);
   why.whyFrame(now);
   kvmap.kvFrame(now);
+  chartText.textFrame(now);     // last: its live region is paced by the time it is written
   requestAnimationFrame(frame);
 }
 

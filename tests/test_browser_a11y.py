@@ -300,6 +300,12 @@ def test_the_live_region_speaks_at_most_once_a_second(browser):
     try:
         stream = lesson2_stream()
         load_stage(pg, stream[:5])
+        # a slow machine (a loaded laptop on a projector): each chart draw takes 0-80 ms, more in one frame than
+        # the next, which must not bring two announcements closer together than a second
+        pg.evaluate("""() => { const clear = CanvasRenderingContext2D.prototype.clearRect;
+            CanvasRenderingContext2D.prototype.clearRect = function (...a) {
+                const until = performance.now() + 80 * Math.random(); while (performance.now() < until);
+                return clear.apply(this, a); }; }""")
         pg.evaluate("""() => { window.said = []; new MutationObserver(() => said.push(performance.now()))
             .observe(document.querySelector('[data-testid=chart-live]'), {childList: true, characterData: true,
                                                                         subtree: true}); }""")
@@ -308,8 +314,8 @@ def test_the_live_region_speaks_at_most_once_a_second(browser):
             pg.wait_for_timeout(100)
         pg.wait_for_timeout(1100)
         times = pg.evaluate("said")
-        # paced by animation frames' start times: a change lands up to a frame (tens of ms) after its frame began
-        assert len(times) >= 2 and all(b - a >= 950 for a, b in zip(times, times[1:])), times
+        # paced by the time of writing, the frame's last act: the observer hears it within a millisecond or two
+        assert len(times) >= 2 and all(b - a >= 990 for a, b in zip(times, times[1:])), times
         assert pg.inner_text("[data-testid=chart-live]").startswith("step 13:")     # the newest, in the end
     finally:
         pg.close()
