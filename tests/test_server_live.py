@@ -27,7 +27,8 @@ def read_until(ws, done, timeout: float = 120) -> list[dict]:
     return out
 
 
-def test_viewer_sees_the_steps_of_the_requests_it_saw_arrive(live_server):
+def watch_two_chats(live_server):
+    """A viewer's snapshot, the two chats' replies, and what the viewer was sent until both had finished."""
     with viewer(live_server) as ws:
         snapshot = json.loads(ws.recv(timeout=30))
         assert snapshot["type"] == "snapshot" and snapshot["settings"]["policy"] == "chunked"
@@ -44,6 +45,19 @@ def test_viewer_sees_the_steps_of_the_requests_it_saw_arrive(live_server):
         # a request's "finished" event comes during its last step; the step's record follows it
         msgs = read_until(ws, lambda out: {r for m in out if m["type"] == "step" for r in m["finished"]}
                           >= set(rids.values()))
+    return snapshot, replies, rids, msgs
+
+
+def test_viewer_sees_the_steps_of_the_requests_it_saw_arrive(live_server):
+    # The test server lets a viewer fall 8 records behind (ws_buffer=8) before it skips to a gap marker; on a
+    # loaded machine its event loop can lag the tiny model's steps that far. A viewer that kept up is what
+    # this test is about: a gap (announced, never silent) means another try, three at most.
+    for _ in range(3):
+        snapshot, replies, rids, msgs = watch_two_chats(live_server)
+        if not any(m["type"] == "gap" for m in msgs):
+            break
+    else:
+        pytest.fail("the viewer fell behind (a gap) in all three tries")
     arrived = {m["req"]: m for m in snapshot["records"] + msgs if m.get("event") == "arrived"}
     for m in msgs:
         if m["type"] == "step":
