@@ -39,6 +39,9 @@ FLAGS = {
     "max-num-seqs": (EngineConfig, "max_num_seqs", "most sequences in one step"),
     "max-prefill-chunk": (EngineConfig, "max_prefill_chunk", "cap on one prompt's chunk (chunked policy)"),
     "kv-cache-gb": (EngineConfig, "kv_cache_gb", "KV cache size on CPU"),
+    "claim-kv-cache": (EngineConfig, "claim_kv_cache",
+                       "CPU: make the whole KV cache resident at start, so RSS is flat and a cache too large fails "
+                       "at once; --no-claim-kv-cache leaves its pages to be touched when first used"),
     "enable-prefix-caching": (EngineConfig, "enable_prefix_caching",
                               "reuse the KV of prompts that start alike; --no-enable-prefix-caching as vLLM "
                               "(switchable live: POST /api/engine)"),
@@ -72,6 +75,8 @@ FLAGS = {
 # --serving: throughput settings instead of the teaching ones (a 256-token budget, so that chunks show on
 # the chart; a rate limit for a public room). Flags and environment variables still win.
 SERVING = {"max_num_batched_tokens": 2048, "max_num_seqs": 64, "rate_limit_per_minute": 0}
+# the server's own defaults where they differ from the library's dataclasses
+APP = {"claim_kv_cache": True}
 PLAIN_ENV = {"host": "HOST", "port": "PORT", "forwarded-allow-ips": "FORWARDED_ALLOW_IPS"}   # as platforms set them
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
@@ -113,7 +118,8 @@ def parse_args(argv: list[str] | None = None, env: dict | None = None,
         kind = TYPES.get(str(field.type), str)
         var = "BATCHSCOPE_" + flag.upper().replace("-", "_")
         raw = env.get(var) or (env.get(PLAIN_ENV[flag]) if flag in PLAIN_ENV else None)
-        default = SERVING.get(name, field.default) if serving else field.default
+        app_default = APP.get(name, field.default)
+        default = SERVING.get(name, app_default) if serving else app_default
         if raw is not None:
             try:
                 default = kind(raw)
@@ -121,13 +127,13 @@ def parse_args(argv: list[str] | None = None, env: dict | None = None,
                 p.error(f"environment variable {var}={raw!r} is not a valid {kind.__name__}")
             except argparse.ArgumentTypeError as e:
                 p.error(f"environment variable {var}: {e}")
-        if flag == "enable-prefix-caching":        # vLLM's pair of flags: --enable-... / --no-enable-...
+        if flag in ("enable-prefix-caching", "claim-kv-cache"):   # vLLM's pairs of flags: --x / --no-x
             p.add_argument(f"--{flag}", dest=name, action=argparse.BooleanOptionalAction, default=default,
-                           help=f"{text} (env {var}; default {field.default!r})")
+                           help=f"{text} (env {var}; default {app_default!r})")
             continue
         p.add_argument(f"--{flag}", dest=name, type=kind, default=default, metavar=flag.split("-")[-1].upper(),
                        choices=POLICIES if flag == "policy" else None,
-                       help=f"{text} (env {var}; default {field.default!r})")
+                       help=f"{text} (env {var}; default {app_default!r})")
     # attach mode (app/serving/attach.py): the page over a vLLM server's records, no engine of its own
     p.add_argument("--attach", default=env.get("BATCHSCOPE_ATTACH"), metavar="URL",
                    help="draw a vLLM server (http://HOST:PORT) that runs batchscope's recording scheduler "

@@ -39,6 +39,8 @@ class EngineConfig:
     max_prefill_chunk: int | None = None  # optional cap on one request's chunk (chunked policy)
     block_size: int = 16                # tokens per KV block
     kv_cache_gb: float = 1.0            # KV cache size on CPU
+    claim_kv_cache: bool = False        # CPU: make every page of the KV cache resident at start, not when first
+                                        # written (`python -m app` sets it: engine/memory.py says why)
     gpu_memory_utilization: float = 0.85  # fraction of the GPU memory free at start for weights, activations, KV
     num_kv_blocks: int | None = None    # overrides the two above (tests use it to force preemption)
     max_model_len: int | None = None    # defaults to the model's context length

@@ -3,9 +3,20 @@
     resident_bytes()        this process's resident set size (RSS), in bytes
     resident_bytes(pid)     another process's (a worker of the disaggregated pair)
 
+    release_free_heap()     hand the heap's free memory back to the system (glibc's malloc_trim)
+
 The KV cache's share is `ModelRunner.kv_cache_bytes` (the bytes of the cache's tensors); each
 engine's `memory()` puts the two side by side, and the server's /healthz, /api/engine and
 /metrics show that dict.
+
+Two things move a CPU server's RSS after its start, and neither is a leak:
+  - the KV cache is lazily zeroed memory: a page becomes resident when a block on it is first written.
+    Free blocks are handed out least recently freed first (the prefix cache keeps what was freed last),
+    so a busy server cycles through every block and its RSS climbs to the whole cache. The server
+    claims the cache at start instead (EngineConfig.claim_kv_cache, set by `python -m app`).
+  - the runner keeps freed memory in its heap between steps (model_runner.keep_freed_memory), so
+    the largest step so far (a lesson's whole long prompt) sets a high-water mark. The server hands
+    it back when it has been idle a while (app/serving/engine_loop.py).
 """
 from __future__ import annotations
 
@@ -22,3 +33,14 @@ def resident_bytes(pid: int | str = "self") -> int | None:
             return int(f.read().split()[1]) * PAGE_BYTES
     except (OSError, IndexError, ValueError):
         return None
+
+
+def release_free_heap() -> bool:
+    """glibc: hand the free parts of every malloc arena back to the system (malloc_trim(0); a few ms).
+    False without glibc."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True

@@ -169,15 +169,12 @@ def serve_on_loopback(engine_config):
 
 # ---- memory: what a module's fixtures held goes back to the system when the module ends ----
 def _trim_heap():
-    """glibc: hand the free parts of every malloc arena back to the system. The engine keeps freed memory in
-    its heap on purpose (engine/execution/model_runner.py keep_freed_memory), and each server's engine thread
-    allocates from an arena of its own, so in a test worker that starts engine after engine the free memory
-    of finished ones would pile up (one worker once reached 15 GB). A no-op without glibc."""
-    import ctypes
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    """engine/memory.py release_free_heap. The engine keeps freed memory in its heap on purpose
+    (engine/execution/model_runner.py keep_freed_memory), and each server's engine thread allocates from an
+    arena of its own, so in a test worker that starts engine after engine the free memory of finished ones
+    would pile up (one worker once reached 15 GB)."""
+    from engine.memory import release_free_heap
+    release_free_heap()
 
 
 def resident_gb() -> float:

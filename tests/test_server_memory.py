@@ -6,6 +6,7 @@ model's config and the number of blocks the engine reports."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,61 @@ def test_the_pairs_workers_memory_is_reported_by_pid(tiny_model):
         assert mem["kv_cache_bytes"] > 0 and abs(mem["rss_bytes"] - vm_rss()) < SLACK
     finally:
         server.close()                                   # the generator's finally: the service stops
+
+
+def resident_in(start: int, nbytes: int) -> int:
+    """Resident bytes of the mappings that overlap [start, start + nbytes), from the kernel's /proc/self/smaps
+    (a large buffer may span several: the kernel splits mappings at huge-page boundaries)."""
+    total, overlaps = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            overlaps = lo < start + nbytes and start < hi
+        elif overlaps and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+@needs_proc
+@pytest.mark.parametrize("claim", [False, True])
+def test_a_claimed_kv_cache_is_resident_from_the_start(tiny_model, claim):
+    """claim_kv_cache (the server's default): every page of the cache resident once the engine has loaded, so
+    RSS does not climb as the LRU free list cycles through the blocks; unclaimed, nothing is until written."""
+    from engine import EngineConfig, LLMEngine
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), dtype="float32", kv_cache_gb=0.1, claim_kv_cache=claim))
+    cache = engine.runner.kv_cache
+    resident = resident_in(cache.data_ptr(), cache.nbytes)
+    if claim:
+        assert resident >= cache.nbytes - 4096, (resident, cache.nbytes)
+    else:
+        assert resident < cache.nbytes // 10, (resident, cache.nbytes)
+    assert not cache.any()                               # zeros either way
+    engine.close()
+
+
+def test_the_server_claims_its_kv_cache_unless_told_not_to():
+    from app.__main__ import parse_args
+    from engine import EngineConfig
+    assert EngineConfig().claim_kv_cache is False        # the library: lazily zeroed
+    assert parse_args([], env={}).claim_kv_cache is True    # `python -m app`: claimed at start
+    assert parse_args(["--no-claim-kv-cache"], env={}).claim_kv_cache is False
+    assert parse_args([], env={"BATCHSCOPE_CLAIM_KV_CACHE": "0"}).claim_kv_cache is False
+    assert parse_args(["--serving"], env={}).claim_kv_cache is True
+
+
+def test_a_lull_after_steps_hands_the_heap_back_once(live_server, monkeypatch):
+    """After HEAP_IDLE_S with nothing to run, the engine thread calls release_free_heap, once per lull: an
+    engine that stays idle does not call it again, and /healthz's memory is read again after it."""
+    import app.serving.engine_loop as engine_loop
+    calls = []
+    real = engine_loop.release_free_heap
+    monkeypatch.setattr(engine_loop, "release_free_heap", lambda: calls.append(time.monotonic()) or real())
+    live_server.chat("Hi", max_tokens=3)
+    ended = time.monotonic()
+    wait_for(lambda: calls, timeout=30, what="the heap to be handed back after the reply")
+    assert calls[0] - ended >= engine_loop.HEAP_IDLE_S * 0.9
+    time.sleep(engine_loop.HEAP_IDLE_S * 2.5)
+    assert len(calls) == 1                                   # idle since: nothing more to hand back
+    live_server.chat("Hi again", max_tokens=3)
+    wait_for(lambda: len(calls) == 2, timeout=30, what="the second lull's hand-back")

@@ -28,9 +28,11 @@ from collections.abc import Callable
 from app.serving.broadcast import Broadcaster
 from app.serving.request_stream import Delta, RequestStream, ServiceUnavailable, ShuttingDown, deliver
 from engine import EngineConfig
+from engine.memory import release_free_heap
 from engine.protocol import Engine, RequestInfo, RequestOutput
 
 log = logging.getLogger("batchscope.server")
+HEAP_IDLE_S = 1.0       # idle this long after steps: the heap's free memory goes back to the system
 HOLD_LIMIT_S = 5.0      # a step hold nobody moves for this long is dropped: a vanished runner cannot freeze the room
 
 
@@ -47,6 +49,7 @@ class EngineLoop:
                                                 # settings): written once before start() returns
         self.memory: dict = {}                  # engine.memory() as the engine thread last read it (replaced
         self._memory_at = float("-inf")         # whole): after commands, and at most once a second while stepping
+        self._stepped = False                   # steps ran since the heap was last handed back
         self.side_job = None                    # side work stepped between live steps (a what-if replay)
         self.streams: dict[str, RequestStream] = {}   # live requests that somebody is reading
         self._subscribers: list[Callable[[dict], None]] = []
@@ -239,14 +242,21 @@ class EngineLoop:
         self._note_memory()
         if not self.engine.has_unfinished():
             pause = self._side_work()
-            if pause is None:
-                self._wake.wait()               # idle: sleep until a command arrives
+            if pause is None:                   # idle: sleep until a command arrives
+                # A lull after steps hands back what the largest of them left free in the heap (a lesson's
+                # whole long prompt: engine/memory.py); a burst of requests one after another never waits
+                # HEAP_IDLE_S, so its steps keep their memory warm.
+                if not self._wake.wait(HEAP_IDLE_S if self._stepped else None):
+                    release_free_heap()
+                    self._stepped = False
+                    self._note_memory(force=True)
             elif pause > 0:
                 self._wake.wait(pause)
             return
         if self._held():
             return
         out = self.engine.step()
+        self._stepped = True
         self._deliver(out.outputs if out else [])
         self._side_work()                       # side work takes one step per live step
         if out is not None and out.record is not None and not out.record["items"]:

@@ -152,7 +152,8 @@ class DisaggregatedEngine(RequestFront):
         self.staging = Staging(self._shm.name, shape, DTYPES[config.dtype])
         # ---- the two workers: half the cores each ----
         cores = config.cpu_threads or os.cpu_count() or 2
-        self.worker_config = replace(config, policy="chunked", cpu_threads=max(1, cores // 2))
+        # the workers' caches stay lazily zeroed: the pair serves one lesson at a time, then stops
+        self.worker_config = replace(config, policy="chunked", cpu_threads=max(1, cores // 2), claim_kv_cache=False)
         self._settings = {"policy": "disaggregated", "max_num_batched_tokens": config.max_num_batched_tokens,
                           "max_num_seqs": config.max_num_seqs, "max_prefill_chunk": config.max_prefill_chunk}
         # ---- requests (d0, d1...: never an id of the single engine, r0, r1...), records, counters ----

@@ -107,6 +107,7 @@ class ModelRunner:
             self.num_blocks = self._blocks_left_after_warmup(config, free_at_start)
         else:
             self.num_blocks = max(2, int(config.kv_cache_gb * 2**30 // self.bytes_per_block))
+        self.claim_kv_cache = config.claim_kv_cache
         self._allocate_cache(self.num_blocks + 1)
         self.scratch_block = self.num_blocks
 
@@ -152,6 +153,8 @@ class ModelRunner:
         shape = (self.num_layers, 2, num_blocks, self.block_size, self.kv_heads, self.head_dim)
         self.kv_cache = None                  # let a previous cache go first
         self.kv_cache = _zeros(shape, self.dtype, self.device)
+        if self.claim_kv_cache and self.device.type == "cpu":
+            self.kv_cache.zero_()             # writes every page: resident now, as a busy server's cache becomes
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
 
