@@ -12,7 +12,7 @@ import { rec as R } from "./record.js";   // record fields are read through reco
 import { store } from "./socket.js";
 
 const CELL = 14, GAP = 2;
-let box, canvas, tip, shown = null, lastKey = "", lastDraw = 0;
+let box, canvas, tip, shown = null, lastKey = "", lastDraw = -Infinity, drewSteps = false;
 
 const label = (rid) => { const r = store.reqs.get(rid); return r ? r.label : rid; };
 
@@ -113,5 +113,8 @@ export function initKvMap(stage) {
 export function kvFrame(now) {
   if (!box) return;
   const v = store.version + ":" + view.mode + view.cursor + ":" + view.picked + lang();
-  if (v !== lastKey && now - lastDraw > 300) { lastKey = v; lastDraw = now; draw(); }
+  // throttled while steps stream in; the first steps at once (a replay, a page opened late)
+  if (v !== lastKey && (now - lastDraw > 300 || !drewSteps)) {
+    lastKey = v; lastDraw = now; drewSteps = store.steps.length > 0; draw();
+  }
 }

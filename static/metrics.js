@@ -23,7 +23,7 @@ import { rec as R } from "./record.js";   // record fields are read through reco
 import { seenWhole, store } from "./socket.js";
 
 const MAX_SEGMENTS = 4;
-let table, lastDraw = 0, lastKey = "";
+let table, lastDraw = -Infinity, lastKey = "", drewSteps = false;
 
 // q in [0, 100] of an ascending array; null for no data
 export function percentile(sorted, q) {
@@ -260,8 +260,9 @@ export function initMetrics(root) {
 export function metricsFrame(now) {
   if (!table) return;
   const v = store.version + ":" + (view ? view.mode + view.cursor : "") + lang();
-  if (now - lastDraw > 500 && v !== lastKey) {
-    lastDraw = now; lastKey = v;
+  // at most twice a second while steps stream in; the first steps at once (a replay, a page opened late)
+  if (v !== lastKey && (now - lastDraw > 500 || !drewSteps)) {
+    lastDraw = now; lastKey = v; drewSteps = store.steps.length > 0;
     drawTable();
     document.querySelectorAll("canvas[data-spark]").forEach(drawSpark);
   }

@@ -19,7 +19,7 @@ const MAX_COLUMNS = 4;
 // kind of step: colour and marker shape both tell it (Okabe-Ito blue, vermillion, bluish green)
 const KIND = { decode: ["#0072B2", "circle"], prefill: ["#D55E00", "square"], mixed: ["#009E73", "triangle"] };
 const GPU_TRACE = "/static/batchscope/data/gpu_cost_trace.json";   // app/ui/page.py serves static/ there
-let root, shown = false, picked = null, lastKey = "", lastDraw = 0;
+let root, shown = false, picked = null, lastKey = "", lastDraw = -Infinity, drewSteps = false;
 let gpu = null;                            // the recorded GPU trace once loaded: {steps, meta}, or {error}
 
 const ms = (sec) => (sec !== 0 && Math.abs(sec) < 1e-5 ? (sec * 1e6).toFixed(2) + " µs"   // a GPU's per-token cost
@@ -336,5 +336,8 @@ export function initWhy(stage) {
 export function whyFrame(now) {
   if (!shown) return;
   const v = store.version + ":" + view.mode + view.cursor + lang() + ":" + picked;
-  if (v !== lastKey && now - lastDraw > 400) { lastKey = v; lastDraw = now; draw(); }
+  // throttled while steps stream in; the first steps at once (a replay, a page opened late)
+  if (v !== lastKey && (now - lastDraw > 400 || !drewSteps)) {
+    lastKey = v; lastDraw = now; drewSteps = store.steps.length > 0; draw();
+  }
 }
