@@ -85,13 +85,25 @@ class FusedOps:
 def decode_weights(model) -> dict[str, list[torch.Tensor]]:
     """Each layer's weights (the linears in their kernel's layout) and KV cache, as cpu_kernels.decode_layers
     takes them: the tensors themselves, read at every call, so a cache the runner gave the layers later is
-    the one used."""
+    the one used. The modules they are read from are found once (nn.Module's attribute lookup of a
+    submodule is the slow part: a third of a millisecond a step for 30 layers)."""
+    parts = getattr(model, "_decode_parts", None)
+    if parts is None:
+        parts = model._decode_parts = [(l.input_layernorm, l.self_attn, l.self_attn.qkv_proj, l.self_attn.o_proj,
+                                        l.post_attention_layernorm, l.mlp.gate_up_proj, l.mlp.down_proj)
+                                       for l in model.layers]
     kernel = lambda m: m.amx if m.amx is not None else m.f32       # noqa: E731
-    parts = {"input_norm": lambda l: l.input_layernorm.weight, "qkv": lambda l: kernel(l.self_attn.qkv_proj),
-             "o": lambda l: kernel(l.self_attn.o_proj), "post_norm": lambda l: l.post_attention_layernorm.weight,
-             "gate_up": lambda l: kernel(l.mlp.gate_up_proj), "down": lambda l: kernel(l.mlp.down_proj),
-             "k_cache": lambda l: l.self_attn.k_cache, "v_cache": lambda l: l.self_attn.v_cache}
-    return {name: [part(l) for l in model.layers] for name, part in parts.items()}
+    out = {name: [] for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache")}
+    for norm, attn, qkv, o, post, gate_up, down in parts:
+        out["input_norm"].append(norm.weight)
+        out["qkv"].append(kernel(qkv))
+        out["o"].append(kernel(o))
+        out["post_norm"].append(post.weight)
+        out["gate_up"].append(kernel(gate_up))
+        out["down"].append(kernel(down))
+        out["k_cache"].append(attn.k_cache)
+        out["v_cache"].append(attn.v_cache)
+    return out
 
 
 def pack_weights(model):
