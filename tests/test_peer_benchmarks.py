@@ -121,3 +121,22 @@ def test_vllm_bench_serve_finishes_a_concurrent_run_without_errors(server, tmp_p
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["completed"] == 8 and report.get("failed", 0) == 0
     assert report["total_output_tokens"] == 8 * 8
+
+
+def test_a_vllm_python_that_is_not_there_is_named_not_a_traceback(tmp_path):
+    """demos/vllm/peers.py --vllm-python: a path that does not exist, or a Python without vllm, is refused
+    before any server starts, with the path in the message."""
+    import sys
+
+    from demos.vllm.peers import vllm_python
+    with pytest.raises(ValueError, match="no-such-python"):
+        vllm_python(str(tmp_path / "no-such-python"))
+    with pytest.raises(ValueError, match="cannot import vllm"):
+        vllm_python(sys.executable if not _imports_vllm(sys.executable) else str(tmp_path / "x"))
+    run = subprocess.run([sys.executable, "-m", "demos.vllm.peers", "--vllm-python", str(tmp_path / "no-such-python")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "no-such-python" in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def _imports_vllm(python: str) -> bool:
+    return subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0

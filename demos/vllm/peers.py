@@ -8,9 +8,10 @@ Hugging Face folder) and stay up; then, for --rounds rounds, they take turns at 
 (one measured at a time, the other idle), so a change in the machine's load hits both, and the medians
 and the per-round ratios are printed: batchscope with its serving preset (`python -m app --serving`), vLLM
 (`python -m vllm.entrypoints.openai.api_server`, both cores) where --vllm-python (or $VLLM_PYTHON)
-is a Python that imports vllm; otherwise its row says "not installed"; and, with --baseline, batchscope
-from another checkout of this project (a worktree of an earlier commit: before and after a change, in the
-same run, with the same flags). Both compute in the same
+is a Python that imports vllm (one that is not there, or cannot import it, is refused by name;
+without either, its row says "not installed"); and, with --baseline, batchscope from another checkout
+of this project (a worktree of an earlier commit: before and after a change, in the same run, with the
+same flags). Both compute in the same
 precision: --dtype (auto: bfloat16 on a CPU with AMX, else float32, as batchscope picks) goes to both;
 int8 (batchscope's int8 linears) has no vLLM-CPU counterpart, so vLLM then runs float32. Each row
 names its dtype. For each concurrency level the
@@ -76,11 +77,18 @@ def vllm_cmd(python: str, folder: Path, port: int, args) -> tuple[list[str], dic
 
 
 def vllm_python(given: str | None) -> str | None:
+    """The Python that serves vLLM: --vllm-python, else $VLLM_PYTHON; None when neither is set (its row then
+    says "not installed"). A ValueError naming the path when it is not there or cannot import vllm."""
     python = given or os.environ.get("VLLM_PYTHON")
     if not python:
         return None
-    ok = subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0
-    return python if ok else None
+    try:
+        ok = subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0
+    except OSError as e:
+        raise ValueError(f"--vllm-python {python}: cannot be run ({e.strerror})") from None
+    if not ok:
+        raise ValueError(f"--vllm-python {python}: cannot import vllm (scripts/install_vllm.sh makes .venv-vllm)")
+    return python
 
 
 def start(cmd: list[str], env: dict, port: int, timeout: float, cwd: Path = ROOT) -> subprocess.Popen:
@@ -176,6 +184,10 @@ def main():
     p.add_argument("--baseline", type=Path, default=None, help="another checkout of batchscope, served beside "
                    "this one with the same flags (e.g. a worktree of an earlier commit)")
     args = p.parse_args()
+    try:
+        python = vllm_python(args.vllm_python)
+    except ValueError as e:
+        p.error(str(e))
     if args.baseline and not (args.baseline / "app" / "__main__.py").exists():
         p.error(f"--baseline {args.baseline}: not a checkout of batchscope (no app/__main__.py)")
     from engine.weights.loader import resolve_model
@@ -187,7 +199,6 @@ def main():
     if args.baseline:
         servers.append((f"baseline {flags} ({ours})", lambda port: batchscope_cmd(folder, port, args),
                         args.baseline.resolve()))
-    python = vllm_python(args.vllm_python)
     servers.append((f"vLLM-CPU ({theirs})", (lambda port: vllm_cmd(python, folder, port, args)) if python else None,
                     ROOT))
     print(f"load average before: {load()}; cpu: {cpu_name()}; {args.prompt_tokens}-token prompts, "
