@@ -9,10 +9,11 @@ import { lang, t } from "./i18n.js";
 import { layout, view } from "./layout.js";
 import { colorOf, colors, inkOn } from "./palette.js";
 import { rec as R } from "./record.js";   // record fields are read through record.js
-import { store } from "./socket.js";
+import { pacer, store } from "./socket.js";
 
 const CELL = 14, GAP = 2;
-let box, canvas, tip, shown = null, lastKey = "", lastDraw = -Infinity, drewSteps = false;
+let box, canvas, tip, shown = null;
+const pace = pacer(300);
 
 const label = (rid) => { const r = store.reqs.get(rid); return r ? r.label : rid; };
 
@@ -113,8 +114,5 @@ export function initKvMap(stage) {
 export function kvFrame(now) {
   if (!box) return;
   const v = store.version + ":" + view.mode + view.cursor + ":" + view.picked + lang();
-  // throttled while steps stream in; the first steps at once (a replay, a page opened late)
-  if (v !== lastKey && (now - lastDraw > 300 || !drewSteps)) {
-    lastKey = v; lastDraw = now; drewSteps = store.steps.length > 0; draw();
-  }
+  if (pace.due(now, v)) draw();
 }

@@ -20,10 +20,11 @@ import { fmt, lang, t } from "./i18n.js";
 import { view } from "./layout.js";
 import { colorOf } from "./palette.js";
 import { rec as R } from "./record.js";   // record fields are read through record.js
-import { seenWhole, store } from "./socket.js";
+import { pacer, seenWhole, store } from "./socket.js";
 
 const MAX_SEGMENTS = 4;
-let table, lastDraw = -Infinity, lastKey = "", drewSteps = false;
+let table;
+const pace = pacer(500);   // at most twice a second while steps stream in
 
 // q in [0, 100] of an ascending array; null for no data
 export function percentile(sorted, q) {
@@ -260,9 +261,7 @@ export function initMetrics(root) {
 export function metricsFrame(now) {
   if (!table) return;
   const v = store.version + ":" + (view ? view.mode + view.cursor : "") + lang();
-  // at most twice a second while steps stream in; the first steps at once (a replay, a page opened late)
-  if (v !== lastKey && (now - lastDraw > 500 || !drewSteps)) {
-    lastDraw = now; lastKey = v; drewSteps = store.steps.length > 0;
+  if (pace.due(now, v)) {
     drawTable();
     document.querySelectorAll("canvas[data-spark]").forEach(drawSpark);
   }

@@ -165,6 +165,21 @@ export function flush() {
 }
 export const onStore = (fn) => store.listeners.push(fn);
 
+// A view's redraw pace: due() when its key moved and `ms` passed since its last draw,
+// and at once while no step has been drawn yet (a replay, a page opened late).
+// again() makes the next frame draw whatever the key (a setting or a trace changed).
+export function pacer(ms) {
+  let last = -Infinity, key = "", drewSteps = false;
+  return {
+    due(now, k) {
+      if (k === key || (drewSteps && now - last <= ms)) return false;
+      last = now; key = k; drewSteps = store.steps.length > 0;
+      return true;
+    },
+    again() { key = ""; },
+  };
+}
+
 // seconds since the newest step arrived while the engine still had requests (a step is running),
 // or null: idle, offline, disconnected, or a step came in the last RUNNING_AFTER seconds
 const RUNNING_AFTER = 0.7;

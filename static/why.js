@@ -11,7 +11,7 @@ import { initKvMap } from "./kvmap.js";
 import { view } from "./layout.js";
 import { colorOf, prefillPattern } from "./palette.js";
 import { rec as R } from "./record.js";   // record fields are read through record.js
-import { store, url } from "./socket.js";
+import { pacer, store, url } from "./socket.js";
 
 const A = analysis;
 const FIT_WINDOW = 2000;                   // newest steps fitted: a live fit follows the machine as it is now
@@ -19,7 +19,8 @@ const MAX_COLUMNS = 4;
 // kind of step: colour and marker shape both tell it (Okabe-Ito blue, vermillion, bluish green)
 const KIND = { decode: ["#0072B2", "circle"], prefill: ["#D55E00", "square"], mixed: ["#009E73", "triangle"] };
 const GPU_TRACE = "/static/batchscope/data/gpu_cost_trace.json";   // app/ui/page.py serves static/ there
-let root, shown = false, picked = null, lastKey = "", lastDraw = -Infinity, drewSteps = false;
+let root, shown = false, picked = null;
+const pace = pacer(400);
 let gpu = null;                            // the recorded GPU trace once loaded: {steps, meta}, or {error}
 
 const ms = (sec) => (sec !== 0 && Math.abs(sec) < 1e-5 ? (sec * 1e6).toFixed(2) + " µs"   // a GPU's per-token cost
@@ -122,14 +123,14 @@ async function loadGpu() {
     if (!r.ok) throw new Error("HTTP " + r.status);
     loadGpuTrace(await r.json());
   } catch (e) { gpu = { error: String(e.message || e) }; }
-  lastKey = "";
+  pace.again();
 }
 
 // a trace file's objects: its meta line, then records (offline pages and tests hand it over directly)
 export function loadGpuTrace(objs) {
   const meta = objs.find((o) => o.type === "trace") || {};
   gpu = { meta, steps: objs.filter((o) => o.type === "step") };
-  lastKey = "";
+  pace.again();
 }
 
 function drawGpu(box) {
@@ -317,14 +318,14 @@ function draw() {
   drawStalls(steps);
 }
 
-export function onStepClick(s) { picked = R.step(s); lastKey = ""; }
+export function onStepClick(s) { picked = R.step(s); pace.again(); }
 
 export function initWhy(stage) {
   root = stage;
   initKvMap(stage);
   if (!$("[data-testid=cost-model]")) return;
-  $("[data-testid=tbt-target]").addEventListener("input", (e) => { e.target.dataset.touched = "1"; lastKey = ""; });
-  $("[data-testid=gpu-compare]").addEventListener("change", () => { lastKey = ""; });
+  $("[data-testid=tbt-target]").addEventListener("input", (e) => { e.target.dataset.touched = "1"; pace.again(); });
+  $("[data-testid=gpu-compare]").addEventListener("change", () => { pace.again(); });
   $("[data-testid=apply-budget]").addEventListener("click", () => {
     const b = parseInt($("[data-role=advice]").dataset.budget, 10);
     if (b >= 1) apply({ max_num_batched_tokens: b });
@@ -336,8 +337,5 @@ export function initWhy(stage) {
 export function whyFrame(now) {
   if (!shown) return;
   const v = store.version + ":" + view.mode + view.cursor + lang() + ":" + picked;
-  // throttled while steps stream in; the first steps at once (a replay, a page opened late)
-  if (v !== lastKey && (now - lastDraw > 400 || !drewSteps)) {
-    lastKey = v; lastDraw = now; drewSteps = store.steps.length > 0; draw();
-  }
+  if (pace.due(now, v)) draw();
 }

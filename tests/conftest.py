@@ -168,15 +168,6 @@ def serve_on_loopback(engine_config):
 
 
 # ---- memory: what a module's fixtures held goes back to the system when the module ends ----
-def _trim_heap():
-    """engine/memory.py release_free_heap. The engine keeps freed memory in its heap on purpose
-    (engine/execution/model_runner.py keep_freed_memory), and each server's engine thread allocates from an
-    arena of its own, so in a test worker that starts engine after engine the free memory of finished ones
-    would pile up (one worker once reached 15 GB)."""
-    from engine.memory import release_free_heap
-    release_free_heap()
-
-
 def resident_gb() -> float:
     from engine.memory import resident_bytes
     return resident_bytes() / 2**30
@@ -189,7 +180,11 @@ def _free_after_module(request):
     yield
     import gc
     gc.collect()
-    _trim_heap()
+    # The engine keeps freed memory in its heap on purpose (engine/execution/model_runner.py
+    # keep_freed_memory) and each server's engine thread has an arena of its own, so in a worker that
+    # starts engine after engine the free memory of finished ones would pile up (one once reached 15 GB)
+    from engine.memory import release_free_heap
+    release_free_heap()
     log = os.environ.get("BATCHSCOPE_TEST_MEMLOG")
     if log:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")

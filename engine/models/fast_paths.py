@@ -93,16 +93,10 @@ def decode_weights(model) -> dict[str, list[torch.Tensor]]:
                                         l.post_attention_layernorm, l.mlp.gate_up_proj, l.mlp.down_proj)
                                        for l in model.layers]
     kernel = lambda m: m.amx if m.amx is not None else m.f32       # noqa: E731
-    out = {name: [] for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache")}
-    for norm, attn, qkv, o, post, gate_up, down in parts:
-        out["input_norm"].append(norm.weight)
-        out["qkv"].append(kernel(qkv))
-        out["o"].append(kernel(o))
-        out["post_norm"].append(post.weight)
-        out["gate_up"].append(kernel(gate_up))
-        out["down"].append(kernel(down))
-        out["k_cache"].append(attn.k_cache)
-        out["v_cache"].append(attn.v_cache)
+    rows = [(norm.weight, kernel(qkv), kernel(o), post.weight, kernel(gate_up), kernel(down),
+             attn.k_cache, attn.v_cache)                                # in cpu_kernels.LAYER_WEIGHTS' order
+            for norm, attn, qkv, o, post, gate_up, down in parts]
+    out = {name: list(column) for name, column in zip(cpu_kernels.LAYER_WEIGHTS, zip(*rows))}
     return out
 
 
