@@ -222,6 +222,22 @@ def test_compare_smoke(tiny_model, tmp_path):
         chunk["focus"]["victims"]) and "continuous: time between tokens" in svg
 
 
+def test_the_printed_tables_go_to_the_stdout_of_the_moment(monkeypatch):
+    """The summary tables print to sys.stdout as it is when they print, not as it was when their module was
+    imported (pytest and the lecture's runner swap it; a default bound at import wrote to a closed file)."""
+    import io
+
+    from demos.bench import against_hf
+    from demos.compare import scenario
+    keys = ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tbt_p50_s", "tbt_p99_s", "tbt_max_s",
+            "num_steps", "num_preemptions")
+    now = io.StringIO()
+    monkeypatch.setattr("sys.stdout", now)
+    scenario.print_table({"chunked": dict.fromkeys(keys)})
+    against_hf.print_summary({"systems": {"batchscope-chunked": dict.fromkeys(keys)}})
+    assert "chunked" in now.getvalue() and "batchscope-chunked" in now.getvalue()
+
+
 def test_bench_smoke(tiny_model, tmp_path):
     from demos.bench import against_hf as bench
     js = tmp_path / "b.json"

@@ -383,7 +383,8 @@ def markdown(out: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def print_summary(out: dict, file=sys.stdout):
+def print_summary(out: dict, file=None):
+    file = file or sys.stdout          # the stdout of the moment: a default bound at import goes stale
     def f(v, scale=1e3):
         return "–" if v is None else f"{v * scale:,.1f}"
     print(f"{'system':24}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'TBT p50':>10}{'TBT p99':>10}  (ms)", file=file)

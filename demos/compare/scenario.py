@@ -169,7 +169,8 @@ def median_summary(summaries: list[dict]) -> dict:
     return out
 
 
-def print_table(summaries: dict[str, dict], out=sys.stdout):
+def print_table(summaries: dict[str, dict], out=None):
+    out = out or sys.stdout            # the stdout of the moment: a default bound at import goes stale
     rows = [("output tokens/s", "output_tokens_per_s", 1), ("TTFT p50 ms", "ttft_p50_s", 1e3),
             ("TTFT p99 ms", "ttft_p99_s", 1e3), ("TBT p50 ms", "tbt_p50_s", 1e3), ("TBT p99 ms", "tbt_p99_s", 1e3),
             ("TBT max ms", "tbt_max_s", 1e3), ("steps", "num_steps", None), ("preemptions", "num_preemptions", None)]
