@@ -176,11 +176,22 @@ async function initStudent() {
 export function initRoom(stage) {
   root = stage;
   if (state.role === "projector") {
-    // the chart takes 27% of the screen's height: with the legend's three lines (the later lessons' marks)
-    // and the metrics table, the page still fits a 1366x768 projector without scrolling
-    const fit = () => { state.chartScale = projectorScale(); state.chartMaxH = Math.round(window.innerHeight * 0.27); };
+    // the chart takes what the rest of the page leaves it, at most 27% of the screen's height: the metrics
+    // table grows a line for each later lesson in view (prefix hits, preemptions, hand-overs, drafts), and the
+    // page still fits a 1366x768 projector without scrolling. The room it is given does not depend on its own
+    // height (that height plus what is spare), so refitting after it resizes changes nothing.
+    const fit = () => {
+      state.chartScale = projectorScale();
+      const H = window.innerHeight, gantt = document.querySelector("[data-testid=gantt]");
+      const body = document.body, bottom = body.getBoundingClientRect().bottom + window.scrollY +
+        parseFloat(getComputedStyle(body).marginBottom || "0");
+      const room = gantt ? gantt.getBoundingClientRect().height + H - bottom - 2 : H * 0.27;
+      const maxH = Math.round(Math.max(H * 0.15, Math.min(H * 0.27, room)));
+      if (maxH !== state.chartMaxH) { state.chartMaxH = maxH; redrawChart(); }
+    };
     fit();
     window.addEventListener("resize", fit);
+    new ResizeObserver(fit).observe(document.body);
   } else if (state.role === "student") {
     state.chartMaxH = 560;
     initStudent();
