@@ -26,16 +26,29 @@ def server():
         yield url, service
 
 
-def chat(url: str, text: str, n: int):
-    body = {"messages": [{"role": "user", "content": text}], "max_tokens": n, "temperature": 0, "ignore_eos": True}
-    api(url, "/v1/chat/completions", body)
+def chat(url: str, text: str, n: int, started: threading.Event | None = None):
+    """One chat completion; with `started`, streamed, and `started` is set at its first token."""
+    import json
+    import urllib.request
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "stream": started is not None}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if started is not None and line.startswith(b"data: {"):
+                started.set()
 
 
 def traffic(url: str):
-    """Two replies under way, then a long prompt arrives: under continuous it stalls them."""
+    """Two replies under way, then a long prompt arrives: under continuous it stalls them. The prompt is
+    sent once both replies have their first token (a fixed delay raced them: on a fast CPU both could end
+    before it), and each reply has 32 tokens to go, so it arrives mid-reply however fast the steps are."""
     doc = "Summarise this. " + "The lighthouse keeper climbed the stairs every evening at dusk. " * 40
-    jobs = [threading.Thread(target=chat, args=(url, q, 24)) for q in ("Name a colour.", "Name a fruit.")]
-    jobs.append(threading.Thread(target=lambda: (time.sleep(0.6), chat(url, doc, 4))))
+    started = [threading.Event(), threading.Event()]
+    jobs = [threading.Thread(target=chat, args=(url, q, 32, ev))
+            for q, ev in zip(("Name a colour.", "Name a fruit."), started)]
+    jobs.append(threading.Thread(target=lambda: ([ev.wait(120) for ev in started], chat(url, doc, 4))))
     for j in jobs:
         j.start()
     for j in jobs:
