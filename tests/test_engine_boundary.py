@@ -288,3 +288,49 @@ def test_the_pair_stops_once_idle_with_another_setting_in_force(tiny, monkeypatc
     assert not pairs[1].closed                  # in force: it stays
     sw.close()
     assert pairs[1].closed
+
+
+def test_an_admission_crosses_to_the_engine_thread_once_and_its_event_is_published_before_it_returns(tiny):
+    """EngineLoop.admit is the whole admission on the engine thread (queue check, add, private arrival log):
+    one command per request. The engine only appends its records to a list: nothing it runs calls back
+    into the loop or the service, and the loop hands the records on before the caller goes on, so the
+    `arrived` event is in the viewers' ring and the arrival log when submit() returns."""
+    import asyncio
+    import threading
+
+    from app import EngineService, ServerConfig
+    from app.serving.request_stream import QueueFull
+    service = EngineService(EngineConfig(dtype="float32"), ServerConfig(history=1024, max_waiting=1),
+                            make_engine=lambda call_soon: tiny_engine(tiny))
+    service.start(timeout=120)
+    posted = []
+    post = service.loop.post
+    service.loop.post = lambda command: (posted.append(command), post(command))[1]
+    engine_thread = []
+
+    def seen(obj):                                  # every record reaches the subscribers on the engine thread
+        engine_thread.append(threading.current_thread() is service.loop._thread)
+    service.loop.subscribe(seen)
+
+    async def run():
+        await service.hold("test", 0)               # no step runs: the request stays waiting
+        posted.clear()
+        stream = await service.submit(prompt_token_ids=[8, 9, 10], params=SamplingParams(max_tokens=2),
+                                      label="Ann")
+        crossings = len(posted)
+        events = [x for x in service.ring.last_steps(1024)[1] if x.get("event") == "arrived"]
+        logged = service.arrival_log.status()["requests"]
+        with pytest.raises(QueueFull) as full:      # max_waiting=1: the second is refused on the engine thread
+            await service.submit(prompt_token_ids=[8, 9], params=SamplingParams(max_tokens=2))
+        service.let_go("test")
+        replies = [d async for d in stream]
+        return crossings, events, logged, full.value, replies, stream
+    try:
+        crossings, events, logged, refused, replies, stream = asyncio.run(run())
+    finally:
+        service.stop()
+    assert crossings == 1
+    assert [e["req"] for e in events] == [stream.id] and events[0]["label"] == "Ann" and logged == 1
+    assert "1 requests are already waiting" in str(refused)
+    assert replies[-1].finish_reason == "length" and engine_thread and all(engine_thread)
+    assert [getattr(fn, "__self__", None) for fn in service.loop.engine.book.listeners.fns] == [service.loop._records]

@@ -14,7 +14,11 @@ step, and wakes the viewers once. An exception in a step fails the requests
 in flight and the loop carries on with the same engine.
 
 Calls go one way: the service (app/serving/service.py) calls the loop and subscribes
-to its records; the loop never calls the service.
+to its records; the loop never calls the service. An admission crosses from the
+event loop to this thread once (`admit`, checks and the private arrival log
+included). The engine's records do not call back into the loop either: the engine
+appends them to a list, and the loop hands them to its subscribers after each
+step and each command, before any reply sees that step's tokens.
 """
 from __future__ import annotations
 
@@ -25,8 +29,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from app.config import ServerConfig
+from app.replay.arrival_log import ArrivalLog
 from app.serving.broadcast import Broadcaster
-from app.serving.request_stream import Delta, RequestStream, ServiceUnavailable, ShuttingDown, deliver
+from app.serving.request_stream import Delta, QueueFull, RequestStream, ServiceUnavailable, ShuttingDown, deliver
 from engine import EngineConfig
 from engine.memory import release_free_heap
 from engine.protocol import Engine, RequestInfo, RequestOutput
@@ -37,13 +43,15 @@ HOLD_LIMIT_S = 5.0      # a step hold nobody moves for this long is dropped: a v
 
 
 class EngineLoop:
-    def __init__(self, engine_config: EngineConfig, broadcaster: Broadcaster, step_delay: float,
-                 make_engine: Callable[[Callable], Engine] | None = None):
+    def __init__(self, engine_config: EngineConfig, broadcaster: Broadcaster, config: ServerConfig,
+                 arrival_log: ArrivalLog, make_engine: Callable[[Callable], Engine] | None = None):
         """make_engine(call_soon): builds the engine on the engine thread (default: an EngineSwitch of
         engine_config; tests pass one on a tiny model). call_soon(fn) runs fn on the engine thread."""
-        self.engine_config, self.broadcaster = engine_config, broadcaster
+        self.engine_config, self.broadcaster, self.arrival_log = engine_config, broadcaster, arrival_log
+        self.config = config                    # read at each admission: max_waiting, retry_after_s
         self.make_engine = make_engine or self._switch
-        self.step_delay = step_delay            # seconds of pause after each step; set on the engine thread
+        self.step_delay = config.step_delay     # seconds of pause after each step; set on the engine thread
+        self.admitting = True                   # False once the server is ending (abort_all)
         self.engine: Engine | None = None       # engine thread only, once loaded
         self.info: dict = {}                    # the engine as loaded (model, device, dtype, max_model_len,
                                                 # settings): written once before start() returns
@@ -53,6 +61,7 @@ class EngineLoop:
         self.side_job = None                    # side work stepped between live steps (a what-if replay)
         self.streams: dict[str, RequestStream] = {}   # live requests that somebody is reading
         self._subscribers: list[Callable[[dict], None]] = []
+        self._records: deque[dict] = deque()    # what the engine published, not yet handed to the subscribers
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -117,7 +126,9 @@ class EngineLoop:
         self.post(lambda: stream.id is not None and self._abort(stream.id, reason))
 
     def abort_all(self, reason: str):
-        """The server is ending: abort every request somebody reads; each stream's failure is ShuttingDown."""
+        """The server is ending: admit nobody more, abort every request somebody reads; each stream's failure
+        is ShuttingDown."""
+        self.admitting = False
         self.post(lambda: self._abort_all(reason))
 
     async def call(self, fn: Callable, timeout: float | None = None):
@@ -134,6 +145,7 @@ class EngineLoop:
                 result, error = fn(), None
             except Exception as e:
                 result, error = None, e
+            self._publish()                     # what fn made the engine publish, before its caller goes on
             try:
                 loop.call_soon_threadsafe(settle, result, error)
             except RuntimeError:                # the caller's loop is gone
@@ -147,15 +159,24 @@ class EngineLoop:
             raise ServiceUnavailable(f"the engine did not answer within {timeout:.0f} s") from None
 
     # ================= engine thread =================
-    def add(self, stream: RequestStream, held_by: object | None = None, **request) -> RequestInfo:
-        """Add a request and deliver its reply to `stream` (request: Engine.add_request's arguments).
-        held_by: the hold whose lesson this request belongs to (EngineLoop.hold)."""
+    def admit(self, stream: RequestStream, held_by: object | None = None, **request) -> RequestInfo:
+        """A request's whole admission, between steps: refused while the server ends (ShuttingDown) or the
+        queue is full (QueueFull); else added (request: Engine.add_request's arguments, whose ValueError
+        names a bad prompt), its reply delivered to `stream`, and its arrival logged privately for the
+        what-if replay before the next step runs. held_by: the hold whose lesson it belongs to (hold())."""
+        if not self.admitting:
+            raise ShuttingDown("the server is shutting down")
+        limit = self.config.max_waiting
+        if self.engine.stats()["waiting"] >= limit:
+            raise QueueFull(f"{limit} requests are already waiting; try again shortly", self.config.retry_after_s)
         rid = self.engine.add_request(**request)
         info = self.engine.request_info(rid)
         stream.id, stream.label, stream.prompt_tokens = rid, info.label, len(info.prompt_token_ids)
         self.streams[rid] = stream
         if held_by is not None and held_by in self.holds:
             self.held_rids.setdefault(held_by, set()).add(rid)
+        self.arrival_log.arrived(rid, info.label, info.arrival_time, self.engine.step_index,
+                                 info.prompt_token_ids, info.params)
         return info
 
     def hold(self, key: object, at: int | None) -> int:
@@ -189,9 +210,17 @@ class EngineLoop:
         self._wake.wait(HOLD_LIMIT_S - (now - self.held_since) + 0.01)
         return True
 
-    def _publish(self, obj: dict):
-        for fn in self._subscribers:
-            fn(obj)
+    def _publish(self):
+        """Hand every record the engine published since the last call to the subscribers, in order. One that
+        raises is logged and removed, so a broken reader cannot stop the engine."""
+        while self._records:
+            obj = self._records.popleft()
+            for fn in list(self._subscribers):
+                try:
+                    fn(obj)
+                except Exception:
+                    log.exception("a record subscriber failed; it is removed")
+                    self._subscribers.remove(fn)
 
     def _side_work(self) -> float | None:
         """One step of the side job, if there is one. None when there is none, else seconds to wait
@@ -205,8 +234,9 @@ class EngineLoop:
     def _main(self):
         try:
             self.engine = self.make_engine(self.post)
-            self.engine.subscribe(self._publish)
+            self.engine.subscribe(self._records.append)
             self._drain()                       # what the engine asked to run first (a disaggregated start)
+            self._publish()
             e = self.engine
             stats = e.stats()
             self.info = {"model_name": e.model_name, "device": e.device, "dtype": stats["dtype"],
@@ -287,7 +317,9 @@ class EngineLoop:
         return ran
 
     def _deliver(self, outputs: list[RequestOutput]):
-        """After a step or commands: each reply's new output to its reader, new records to the viewers."""
+        """After a step or commands: new records to the subscribers, each reply's new output to its reader,
+        then the viewers woken."""
+        self._publish()
         by_loop: dict = {}
         for out in outputs:
             stream = self.streams.get(out.request_id)
@@ -319,6 +351,7 @@ class EngineLoop:
         self.last_error = f"{type(error).__name__}: {error}"
         self.last_crash = time.monotonic()
         message = f"engine error: {self.last_error}"
+        self._publish()                         # what the failed step published before it raised
         for rid in list(self.streams):
             try:
                 self.engine.abort(rid, message)

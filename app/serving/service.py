@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from app.config import ServerConfig, check_step_delay
@@ -40,7 +41,7 @@ class EngineService(ServiceFront):
         EngineSwitch of engine_config); tests pass one on a tiny model."""
         super().__init__(config, ArrivalLog())
         self.engine_config = engine_config or EngineConfig()
-        self.loop = EngineLoop(self.engine_config, self.broadcaster, self.config.step_delay, make_engine)
+        self.loop = EngineLoop(self.engine_config, self.broadcaster, self.config, self.arrival_log, make_engine)
         self.loop.subscribe(self._on_record)
 
     # ================= lifecycle (any thread) =================
@@ -130,21 +131,13 @@ class EngineService(ServiceFront):
                 ServiceUnavailable("the model is loading")
         self.check_rate(client)
         stream = RequestStream(asyncio.get_running_loop(), self.loop.abort_stream)
-
-        def add():
-            if not self.accepting:
-                raise ShuttingDown("the server is shutting down")
-            if self.engine.stats()["waiting"] >= self.config.max_waiting:
-                raise QueueFull(f"{self.config.max_waiting} requests are already waiting; try again shortly",
-                                self.config.retry_after_s)
-            info = self.loop.add(stream, held_by=held_by, prompt=prompt, messages=messages,
-                                 prompt_token_ids=prompt_token_ids, label=label,
-                                 params=ArrivalLog.seeded(params or SamplingParams()))
-            self.arrival_log.arrived(info.request_id, info.label, info.arrival_time, self.engine.step_index,
-                                     info.prompt_token_ids, info.params)
-            return stream
+        # one crossing to the engine thread: the queue's check, the add and the arrival log (EngineLoop.admit)
+        admit = partial(self.loop.admit, stream, held_by=held_by, prompt=prompt, messages=messages,
+                        prompt_token_ids=prompt_token_ids, label=label,
+                        params=ArrivalLog.seeded(params or SamplingParams()))
         try:
-            return await self.loop.call(add)
+            await self.loop.call(admit)
+            return stream
         except asyncio.CancelledError:
             stream.close("client went away")   # commands run in order, so this abort follows the add
             raise
@@ -189,11 +182,11 @@ class EngineService(ServiceFront):
     async def hold(self, key: object, at: int | None) -> int:
         """Hold the engine before step number `at` until `key` moves the hold (None: let go); returns the
         number the next step will get (EngineLoop.hold). Used by the scripted lessons' step clock."""
-        return await self.loop.call(lambda: self.loop.hold(key, at), timeout=10.0)
+        return await self.loop.call(partial(self.loop.hold, key, at), timeout=10.0)
 
     def let_go(self, key: object):
         """Drop `key`'s hold, fire and forget, from any thread (a lesson ending, cancelled or not)."""
-        self.loop.post(lambda: self.loop.hold(key, None))
+        self.loop.post(partial(self.loop.hold, key, None))
 
     async def call(self, fn: Callable, timeout: float | None = None):
         """Run fn on the engine thread between steps and return its result here."""
