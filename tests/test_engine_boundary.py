@@ -313,10 +313,10 @@ def test_an_admission_crosses_to_the_engine_thread_once_and_its_event_is_publish
     service.loop.subscribe(seen)
 
     async def run():
-        await service.hold("test", 0)               # no step runs: the request stays waiting
+        await service.hold("test", 0)               # no step runs: the hold's own request stays waiting
         posted.clear()
         stream = await service.submit(prompt_token_ids=[8, 9, 10], params=SamplingParams(max_tokens=2),
-                                      label="Ann")
+                                      label="Ann", held_by="test")
         crossings = len(posted)
         events = [x for x in service.ring.last_steps(1024)[1] if x.get("event") == "arrived"]
         logged = service.arrival_log.status()["requests"]

@@ -1,7 +1,9 @@
 """EngineService: admission, limits and settings in front of the engine's thread (app/serving/engine_loop.py).
 
 Calls go one way: the service calls the loop and subscribes to its records
-(`_on_record`, on the engine thread); the loop knows nothing of the service.
+(`_on_record`, on the engine thread, after each step or command); the loop knows
+nothing of the service. A request's admission is one call on the engine thread
+(EngineLoop.admit).
 
 It decides whether a request may enter (the server is up, the client is
 within its rate limit, the queue has room), changes settings, reports
