@@ -37,10 +37,15 @@ def worker(root: str, dtype: str, threads: int | None):
     import torch
 
     from engine import EngineConfig, LLMEngine
-    from engine.execution.attention import set_metadata
     from engine.sampling_params import SamplingParams
-    from engine.scheduling.scheduler import Batch
-    from engine.scheduling.sequence import Sequence
+    try:
+        from engine.execution.attention import set_metadata
+        from engine.scheduling.scheduler import Batch
+        from engine.scheduling.sequence import Sequence
+    except ImportError:                     # a tree from before engine/ had folders (577f20c and older)
+        from engine.attention import set_metadata
+        from engine.scheduler import Batch
+        from engine.sequence import Sequence
 
     engine = LLMEngine(EngineConfig(dtype=dtype, kv_cache_gb=1.0, cpu_threads=threads, max_num_seqs=64,
                                     max_num_batched_tokens=2048, enable_prefix_caching=False))
