@@ -3,6 +3,7 @@ enters, in order, and where it calls back into a file it had already left.
 
     python scripts/request_walk.py                 # the default model; prints the walk
     python scripts/request_walk.py --json walk.json
+    python scripts/request_walk.py --why            # each file with the call that first entered it
 
 The app (API, engine thread; no page) is served on a free 127.0.0.1 port. One request warms it up
 untraced, then one streamed chat completion is sent with the official openai client, every thread
@@ -36,6 +37,7 @@ class Walk:
     def __init__(self):
         self.on = False
         self.first: dict[str, int] = {}           # file -> order of its first entry
+        self.entered_by: dict[str, str] = {}      # file -> "function, called from caller (file)" at that entry
         self.reentries: Counter = Counter()       # "a -> b -> a" chains
         self.stacks: dict[int, list[str]] = {}
         self.lock = threading.Lock()
@@ -57,6 +59,11 @@ class Walk:
             return
         f = self.project_file(frame.f_code.co_filename)
         if f is not None and self.on:
+            if f not in self.first:
+                back = frame.f_back
+                where = self.project_file(back.f_code.co_filename) if back else None
+                self.entered_by[f] = (f"{frame.f_code.co_name}, called from {back.f_code.co_name}"
+                                      f" ({where or 'outside the project'})" if back else frame.f_code.co_name)
             self.enter(f)
             if frame.f_code.co_name == "lib_or_fail":          # the library's function is called next (ctypes)
                 self.enter(LIBRARY)
@@ -82,6 +89,7 @@ def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(prog="python scripts/request_walk.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--json", help="also write the walk here")
+    ap.add_argument("--why", action="store_true", help="name the call that first entered each file")
     args = ap.parse_args(argv)
 
     from engine.weights.loader import resolve_model
@@ -124,7 +132,8 @@ def main(argv: list[str] | None = None):
     print(f"one streamed chat completion ({args.max_tokens} tokens: {reply!r})")
     print(f"{len(files)} project files entered, in order:")
     for f in files:
-        print(f"  {f}")
+        print(f"  {f}" + (f"  <- {walk.entered_by[f]}" if args.why and f in walk.entered_by else ""))
+    print(f"in {len({f.rsplit('/', 1)[0] for f in files})} folders")
     total = sum(walk.reentries.values())
     print(f"{len(walk.reentries)} re-entries into a file already left ({total} calls):")
     for chain, n in walk.reentries.most_common():
