@@ -70,7 +70,7 @@ class ArrivalLog:
         """Every record the live engine publishes (O(items))."""
         kind = obj.get("type")
         with self._lock:
-            # a request's "arrived" event comes before `arrived` is called for it: events are kept from the start
+            # a request's "arrived" event reaches us after `arrived` (EngineLoop.admit): events are kept from the start
             if self.full or kind not in ("step", "request") or (kind == "step" and not self._arrivals):
                 return
             if kind == "step":

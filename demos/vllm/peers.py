@@ -5,7 +5,8 @@
 
 Both servers are started on free loopback ports with the same prepared model folder (a standard
 Hugging Face folder) and stay up; then, for --rounds rounds, they take turns at each concurrency level
-(one measured at a time, the other idle), so a change in the machine's load hits both, and the medians
+(one measured at a time, the other idle; the order of the turns rotates from one level to the next, so
+no server always follows the same one), so a change in the machine's load hits both, and the medians
 and the per-round ratios are printed: batchscope with its serving preset (`python -m app --serving`), vLLM
 (`python -m vllm.entrypoints.openai.api_server`, both cores) where --vllm-python (or $VLLM_PYTHON)
 is a Python that imports vllm (one that is not there, or cannot import it, is refused by name;
@@ -220,7 +221,10 @@ def main():
             asyncio.run(level(running[-1][1], 1, 1, 16, 4, salt=999))                # warm-up
         for r in range(args.rounds):   # the servers take turns at each level, so a load change hits both
             for i, c in enumerate(levels):
-                for name, url, _ in running:
+                # and the order of the turns rotates, so no server always runs right after the same other one
+                # (a server's processes stay up beside the next one's turn)
+                k = (r * len(levels) + i) % len(running)
+                for name, url, _ in running[k:] + running[:k]:
                     m = asyncio.run(level(url, c, c * args.requests, args.prompt_tokens, args.output_tokens,
                                           salt=100 * r + i))
                     results.setdefault((name, c), []).append(m)
