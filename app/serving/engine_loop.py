@@ -35,6 +35,7 @@ from app.serving.broadcast import Broadcaster
 from app.serving.request_stream import Delta, QueueFull, RequestStream, ServiceUnavailable, ShuttingDown, deliver
 from engine import EngineConfig
 from engine.memory import release_free_heap
+from engine.outputs.records import Listeners
 from engine.protocol import Engine, RequestInfo, RequestOutput
 
 log = logging.getLogger("batchscope.server")
@@ -60,7 +61,7 @@ class EngineLoop:
         self._stepped = False                   # steps ran since the heap was last handed back
         self.side_job = None                    # side work stepped between live steps (a what-if replay)
         self.streams: dict[str, RequestStream] = {}   # live requests that somebody is reading
-        self._subscribers: list[Callable[[dict], None]] = []
+        self._subscribers = Listeners()         # each gets every record; one that raises is removed
         self._records: deque[dict] = deque()    # what the engine published, not yet handed to the subscribers
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
@@ -82,7 +83,7 @@ class EngineLoop:
 
     def subscribe(self, fn: Callable[[dict], None]):
         """fn(record) on the engine thread for every record and event (before viewers see it); before start()."""
-        self._subscribers.append(fn)
+        self._subscribers.subscribe(fn)
 
     # ================= any thread =================
     def start(self, timeout: float):
@@ -211,16 +212,9 @@ class EngineLoop:
         return True
 
     def _publish(self):
-        """Hand every record the engine published since the last call to the subscribers, in order. One that
-        raises is logged and removed, so a broken reader cannot stop the engine."""
+        """Hand every record the engine published since the last call to the subscribers, in order."""
         while self._records:
-            obj = self._records.popleft()
-            for fn in list(self._subscribers):
-                try:
-                    fn(obj)
-                except Exception:
-                    log.exception("a record subscriber failed; it is removed")
-                    self._subscribers.remove(fn)
+            self._subscribers.emit(self._records.popleft())
 
     def _side_work(self) -> float | None:
         """One step of the side job, if there is one. None when there is none, else seconds to wait
