@@ -75,7 +75,7 @@ def test_the_lecturers_page_and_the_what_if_panel_idle_during_and_after_lesson_2
         pg.evaluate(f"sessionStorage.setItem('batchscope.key', {json.dumps(KEY)})")
         panel = pg.locator("[data-testid=whatif]")
         panel.locator("[data-whatif-policy=chunked]").check()
-        panel.locator("[data-testid=whatif-budget]").fill("16")
+        panel.locator("[data-testid=whatif-budget]").fill("128")
         panel.locator("[data-testid=whatif-last-lesson]").click()
         wait_js(pg, "!document.querySelector('[data-testid=whatif-run]').disabled")
         panel.locator("[data-testid=whatif-run]").click()
