@@ -169,6 +169,11 @@ class EngineSwitch:
     def settings(self) -> dict:
         return self.engine.settings()
 
+    @property
+    def num_waiting(self) -> int:
+        self._run_later()
+        return self.engine.num_waiting
+
     def stats(self) -> dict:
         """The engine in force's, with `disaggregated`: the pair's state (pair_state)."""
         self._run_later()

@@ -180,12 +180,16 @@ class LLMEngine(RequestFront):
         spec = self.speculative
         return {**self.scheduler.settings(), "speculative_config": spec.to_dict() if spec else None}
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
     def stats(self) -> dict:
         return {**self.settings(), "model": self.model_name, "device": self.device,
                 "dtype": self.config.dtype, "attention_backend": self.runner.backend.name,
                 "cuda_graphs": self.runner.graph_stats(),
                 "max_model_len": self.max_model_len, "kv": KVState.of(self.block_manager).to_dict(),
-                "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+                "waiting": self.num_waiting, "running": len(self.scheduler.running),
                 "live_requests": len(self.book.live), "step": self.step_index,
                 "prefix_cache_hit_tokens": self.block_manager.num_hit_tokens, "memory": self.memory(),
                 **self.counters}

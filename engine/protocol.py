@@ -76,6 +76,7 @@ class Engine(Protocol):
     max_model_len: int
     device: str
     step_index: int                   # the number the next step record gets
+    num_waiting: int                  # requests queued, not yet running (the server's queue limit reads it)
 
     def add_request(self, prompt: str | None = None, messages: list[dict] | None = None,
                     prompt_token_ids: list[int] | None = None, params: SamplingParams | None = None,

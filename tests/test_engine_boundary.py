@@ -247,6 +247,8 @@ def test_the_pair_stops_once_idle_with_another_setting_in_force(tiny, monkeypatc
         def stats(self):
             return {}
 
+        num_waiting = 0
+
         def memory(self):
             return {"workers": {}}
 

@@ -168,7 +168,7 @@ class EngineLoop:
         if not self.admitting:
             raise ShuttingDown("the server is shutting down")
         limit = self.config.max_waiting
-        if self.engine.stats()["waiting"] >= limit:
+        if self.engine.num_waiting >= limit:
             raise QueueFull(f"{limit} requests are already waiting; try again shortly", self.config.retry_after_s)
         rid = self.engine.add_request(**request)
         info = self.engine.request_info(rid)

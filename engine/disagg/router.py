@@ -413,6 +413,11 @@ class DisaggregatedEngine(RequestFront):
         """Hold one worker for a while (tests use it to catch a request in the middle of a hand-over)."""
         self._send(name, Pause(seconds))
 
+    @property
+    def num_waiting(self) -> int:
+        """The prefill worker's queue, as its last record reported it."""
+        return (self.workers["prefill"].last or {}).get("waiting", 0)
+
     def stats(self) -> dict:
         workers, kv = {}, [0, 0, 0]
         for name, w in self.workers.items():
@@ -426,7 +431,7 @@ class DisaggregatedEngine(RequestFront):
                 "attention_backend": (self.workers["decode"].info or {}).get("attention_backend"),
                 "max_model_len": self.max_model_len,
                 "kv": KVState(kv[0], kv[1], kv[2], self.config.block_size).to_dict(),
-                "waiting": last("prefill", "waiting"),
+                "waiting": self.num_waiting,
                 "running": last("prefill", "running") + last("decode", "running"),
                 "live_requests": len(self.book.live), "step": self.step_index,
                 "workers": workers, "in_transfer": len(self.router.transfers), "memory": self.memory(),
