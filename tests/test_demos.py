@@ -143,9 +143,9 @@ from hypothesis import strategies as st
 @given(st.lists(st.integers(0, 30), min_size=1, max_size=8), st.lists(st.integers(1, 4), min_size=1, max_size=60),
        st.sampled_from(["step", "wall"]))
 def test_one_replay_hands_out_every_arrival_once_in_order_when_due(ats, ticks, clock):
-    """app/replay/scenarios.py's Replay, used by demos/compare/runner.py and the page's lessons: whatever the clock
+    """app/replay/play.py's Replay, used by demos/compare/runner.py and the page's lessons: whatever the clock
     does, each arrival comes exactly once, in scenario order, never before its time; idle skips ahead."""
-    from app.replay.scenarios import Replay
+    from app.replay.play import Replay
     sc = Scenario("r", "", tuple(Arrival(a, f"u{i}", 1, prompt="x") for i, a in enumerate(sorted(ats))), clock=clock)
     r, now, got = Replay(sc), 0, []
     for dt in ticks:

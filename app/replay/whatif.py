@@ -13,7 +13,7 @@ live config: same model, device, dtype and KV size, with the setting's policy,
 budgets and speculative_config: speculation only where the setting asks for it; prefix caching as the
 live engine started unless the setting says `enable_prefix_caching`; the whole KV cache unless it names a
 `max_kv_blocks` cap, set after the warm-up), warmed up like demos.compare, then steps through
-app.replay.scenarios.play: the same loop demos.compare uses, so a replay and
+app.replay.play.play: the same loop demos.compare uses, so a replay and
 `python -m demos.compare` give the same steps.
 
 Sharing the CPU: the replay is interleaved with the live engine on its thread,
@@ -34,7 +34,8 @@ from dataclasses import dataclass, field, replace
 
 from app.readers import metrics
 from app.replay.arrival_log import Logged
-from app.replay.scenarios import Arrival, Scenario, engine_meta, longest_prompt, play, warm_up_steps
+from app.replay.play import engine_meta, longest_prompt, play, warm_up_steps
+from app.replay.scenarios import Arrival, Scenario
 from engine import EngineConfig, LLMEngine
 from engine.scheduling.ngram import SpeculativeConfig
 

@@ -9,14 +9,15 @@ Those records reach this event loop late on a busy machine, so the runner
 also holds the engine at the step its next user is due (EngineLoop.hold):
 the user joins the step the scenario names, and a lesson's steps are the
 same on a loaded machine as on an idle one.
-The arrivals fall due through app/replay/scenarios.py's Replay, as in demos/compare/runner.py.
+The arrivals fall due through app/replay/play.py's Replay, as in demos/compare/runner.py.
 """
 from __future__ import annotations
 
 import asyncio
 import math
 
-from app.replay.scenarios import Arrival, Replay, Scenario
+from app.replay.play import Replay
+from app.replay.scenarios import Arrival, Scenario
 from app.ui.sessions import Panel, Session, Turn, drive, fresh
 
 SHOWN_CHARS = 220           # a long scripted prompt is shown shortened in its panel

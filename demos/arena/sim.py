@@ -139,7 +139,7 @@ def play(engine, workload: Workload, tau: float, sleep=None) -> Played:
 def real_engine(workload: Workload, engine_kwargs: dict):
     """An LLMEngine with the workload's budgets and KV cache (the simulator's: its size, prefix caching and
     cap), warmed up. No speculative decoding: the simulator cannot draft, so neither does this engine."""
-    from app.replay.scenarios import warm_up
+    from app.replay.play import warm_up
     from engine import EngineConfig, LLMEngine
     config = EngineConfig(**{"dtype": "float32", **engine_kwargs, "policy": "chunked",
                              "max_num_batched_tokens": workload.token_budget, "max_num_seqs": workload.max_num_seqs,

@@ -21,11 +21,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from app.replay.scenarios import Replay, Scenario, engine_meta, longest_prompt, play, warm_up  # noqa: F401  (re-exported)
+from app.replay.play import Replay, engine_meta, longest_prompt, play, warm_up  # noqa: F401  (re-exported)
+from app.replay.scenarios import Scenario
 
 
 class Feeder:
-    """Adds a scenario's arrivals to an engine as they fall due (app/replay/scenarios.py's Replay)."""
+    """Adds a scenario's arrivals to an engine as they fall due (app/replay/play.py's Replay)."""
 
     def __init__(self, scenario: Scenario, engine):
         self.scenario, self.engine = scenario, engine
@@ -68,7 +69,7 @@ class Run:
 def run_scenario(engine, scenario: Scenario, on_record: Callable[[dict], None] | None = None,
                  max_steps: int = 1_000_000) -> Run:
     """Replay the scenario until all its requests have finished; return the stream it produced.
-    The loop is app.replay.scenarios.play, the same one the what-if replay steps through."""
+    The loop is app.replay.play.play, the same one the what-if replay steps through."""
     run = Run(scenario, engine_meta(engine, scenario))
     ids: list[str | None] = [None] * len(scenario.arrivals)
 
