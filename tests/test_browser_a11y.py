@@ -120,8 +120,9 @@ def arena_report(tmp_path_factory):
     subs = d / "subs"
     subs.mkdir()
     (subs / "spf.py").write_text(open("demos/arena/policies/shortest_prompt_first.py").read())
+    # a given step cost, as test_browser_leaderboard.py: the report is the same page, without measuring one
     assert cli(["arena", "--rank", str(subs), "--workload", "chat-burst", "--scale", "0.25",
-                "--out", str(d / "arena.html")]) == 0
+                "--cost", "0.01,0.0005,0.000001", "--out", str(d / "arena.html")]) == 0
     return d / "arena.json"
 
 
