@@ -70,10 +70,11 @@ function drawGantt(gantt, resized) {
   const grouped = state.role !== "lecturer";
   const all = layout.rowsOf(win, Infinity, grouped).rows.length;
   const want = Math.min(state.chartMaxH, (TOP + AXIS + Math.max(MIN_ROWS, all) * ROW_H) * S);
-  // grow at once; shrink once the smaller size has lasted, by the clock
-  const now = performance.now();
+  // grow at once; shrink once the smaller size has lasted, by the clock, unless the room it was given
+  // fell below its height: then at once (a page taller than the screen would scroll)
+  const now = performance.now(), overRoom = h * S > state.chartMaxH + 2;
   if (want < h * S - 2) { if (shrinkSince == null) shrinkSince = now; } else shrinkSince = null;
-  if (!resized && (want > h * S + 2 || shrinkDue(now))) {
+  if (!resized && (want > h * S + 2 || overRoom || shrinkDue(now))) {
     gantt.style.height = want + "px"; shrinkSince = null;
     return drawGantt(gantt, true);
   }

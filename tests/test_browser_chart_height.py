@@ -25,10 +25,25 @@ def test_the_chart_grows_with_its_rows_and_shrinks_when_idle():
         load_stage(page, stream(12))
         page.wait_for_function("document.querySelector('[data-testid=gantt]').getBoundingClientRect().height > 300")
         tall = height(page)
-        # a smaller room for the chart (what a projector window made smaller sets), then one redraw only
-        page.evaluate("BS.chartMaxH = 250; BS.redrawChart()")
+        # its rows drawn smaller want less room (within the room it has), then one redraw only
+        page.evaluate("BS.chartScale = 0.6; BS.redrawChart()")
         page.wait_for_timeout(300)
         assert height(page) == tall, "it shrank at once: a passing dip would make it jump"
+        page.wait_for_function("document.querySelector('[data-testid=gantt]').getBoundingClientRect().height"
+                               f" <= {0.6 * tall + 2}", timeout=6000)
+        assert not errors, errors
+
+
+def test_a_smaller_room_shrinks_the_chart_at_once():
+    """The room the page leaves the chart falls (a projector's metrics table grew a line, a window made
+    smaller): a chart that kept its height for the shrink's wait would push the page past the screen."""
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": 1366, "height": 768})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        load_stage(page, stream(12))
+        page.wait_for_function("document.querySelector('[data-testid=gantt]').getBoundingClientRect().height > 300")
+        page.evaluate("BS.chartMaxH = 250; BS.redrawChart()")
         page.wait_for_function("document.querySelector('[data-testid=gantt]').getBoundingClientRect().height <= 252",
-                               timeout=6000)
+                               timeout=700)       # well inside draw.js's wait before a shrink (1.5 s)
         assert not errors, errors
