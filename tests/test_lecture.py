@@ -158,3 +158,33 @@ def test_the_speculative_lesson_after_another_runs_as_alone_and_leaves_speculati
     assert not any(i.get("drafted") for s in off_steps for i in s["items"])
     assert any(i.get("drafted") for s in on_steps for i in s["items"])
     assert passes(lecture[2])[0][0]["speculative_config"] is None
+
+
+def test_a_lesson_refused_by_a_live_request_says_why_and_the_request_goes_on(tiny_model):
+    """Lesson 7 caps the KV cache; a reply already under way that needs more than the cap on its own (a
+    student's long chat, or the lesson still running before it) makes the engine refuse that setting. The
+    lesson says so in its note, naming the request, and starts nothing; the reply runs to its end."""
+    from app.ui.text import t
+    from engine import SamplingParams
+    seven = next(x for x in LESSONS if x.scenario == "memory-pressure")
+    service, ui = start_service(str(tiny_model))
+
+    async def main():
+        long = await service.submit(prompt_token_ids=[(17 * i + 5) % 4000 + 100 for i in range(420)],
+                                    params=SamplingParams(max_tokens=200, ignore_eos=True), label="long")
+        before = await service.engine_state()
+        notes = [out[-1] async for out in ui.run_scenario(seven.scenario, seven.policies, "", Tab("t7"), seven)]
+        after = await service.engine_state()
+        async for last in long:
+            pass
+        return notes, before, after, last.num_output_tokens, last
+
+    try:
+        notes, before, after, tokens, last = asyncio.run(main())
+    finally:
+        service.stop()
+    assert notes and "max_kv_blocks=24" in notes[-1] and "'r0'" in notes[-1], notes
+    assert notes[-1].startswith(t("en", "lesson_refused", why="")[:20]), notes[-1]
+    assert not [p for p in ui.sessions.get("t7").panels for turn in p.turns], "the refused lesson sent nothing"
+    assert after["max_kv_blocks"] == before["max_kv_blocks"] is None and after["policy"] == before["policy"]
+    assert tokens == 200 and last.finish_reason == "length"

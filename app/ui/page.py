@@ -32,6 +32,7 @@ from app.ui.room_pages import mount_room
 from app.ui.sessions import Session, Sessions, Turn, check_message, drive, fresh, stream_all
 from app.ui.text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, setting_line, t
 from engine import SamplingParams
+from engine.errors import ServiceUnavailable
 
 MAX_PANELS = len(USERS)
 KEY_JS = "(...a) => [...a.slice(0, -1), (window.sessionStorage && sessionStorage.getItem('batchscope.key')) || '']"
@@ -158,7 +159,13 @@ class UI:
         for index, policy in enumerate(policies if allowed and policies else (None,)):
             if allowed and lesson is not None:
                 change = lesson.setting(scenario, policy, self.service.config.step_delay, index)
-                await self.service.set_policy(**change)
+                try:
+                    await self.service.set_policy(**change)
+                except (ValueError, ServiceUnavailable) as e:
+                    # refused, all of it (a reply under way needs more KV than the lesson's cap, say: the
+                    # engine's message names it), or no engine: the lesson says why and starts nothing more
+                    yield self.render_all(s, columns=first) + [t(s.lang, "lesson_refused", why=e)]
+                    return
                 if hasattr(self.service, "reset_prefix_cache"):
                     await self.service.reset_prefix_cache()
                 note = t(s.lang, "in_force", setting=setting_line(s.lang, change))
