@@ -188,3 +188,56 @@ def test_a_lesson_refused_by_a_live_request_says_why_and_the_request_goes_on(tin
     assert not [p for p in ui.sessions.get("t7").panels for turn in p.turns], "the refused lesson sent nothing"
     assert after["max_kv_blocks"] == before["max_kv_blocks"] is None and after["policy"] == before["policy"]
     assert tokens == 200 and last.finish_reason == "length"
+
+
+def test_a_lesson_pressed_while_another_runs_stops_it_and_runs_as_if_alone(tiny_model):
+    """The lecturer presses lesson 3 while lesson 2 still runs in the same tab: lesson 2 stops (its users
+    not yet due are never sent, its replies under way are aborted) before lesson 3 sets anything, so lesson 3
+    runs step for step as it does alone, and no step of it carries a request of lesson 2."""
+    two, three = LESSONS[1], LESSONS[2]
+    service, ui = start_service(str(tiny_model))
+    records: list[dict] = []
+
+    async def drain(gen):
+        async for _ in gen:
+            pass
+
+    async def main():
+        sub = service.broadcaster.subscribe(0)
+
+        async def collect():
+            while (items := await sub.get()) is not None:
+                records.extend(getattr(x, "obj", x) for x in items)
+        collector = asyncio.ensure_future(collect())
+        tab = Tab("lecturer")
+        first = asyncio.ensure_future(drain(ui.run_scenario(two.scenario, two.policies, "", tab, two)))
+        panels = ui.sessions.get(tab.session_hash).panels
+        while not any(turn.rid for p in panels for turn in p.turns):
+            await asyncio.sleep(0.005)
+        earlier = {turn.rid for p in panels for turn in p.turns if turn.rid}
+        start = len(records)
+        await asyncio.wait_for(drain(ui.run_scenario(three.scenario, three.policies, "", tab, three)), 120)
+        await asyncio.wait_for(first, 30)             # it ended, without an error
+        await asyncio.sleep(0.3)
+        rids = {turn.rid for p in panels for turn in p.turns if turn.rid} - earlier
+        sub.close()
+        await collector
+        return earlier, {"lesson": 3, "rids": rids, "records": records[start:]}
+
+    try:
+        earlier, run = asyncio.run(main())
+        ends = {r["req"]: r["event"] for r in records
+                if r["type"] == "request" and r["event"] in ("finished", "aborted")}
+    finally:
+        service.stop()
+    assert earlier and all(ends.get(rid) == "aborted" for rid in earlier), (earlier, ends)
+    from app.ui.lessons import STOPPED
+    assert {r["reason"] for r in records if r.get("event") == "aborted" and r["req"] in earlier} == {STOPPED}
+    sent = {r["req"] for r in records if r["type"] == "request" and r["event"] == "arrived"}
+    assert not any(r["label"] == "Doc" for r in records if r["type"] == "request" and r["req"] not in run["rids"]
+                   and r["req"] in sent), "lesson 2's document was sent after lesson 3 was pressed"
+    got, want = passes(run), passes(run_lessons([3], str(tiny_model))[0])
+    assert [e["policy"] for e, _ in got] == ["chunked"]
+    assert [shape(s) for s in got[0][1]] == [shape(s) for s in want[0][1]]
+    assert not [s for s in run["records"] if s["type"] == "step" and s["step"] >= got[0][0]["step"]
+                and any(i["req"] in earlier for i in s["items"])], "a step of lesson 3 ran a request of lesson 2"

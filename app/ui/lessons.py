@@ -14,6 +14,7 @@ The arrivals fall due through app/replay/play.py's Replay, as in demos/compare/r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 
 from app.replay.play import Replay
@@ -21,6 +22,7 @@ from app.replay.scenarios import Arrival, Scenario
 from app.ui.sessions import Panel, Session, Turn, drive, fresh
 
 SHOWN_CHARS = 220           # a long scripted prompt is shown shortened in its panel
+STOPPED = "another lesson was started in this tab"   # the abort reason of a stopped lesson's replies
 
 
 def shorten(text: str) -> str:
@@ -43,7 +45,11 @@ def assign_panels(session: Session, scenario: Scenario) -> dict[str, Panel]:
     return out
 
 
-async def play(service, session: Session, scenario: Scenario, changed: asyncio.Event, lang: str):
+async def play(service, session: Session, scenario: Scenario, changed: asyncio.Event, lang: str,
+               stop: asyncio.Event | None = None):
+    """Send the scenario's users as they fall due, each through its panel, until every reply has ended.
+    `stop` set (a newer lesson pressed in the tab): no more users are sent and the replies under way are
+    aborted (leaving their streams aborts them, in order before anything the caller posts next)."""
     panels = assign_panels(session, scenario)
     loop = asyncio.get_running_loop()
     children: list[asyncio.Future] = []
@@ -53,6 +59,7 @@ async def play(service, session: Session, scenario: Scenario, changed: asyncio.E
     hold = (clock is not None and hasattr(service, "hold")
             and (await service.engine_state()).get("policy") != "disaggregated")
     key = object()                          # this lesson's hold
+    turns: list[Turn] = []
 
     def send(a: Arrival) -> Turn:
         # a plain prompt goes in as it is (no chat template), so it has the scenario's exact token count
@@ -61,6 +68,7 @@ async def play(service, session: Session, scenario: Scenario, changed: asyncio.E
         panel = panels[a.label]
         turn = Turn(shown=shorten(text), full=text)
         panel.turns.append(turn)
+        turns.append(turn)
         job = drive(service, panel, turn, None if a.prompt is not None else messages, a.params(), changed, lang,
                     prompt=text if a.prompt is not None else None, held_by=key if hold else None)
         children.append(asyncio.ensure_future(job))
@@ -72,11 +80,13 @@ async def play(service, session: Session, scenario: Scenario, changed: asyncio.E
             clock.first = await service.hold(key, 0)       # held now; steps are counted from the next one
         while not replay.done:
             if clock is None:
-                await asyncio.sleep(max(0.0, start + replay.next_at - loop.time()))
+                if await unless(stop, asyncio.sleep(max(0.0, start + replay.next_at - loop.time()))):
+                    return
             else:       # back from waiting: the step has come, or the engine went idle (skip ahead, as demos does)
                 if hold:
                     await service.hold(key, clock.first + math.ceil(replay.next_at))
-                await clock.wait_until(replay.next_at)
+                if await unless(stop, clock.wait_until(replay.next_at)):
+                    return
                 clock.skip_to(replay.skip_idle(clock.steps))
             sent = [send(a) for _, a in replay.due(clock.steps if clock else 0, loop.time() - start)]
             if clock is not None:
@@ -86,15 +96,44 @@ async def play(service, session: Session, scenario: Scenario, changed: asyncio.E
                 await asyncio.sleep(0.002)      # in the engine (or refused) before the hold moves on
         if hold:
             service.let_go(key)
-        await asyncio.gather(*children)
+        await unless(stop, asyncio.gather(*children))
     finally:
         if hold:
             service.let_go(key)
         if clock is not None:
             clock.sub.close()
+        if stop is not None and stop.is_set():  # the replies it ends say why (the streams' own close does not)
+            for turn in turns:
+                if turn.rid is not None and not turn.done:
+                    service.abort(turn.rid, STOPPED)
         for c in children:
             c.cancel()
         await asyncio.gather(*children, return_exceptions=True)
+
+
+async def unless(stop: asyncio.Event | None, aw) -> bool:
+    """Await `aw`, unless `stop` is set first: then `aw` is cancelled and the answer is True."""
+    if stop is not None and stop.is_set():
+        aw.close() if asyncio.iscoroutine(aw) else asyncio.ensure_future(aw).cancel()
+        return True
+    task = asyncio.ensure_future(aw)
+    if stop is None:
+        await task
+        return False
+    halt = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, halt}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        halt.cancel()
+        stopped = not task.done()
+        if stopped:
+            task.cancel()
+    if stopped:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return True
+    task.result()                           # its error, if it raised
+    return False
 
 
 class StepClock:

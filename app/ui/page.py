@@ -13,6 +13,7 @@ from the engine through the service's in-process API (app/ui/sessions.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import json
 
@@ -29,7 +30,7 @@ from app.ui import lessons
 from app.ui.assets import STATIC, STATIC_URL, head_html, stage_html
 from app.ui.leaderboard import mount_leaderboard
 from app.ui.room_pages import mount_room
-from app.ui.sessions import Session, Sessions, Turn, check_message, drive, fresh, stream_all
+from app.ui.sessions import ScriptedRun, Session, Sessions, Turn, check_message, drive, fresh, stream_all
 from app.ui.text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, setting_line, t
 from engine import SamplingParams
 from engine.errors import ServiceUnavailable
@@ -155,8 +156,22 @@ class UI:
                                  Lesson(name, policies)) if policies else None)
         allowed = self.authorised(key)
         note = "" if allowed or not policies else t(s.lang, "locked")
+        run = ScriptedRun()
+        try:
+            await s.take_lesson(run)            # the tab's earlier lesson stops first: nothing of it runs on
+            async with contextlib.aclosing(self._play_passes(s, scenario, policies, lesson, allowed, note,
+                                                             run)) as outs:
+                async for out in outs:
+                    yield out
+        finally:
+            s.end_lesson(run)
+
+    async def _play_passes(self, s: Session, scenario, policies: tuple[str, ...], lesson: Lesson | None,
+                           allowed: bool, note: str, run: ScriptedRun):
         first, passes = True, []
         for index, policy in enumerate(policies if allowed and policies else (None,)):
+            if run.stop.is_set():               # a newer lesson was pressed in this tab
+                return
             if allowed and lesson is not None:
                 change = lesson.setting(scenario, policy, self.service.config.step_delay, index)
                 try:
@@ -177,12 +192,12 @@ class UI:
                         return
             changed = asyncio.Event()
             before = {id(turn) for p in s.panels for turn in p.turns}
-            job = lessons.play(self.service, s, scenario, changed, s.lang)
+            job = lessons.play(self.service, s, scenario, changed, s.lang, run.stop)
             async for _ in stream_all([job], changed, lambda: None):
                 yield self.render_all(s, columns=first) + [note]
                 first = False
             passes.append({turn.rid for p in s.panels for turn in p.turns if id(turn) not in before and turn.rid})
-        if allowed and lesson is not None and lesson.speculative and len(passes) == 2:
+        if allowed and lesson is not None and lesson.speculative and len(passes) == 2 and not run.stop.is_set():
             _, stream = self.service.ring.last_steps(self.service.config.history)
             yield self.render_all(s, columns=False) + [note + "\n\n" + speculation_result(s.lang, stream, *passes)]
 

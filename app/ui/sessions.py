@@ -81,11 +81,35 @@ class Session:
         self.visible = 4
         self.lang = "en"
         self.touched = time.monotonic()
+        self.lesson: ScriptedRun | None = None    # the lesson or scenario the tab is playing
+
+    async def take_lesson(self, run: ScriptedRun):
+        """Make `run` this tab's scripted run (a lesson or a scenario). A run still going is stopped first,
+        and awaited: its users not yet due are never sent and its replies under way are aborted
+        (app/ui/lessons.py), so none of it shares the new run's steps or stands in the way of its
+        settings. The caller ends `run` with end_lesson, however it ends (a finally)."""
+        earlier, self.lesson = self.lesson, run
+        if earlier is not None:
+            earlier.stop.set()
+            await earlier.done.wait()
+
+    def end_lesson(self, run: ScriptedRun):
+        run.done.set()
+        if self.lesson is run:
+            self.lesson = None
 
     def request_ids(self) -> list[str]:
         """This tab's recent request ids, newest last (the sparklines show only these)."""
         ids = [turn.rid for p in self.panels for turn in p.turns[-6:] if turn.rid]
         return ids[-64:]
+
+
+@dataclass
+class ScriptedRun:
+    """A lesson or scenario playing in a tab: `stop` is set when a newer one replaces it, `done` once it
+    has stopped (its replies ended)."""
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Sessions:
