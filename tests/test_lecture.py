@@ -241,3 +241,46 @@ def test_a_lesson_pressed_while_another_runs_stops_it_and_runs_as_if_alone(tiny_
     assert [shape(s) for s in got[0][1]] == [shape(s) for s in want[0][1]]
     assert not [s for s in run["records"] if s["type"] == "step" and s["step"] >= got[0][0]["step"]
                 and any(i["req"] in earlier for i in s["items"])], "a step of lesson 3 ran a request of lesson 2"
+
+
+def test_a_lesson_pressed_while_the_pair_starts_does_not_wait_for_it(tiny_model):
+    """Lesson 5's second pass waits for the two workers to load (a minute on a slow machine); lesson 6 pressed
+    meanwhile stops it there and starts at once, not once the workers are up."""
+    five = next(x for x in LESSONS if "disaggregated" in x.policies)
+    six = next(x for x in LESSONS if x.scenario == "shared-system-prompt")
+    service, ui = start_service(str(tiny_model))
+    real_set, real_state, asked = service.set_policy, service.engine_state, []
+
+    async def set_policy(**change):            # the pair is asked for, and never comes up
+        if change["policy"] == "disaggregated":
+            asked.append(change)
+            return {}
+        return await real_set(**change)
+
+    async def engine_state():
+        return {**await real_state(), "disaggregated": "starting"} if asked else await real_state()
+    service.set_policy, service.engine_state = set_policy, engine_state
+
+    async def main():
+        tab = Tab("lecturer")
+        notes = []
+
+        async def lesson_five():
+            async for out in ui.run_scenario(five.scenario, five.policies, "", tab, five):
+                notes.append(out[-1])
+        first = asyncio.ensure_future(lesson_five())
+        while not asked:
+            await asyncio.sleep(0.01)
+        t0 = asyncio.get_running_loop().time()
+        async for _ in ui.run_scenario(six.scenario, six.policies, "", tab, six):
+            pass
+        took = asyncio.get_running_loop().time() - t0
+        await asyncio.wait_for(first, 10)
+        return took, notes
+
+    try:
+        took, notes = asyncio.run(main())
+    finally:
+        service.stop()
+    assert took < 60, f"lesson 6 waited {took:.0f} s for the pair lesson 5 had asked for"
+    assert not any("did not start" in n for n in notes), notes

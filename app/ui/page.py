@@ -187,8 +187,10 @@ class UI:
                 if policy == "disaggregated":
                     yield self.render_all(s, columns=first) + [t(s.lang, "pair_starting")]
                     first = False
-                    if problem := await self.pair_ready(s.lang):
+                    if problem := await self.pair_ready(s.lang, run.stop):
                         yield self.render_all(s, columns=False) + [problem]
+                        return
+                    if run.stop.is_set():
                         return
             changed = asyncio.Event()
             before = {id(turn) for p in s.panels for turn in p.turns}
@@ -201,18 +203,18 @@ class UI:
             _, stream = self.service.ring.last_steps(self.service.config.history)
             yield self.render_all(s, columns=False) + [note + "\n\n" + speculation_result(s.lang, stream, *passes)]
 
-    async def pair_ready(self, lang: str, timeout: float = 600.0) -> str | None:
+    async def pair_ready(self, lang: str, stop: asyncio.Event, timeout: float = 600.0) -> str | None:
         """Wait until the prefill and decode workers are loaded and in force (the first switch starts
-        them: two model copies); None when they are, else a note saying why not."""
+        them: two model copies), or `stop` is set; None then, else a note saying why not."""
         deadline = asyncio.get_running_loop().time() + timeout
-        while asyncio.get_running_loop().time() < deadline:
+        while asyncio.get_running_loop().time() < deadline and not stop.is_set():
             state = await self.service.engine_state()
             if state.get("policy") == "disaggregated":
                 return None
             if str(state.get("disaggregated") or "").startswith("failed"):
                 return t(lang, "pair_failed", why=state["disaggregated"])
             await asyncio.sleep(0.5)
-        return t(lang, "pair_failed", why=f"not ready after {timeout:.0f} s")
+        return None if stop.is_set() else t(lang, "pair_failed", why=f"not ready after {timeout:.0f} s")
 
     def lesson_text(self, lang: str, k: int) -> str:
         """Lesson k's caption and, last, the settings each of its passes runs under."""
