@@ -158,3 +158,34 @@ def test_a_hold_never_stalls_a_reply_that_no_holder_added(tiny_model, monkeypatc
     finally:
         service.stop()
     assert waited < 5 and service.loop.holds == {} and service.loop.held_rids == {}
+
+
+def test_unless_cancels_what_a_stop_interrupts_and_passes_on_the_rest():
+    """app/ui/lessons.py's unless(stop, aw): the waits a stopped lesson leaves (its clock, its replies)."""
+    from app.ui.lessons import unless
+
+    async def main():
+        ran = []
+
+        async def job(seconds, fail=False):
+            try:
+                await asyncio.sleep(seconds)
+            except asyncio.CancelledError:
+                ran.append("cancelled")
+                raise
+            if fail:
+                raise RuntimeError("broken")
+            ran.append("done")
+        stop = asyncio.Event()
+        assert await unless(None, job(0)) is False and await unless(stop, job(0)) is False
+        asyncio.get_running_loop().call_later(0.05, stop.set)
+        assert await unless(stop, job(5)) is True              # stopped while it waited
+        assert await unless(stop, job(5)) is True              # already stopped: it never waits
+        try:
+            await unless(asyncio.Event(), job(0, fail=True))
+        except RuntimeError as e:
+            assert str(e) == "broken"
+        else:
+            raise AssertionError("its error was lost")
+        return ran
+    assert asyncio.run(main()) == ["done", "done", "cancelled", "cancelled"]

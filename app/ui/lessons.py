@@ -113,9 +113,6 @@ async def play(service, session: Session, scenario: Scenario, changed: asyncio.E
 
 async def unless(stop: asyncio.Event | None, aw) -> bool:
     """Await `aw`, unless `stop` is set first: then `aw` is cancelled and the answer is True."""
-    if stop is not None and stop.is_set():
-        aw.close() if asyncio.iscoroutine(aw) else asyncio.ensure_future(aw).cancel()
-        return True
     task = asyncio.ensure_future(aw)
     if stop is None:
         await task
@@ -125,15 +122,10 @@ async def unless(stop: asyncio.Event | None, aw) -> bool:
         await asyncio.wait({task, halt}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         halt.cancel()
-        stopped = not task.done()
-        if stopped:
-            task.cancel()
-    if stopped:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return True
-    task.result()                           # its error, if it raised
-    return False
+        task.cancel()                       # nothing, once it has ended
+    with contextlib.suppress(asyncio.CancelledError):
+        await task                          # its error, if it raised
+    return task.cancelled()
 
 
 class StepClock:
