@@ -1,6 +1,7 @@
 // Interaction with the chart: the hover tooltip, and playback (pause, step, replay, scrub,
 // zoom, axis). Playback is client-side: the store keeps every record, the view only moves a
 // cursor over them. chartFrame() is called once per animation frame by main.js.
+import { drawBar } from "./bar.js";
 import { draw, fmtMs, handoverText, laneTitle, shrinkDue } from "./draw.js";
 import { fmt, onLang, t } from "./i18n.js";
 import { layout, view } from "./layout.js";
@@ -151,7 +152,7 @@ export function chartFrame(now) {
   if ((view.mode === "live" && v !== lastVersion) || dirty) {
     lastVersion = v; dirty = false;
     if (gantt.isConnected) {
-      draw.bar(bar, draw.gantt(gantt));
+      drawBar(bar, draw.gantt(gantt));
       afterGantt(gantt.getContext("2d"), view.drawn);   // the why views draw over the chart
     }
     updatePlayUI();

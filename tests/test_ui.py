@@ -110,7 +110,7 @@ def test_stage_has_the_test_ids_and_the_i18n_keys_it_uses():
 
 def test_chart_scripts_do_not_hard_code_visible_words_or_colours():
     # words come from the strings tables (through i18n.js), colours from palette.js
-    for name in ("layout.js", "draw.js", "interact.js"):
+    for name in ("layout.js", "draw.js", "bar.js", "interact.js"):
         src = (STATIC / name).read_text()
         assert not re.search(r'"#[0-9a-fA-F]{3,6}"|rgba?\(', src), name
         texts = re.findall(r'fillText\("([^"]*)"', src)
