@@ -228,7 +228,7 @@ function drawCells(g, win, rowIndex, rowH, quietRids) {
 // decode row, where the import is done (t), labelled with its size and time where there is room
 function drawHandovers(g, win, rowIndex, rowH, plotW) {
   const out = [], t0 = win.steps.length ? R.tStart(win.steps[0]) : R.tEnd(win.last), t1 = R.tEnd(win.last);
-  const S = state.chartScale, taken = [];          // label boxes placed so far: a label that would cover one moves or is left out
+  const S = state.chartScale;
   for (const x of store.transfers) {
     if (x.t < t0 || x.t0 > t1) continue;
     const a = rowIndex.get(layout.rowKey(x.from, x.rid)), b = rowIndex.get(layout.rowKey(x.to, x.rid));
@@ -248,20 +248,28 @@ function drawHandovers(g, win, rowIndex, rowH, plotW) {
     g.lineTo(xb - hl * Math.cos(ang + 0.45), yb - hl * Math.sin(ang + 0.45));
     g.closePath(); g.fill();
     g.beginPath(); g.arc(xa, ya, 3.5, 0, 2 * Math.PI); g.fill();  // export starts here
-    const text = handoverText(x);
-    g.font = "bold 11px sans-serif"; g.textAlign = "left"; g.textBaseline = "middle";
-    const tw = g.measureText(text).width + 8, xm = Math.min(Math.max(xa, xb) + 6, LABEL_W + plotW - tw);
-    const ym = [0, 18, -18, 36].map((d) => (ya + yb) / 2 + d)
-      .find((y) => !taken.some(([x, yy]) => Math.abs(y - yy) < 17 && xm < x + tw + 4 && x < xm + tw + 4));
-    if (Math.abs(yb - ya) >= 14 && ym !== undefined) {
-      taken.push([xm, ym]);
-      g.fillStyle = C().paper; g.fillRect(xm, ym - 8, tw, 16);
-      g.strokeStyle = C().handover; g.lineWidth = 1; g.strokeRect(xm + 0.5, ym - 7.5, tw - 1, 15);
-      g.fillStyle = C().ink; g.fillText(text, xm + 4, ym + 0.5);
-    }
     g.restore();
-    out.push({ req: x.rid, label: x.label, x0: xa * S, x1: xb * S, y0: ya * S, y1: yb * S, blocks: x.blocks, bytes: x.bytes, seconds: x.seconds, text });
+    out.push({ req: x.rid, label: x.label, x0: xa * S, x1: xb * S, y0: ya * S, y1: yb * S, blocks: x.blocks, bytes: x.bytes,
+               seconds: x.seconds, text: handoverText(x), box: null });
   }
+  // then the labels, over every arrow: each beside its own, moved up or down off the ones placed before it,
+  // or left out (the tooltip still has it)
+  const taken = [];                                            // [x, y, w] of the label boxes placed so far
+  g.save();
+  g.font = "bold 11px sans-serif"; g.textAlign = "left"; g.textBaseline = "middle";
+  for (const m of out) {
+    const xa = m.x0 / S, xb = m.x1 / S, ya = m.y0 / S, yb = m.y1 / S;
+    const tw = g.measureText(m.text).width + 8, xm = Math.min(Math.max(xa, xb) + 6, LABEL_W + plotW - tw);
+    const ym = [0, 18, -18, 36, -36].map((d) => (ya + yb) / 2 + d)
+      .find((y) => !taken.some(([x, yy, w]) => Math.abs(y - yy) < 17 && xm < x + w + 4 && x < xm + tw + 4));
+    if (Math.abs(yb - ya) < 14 || ym === undefined) continue;
+    taken.push([xm, ym, tw]);
+    g.fillStyle = C().paper; g.fillRect(xm, ym - 8, tw, 16);
+    g.strokeStyle = C().handover; g.lineWidth = 1; g.strokeRect(xm + 0.5, ym - 7.5, tw - 1, 15);
+    g.fillStyle = C().ink; g.fillText(m.text, xm + 4, ym + 0.5);
+    m.box = [xm * S, (ym - 8) * S, tw * S, 16 * S];
+  }
+  g.restore();
   return out;
 }
 

@@ -186,3 +186,20 @@ def test_lesson_five_draws_two_workers_side_by_side_and_the_kv_hand_over(page, s
     wait_js(page, "document.querySelector('[data-testid=policy] button[aria-checked=true]')"
                   ".dataset.policy === 'chunked'")
     assert api(server, "/api/engine")["policy"] == "chunked"
+
+
+def test_the_hand_overs_labels_never_cover_one_another(browser):  # noqa: F811
+    """A saved real run (tests/data/disagg_trace.json) on a wall-time axis, the whole of it in view: eight
+    hand-overs, four of them within two seconds. Every label drawn is a box of its own."""
+    from demos.compare import trace
+    stream = trace.load(Path(__file__).parent / "data" / "disagg_trace.json")
+    pg, errors = offline_page(browser, stream)
+    pg.wait_for_function("BS.view.drawn && BS.view.drawn.handovers && BS.view.drawn.handovers.length >= 8")
+    marks = pg.evaluate("BS.view.drawn.handovers")
+    boxes = [m["box"] for m in marks if m["box"]]
+    assert len(boxes) >= 6, marks
+    for i, (x, y, w, h) in enumerate(boxes):
+        for (x2, y2, w2, h2) in boxes[i + 1:]:
+            assert x + w <= x2 or x2 + w2 <= x or y + h <= y2 or y2 + h2 <= y, ((x, y, w, h), (x2, y2, w2, h2))
+    assert not errors, errors
+    pg.close()
