@@ -17,7 +17,9 @@ lesson tests play them on the real one).
 import asyncio
 from collections import Counter
 
-from app.replay.scenarios import LESSONS, SETTING_KEYS
+import pytest
+
+from app.replay.scenarios import LESSONS, SETTING_KEYS, get_scenario
 
 # the lessons' own speed knobs (shorter replies, the document early); no pause between steps: the
 # lesson runner holds the engine at the step each scripted user is due (tests/test_lesson_clock.py)
@@ -36,7 +38,7 @@ class Tab:
         self.session_hash = name
 
 
-def start_service(model: str):
+def start_service(model: str, params: dict = FAST):
     from app.config import ServerConfig
     from app.serving.service import EngineService
     from app.ui.page import UI
@@ -44,12 +46,12 @@ def start_service(model: str):
     service = EngineService(EngineConfig(model=model, dtype="float32", kv_cache_gb=0.25),
                             ServerConfig(step_delay=STEP_DELAY))
     service.start()
-    return service, UI(service, scenario_params=FAST)
+    return service, UI(service, scenario_params=params)
 
 
-def run_lessons(order: list[int], model: str) -> list[dict]:
+def run_lessons(order: list[int], model: str, params: dict = FAST) -> list[dict]:
     """Play lessons (1-based) in order on one fresh server; per lesson, its passes' records."""
-    service, ui = start_service(model)
+    service, ui = start_service(model, params)
     records: list[dict] = []
 
     async def main():
@@ -190,12 +192,16 @@ def test_a_lesson_refused_by_a_live_request_says_why_and_the_request_goes_on(tin
     assert tokens == 200 and last.finish_reason == "length"
 
 
-def test_a_lesson_pressed_while_another_runs_stops_it_and_runs_as_if_alone(tiny_model):
-    """The lecturer presses lesson 3 while lesson 2 still runs in the same tab: lesson 2 stops (its users
-    not yet due are never sent, its replies under way are aborted) before lesson 3 sets anything, so lesson 3
-    runs step for step as it does alone, and no step of it carries a request of lesson 2."""
+@pytest.mark.parametrize("when", ["its first user is in", "all its users are in"])
+def test_a_lesson_pressed_while_another_runs_stops_it_and_runs_as_if_alone(tiny_model, when):
+    """The lecturer presses lesson 3 while lesson 2 still runs in the same tab, with users still to come or
+    with all of them in: lesson 2 stops (its users not yet due are never sent, its replies under way are
+    aborted, saying why) before lesson 3 sets anything, so lesson 3 runs step for step as it does alone, and
+    no step of it carries a request of lesson 2."""
     two, three = LESSONS[1], LESSONS[2]
-    service, ui = start_service(str(tiny_model))
+    # replies long enough that every one of lesson 2's is still under way when lesson 3 is pressed
+    params = {**FAST, "long-prompt-interrupts": dict(reply_tokens=40, doc_tokens=2, doc_at=6)}
+    service, ui = start_service(str(tiny_model), params)
     records: list[dict] = []
 
     async def drain(gen):
@@ -212,7 +218,9 @@ def test_a_lesson_pressed_while_another_runs_stops_it_and_runs_as_if_alone(tiny_
         tab = Tab("lecturer")
         first = asyncio.ensure_future(drain(ui.run_scenario(two.scenario, two.policies, "", tab, two)))
         panels = ui.sessions.get(tab.session_hash).panels
-        while not any(turn.rid for p in panels for turn in p.turns):
+        users = len(get_scenario(two.scenario, **params[two.scenario]).arrivals)
+        want = 1 if when == "its first user is in" else users
+        while sum(1 for p in panels for turn in p.turns if turn.rid) < want:
             await asyncio.sleep(0.005)
         earlier = {turn.rid for p in panels for turn in p.turns if turn.rid}
         start = len(records)
@@ -236,7 +244,7 @@ def test_a_lesson_pressed_while_another_runs_stops_it_and_runs_as_if_alone(tiny_
     sent = {r["req"] for r in records if r["type"] == "request" and r["event"] == "arrived"}
     assert not any(r["label"] == "Doc" for r in records if r["type"] == "request" and r["req"] not in run["rids"]
                    and r["req"] in sent), "lesson 2's document was sent after lesson 3 was pressed"
-    got, want = passes(run), passes(run_lessons([3], str(tiny_model))[0])
+    got, want = passes(run), passes(run_lessons([3], str(tiny_model), params)[0])
     assert [e["policy"] for e, _ in got] == ["chunked"]
     assert [shape(s) for s in got[0][1]] == [shape(s) for s in want[0][1]]
     assert not [s for s in run["records"] if s["type"] == "step" and s["step"] >= got[0][0]["step"]

@@ -96,7 +96,10 @@ async def play(service, session: Session, scenario: Scenario, changed: asyncio.E
                 await asyncio.sleep(0.002)      # in the engine (or refused) before the hold moves on
         if hold:
             service.let_go(key)
-        await unless(stop, asyncio.gather(*children))
+        # asyncio.wait, not gather: a stop must not cancel the replies before they are aborted with the reason
+        if children and not await unless(stop, asyncio.wait(children)):
+            for c in children:
+                c.result()                      # a bug in a reply's job must not pass silently
     finally:
         if hold:
             service.let_go(key)
