@@ -48,7 +48,6 @@ class Replay:
         return max(steps_done, math.ceil(self.next_at)) if self.pending else steps_done
 
 
-
 def play(engine, scenario: Scenario, on_add: Callable[[int, str], None] | None = None,
          max_steps: int = 1_000_000) -> Iterator[int]:
     """Feed the scenario's arrivals to `engine` and step it until every request has ended.

@@ -13,7 +13,6 @@ from the engine through the service's in-process API (app/ui/sessions.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import html
 import json
 
@@ -159,49 +158,42 @@ class UI:
         run = ScriptedRun()
         try:
             await s.take_lesson(run)            # the tab's earlier lesson stops first: nothing of it runs on
-            async with contextlib.aclosing(self._play_passes(s, scenario, policies, lesson, allowed, note,
-                                                             run)) as outs:
-                async for out in outs:
-                    yield out
+            first, passes = True, []
+            for index, policy in enumerate(policies if allowed and policies else (None,)):
+                if run.stop.is_set():           # a newer lesson was pressed in this tab
+                    return
+                if allowed and lesson is not None:
+                    change = lesson.setting(scenario, policy, self.service.config.step_delay, index)
+                    try:
+                        await self.service.set_policy(**change)
+                    except (ValueError, ServiceUnavailable) as e:
+                        # refused, all of it (a reply under way needs more KV than the lesson's cap, say: the
+                        # engine's message names it), or no engine: the lesson says why and starts nothing more
+                        yield self.render_all(s, columns=first) + [t(s.lang, "lesson_refused", why=e)]
+                        return
+                    if hasattr(self.service, "reset_prefix_cache"):
+                        await self.service.reset_prefix_cache()
+                    note = t(s.lang, "in_force", setting=setting_line(s.lang, change))
+                    if policy == "disaggregated":
+                        yield self.render_all(s, columns=first) + [t(s.lang, "pair_starting")]
+                        first = False
+                        if problem := await self.pair_ready(s.lang, run.stop):
+                            yield self.render_all(s, columns=False) + [problem]
+                            return
+                        if run.stop.is_set():
+                            return
+                changed = asyncio.Event()
+                before = {id(turn) for p in s.panels for turn in p.turns}
+                job = lessons.play(self.service, s, scenario, changed, s.lang, run.stop)
+                async for _ in stream_all([job], changed, lambda: None):
+                    yield self.render_all(s, columns=first) + [note]
+                    first = False
+                passes.append({turn.rid for p in s.panels for turn in p.turns if id(turn) not in before and turn.rid})
+            if allowed and lesson is not None and lesson.speculative and len(passes) == 2 and not run.stop.is_set():
+                _, stream = self.service.ring.last_steps(self.service.config.history)
+                yield self.render_all(s, columns=False) + [note + "\n\n" + speculation_result(s.lang, stream, *passes)]
         finally:
             s.end_lesson(run)
-
-    async def _play_passes(self, s: Session, scenario, policies: tuple[str, ...], lesson: Lesson | None,
-                           allowed: bool, note: str, run: ScriptedRun):
-        first, passes = True, []
-        for index, policy in enumerate(policies if allowed and policies else (None,)):
-            if run.stop.is_set():               # a newer lesson was pressed in this tab
-                return
-            if allowed and lesson is not None:
-                change = lesson.setting(scenario, policy, self.service.config.step_delay, index)
-                try:
-                    await self.service.set_policy(**change)
-                except (ValueError, ServiceUnavailable) as e:
-                    # refused, all of it (a reply under way needs more KV than the lesson's cap, say: the
-                    # engine's message names it), or no engine: the lesson says why and starts nothing more
-                    yield self.render_all(s, columns=first) + [t(s.lang, "lesson_refused", why=e)]
-                    return
-                if hasattr(self.service, "reset_prefix_cache"):
-                    await self.service.reset_prefix_cache()
-                note = t(s.lang, "in_force", setting=setting_line(s.lang, change))
-                if policy == "disaggregated":
-                    yield self.render_all(s, columns=first) + [t(s.lang, "pair_starting")]
-                    first = False
-                    if problem := await self.pair_ready(s.lang, run.stop):
-                        yield self.render_all(s, columns=False) + [problem]
-                        return
-                    if run.stop.is_set():
-                        return
-            changed = asyncio.Event()
-            before = {id(turn) for p in s.panels for turn in p.turns}
-            job = lessons.play(self.service, s, scenario, changed, s.lang, run.stop)
-            async for _ in stream_all([job], changed, lambda: None):
-                yield self.render_all(s, columns=first) + [note]
-                first = False
-            passes.append({turn.rid for p in s.panels for turn in p.turns if id(turn) not in before and turn.rid})
-        if allowed and lesson is not None and lesson.speculative and len(passes) == 2 and not run.stop.is_set():
-            _, stream = self.service.ring.last_steps(self.service.config.history)
-            yield self.render_all(s, columns=False) + [note + "\n\n" + speculation_result(s.lang, stream, *passes)]
 
     async def pair_ready(self, lang: str, stop: asyncio.Event, timeout: float = 600.0) -> str | None:
         """Wait until the prefill and decode workers are loaded and in force (the first switch starts
