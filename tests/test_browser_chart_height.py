@@ -17,13 +17,19 @@ def height(page) -> float:
     return page.evaluate("document.querySelector('[data-testid=gantt]').getBoundingClientRect().height")
 
 
+def tall_chart(browser):
+    """A 1366x768 page whose chart has grown with twelve rows; (page, its script errors)."""
+    page = browser.new_page(viewport={"width": 1366, "height": 768})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    load_stage(page, stream(12))
+    page.wait_for_function("document.querySelector('[data-testid=gantt]').getBoundingClientRect().height > 300")
+    return page, errors
+
+
 def test_the_chart_grows_with_its_rows_and_shrinks_when_idle():
     with chromium() as browser:
-        page = browser.new_page(viewport={"width": 1366, "height": 768})
-        errors = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        load_stage(page, stream(12))
-        page.wait_for_function("document.querySelector('[data-testid=gantt]').getBoundingClientRect().height > 300")
+        page, errors = tall_chart(browser)
         tall = height(page)
         # its rows drawn smaller want less room (within the room it has), then one redraw only
         page.evaluate("BS.chartScale = 0.6; BS.redrawChart()")
@@ -38,11 +44,7 @@ def test_a_smaller_room_shrinks_the_chart_at_once():
     """The room the page leaves the chart falls (a projector's metrics table grew a line, a window made
     smaller): a chart that kept its height for the shrink's wait would push the page past the screen."""
     with chromium() as browser:
-        page = browser.new_page(viewport={"width": 1366, "height": 768})
-        errors = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        load_stage(page, stream(12))
-        page.wait_for_function("document.querySelector('[data-testid=gantt]').getBoundingClientRect().height > 300")
+        page, errors = tall_chart(browser)
         page.evaluate("BS.chartMaxH = 250; BS.redrawChart()")
         page.wait_for_function("document.querySelector('[data-testid=gantt]').getBoundingClientRect().height <= 252",
                                timeout=700)       # well inside draw.js's wait before a shrink (1.5 s)

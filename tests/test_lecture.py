@@ -20,6 +20,7 @@ from collections import Counter
 import pytest
 
 from app.replay.scenarios import LESSONS, SETTING_KEYS, get_scenario
+from tests.helpers import recording
 
 # the lessons' own speed knobs (shorter replies, the document early); no pause between steps: the
 # lesson runner holds the engine at the step each scripted user is due (tests/test_lesson_clock.py)
@@ -55,23 +56,16 @@ def run_lessons(order: list[int], model: str, params: dict = FAST) -> list[dict]
     records: list[dict] = []
 
     async def main():
-        sub = service.broadcaster.subscribe(0)
-
-        async def collect():
-            while (items := await sub.get()) is not None:
-                records.extend(getattr(x, "obj", x) for x in items)
-        collector = asyncio.ensure_future(collect())
         runs = []
-        for n, k in enumerate(order):
-            lesson, tab = LESSONS[k - 1], Tab(f"lesson-{n}")
-            start = len(records)
-            async for _ in ui.run_scenario(lesson.scenario, lesson.policies, "", tab, lesson):
-                pass
-            await asyncio.sleep(0.3)            # the last records reach the collector
-            rids = {t.rid for p in ui.sessions.get(tab.session_hash).panels for t in p.turns if t.rid}
-            runs.append({"lesson": k, "rids": rids, "records": records[start:]})
-        sub.close()
-        await collector
+        async with recording(service, records):
+            for n, k in enumerate(order):
+                lesson, tab = LESSONS[k - 1], Tab(f"lesson-{n}")
+                start = len(records)
+                async for _ in ui.run_scenario(lesson.scenario, lesson.policies, "", tab, lesson):
+                    pass
+                await asyncio.sleep(0.3)            # the last records reach the collector
+                rids = {t.rid for p in ui.sessions.get(tab.session_hash).panels for t in p.turns if t.rid}
+                runs.append({"lesson": k, "rids": rids, "records": records[start:]})
         return runs
 
     try:
@@ -213,23 +207,16 @@ def test_a_lesson_pressed_while_another_runs_stops_it_and_runs_as_if_alone(tiny_
             pass
 
     async def main():
-        sub = service.broadcaster.subscribe(0)
-
-        async def collect():
-            while (items := await sub.get()) is not None:
-                records.extend(getattr(x, "obj", x) for x in items)
-        collector = asyncio.ensure_future(collect())
-        tab = Tab("lecturer")
-        first = asyncio.ensure_future(drain(ui.run_scenario(two.scenario, two.policies, "", tab, two)))
-        panels = ui.sessions.get(tab.session_hash).panels
-        want = 1 if when == "its first user is in" else len(arrivals)
-        while sum(1 for p in panels for turn in p.turns if turn.rid) < want:
-            await asyncio.sleep(0.005)
-        await asyncio.wait_for(drain(ui.run_scenario(three.scenario, three.policies, "", tab, three)), 120)
-        await asyncio.wait_for(first, 30)             # it ended, without an error
-        await asyncio.sleep(0.3)
-        sub.close()
-        await collector
+        async with recording(service, records):
+            tab = Tab("lecturer")
+            first = asyncio.ensure_future(drain(ui.run_scenario(two.scenario, two.policies, "", tab, two)))
+            panels = ui.sessions.get(tab.session_hash).panels
+            want = 1 if when == "its first user is in" else len(arrivals)
+            while sum(1 for p in panels for turn in p.turns if turn.rid) < want:
+                await asyncio.sleep(0.005)
+            await asyncio.wait_for(drain(ui.run_scenario(three.scenario, three.policies, "", tab, three)), 120)
+            await asyncio.wait_for(first, 30)             # it ended, without an error
+            await asyncio.sleep(0.3)
 
     try:
         asyncio.run(main())

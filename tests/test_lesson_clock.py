@@ -10,6 +10,7 @@ import asyncio
 import time
 
 from app.replay.scenarios import Arrival, Scenario
+from tests.helpers import recording
 
 GROUP = 6           # users who arrive together at step 0 (with the two late ones: one panel each)
 LATE = (3, 5)       # then one user at each of these steps
@@ -41,22 +42,15 @@ def test_scripted_users_join_their_step_while_the_event_loop_is_slow(tiny_model)
     records, session = [], Session()
 
     async def main():
-        sub = service.broadcaster.subscribe(0)
-
-        async def collect():
-            while (items := await sub.get()) is not None:
-                records.extend(getattr(x, "obj", x) for x in items)
-
         async def busy():                   # a loaded machine: the event loop answers 30 ms late
             while True:
                 time.sleep(0.03)
                 await asyncio.sleep(0)
-        collector, hog = asyncio.ensure_future(collect()), asyncio.ensure_future(busy())
-        await lessons.play(service, session, scenario(), asyncio.Event(), "en")
-        hog.cancel()
-        await asyncio.sleep(0.2)
-        sub.close()
-        await collector
+        async with recording(service, records):
+            hog = asyncio.ensure_future(busy())
+            await lessons.play(service, session, scenario(), asyncio.Event(), "en")
+            hog.cancel()
+            await asyncio.sleep(0.2)
 
     try:
         asyncio.run(main())

@@ -14,6 +14,7 @@ from app.replay.scenarios import SCENARIOS, get_scenario
 from app.ui.lessons import assign_panels, shorten
 from app.ui.sessions import MAX_CHARS, Panel, Session, Sessions, Turn, check_message, fresh
 from app.ui.text import LANGS, SCENARIO_BUTTONS, SHORT, STRINGS, TEXT, USERS
+from tests.helpers import recording
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 
@@ -250,25 +251,18 @@ def test_two_panels_share_steps_and_a_scenario_runs_on_the_step_clock():
         session_hash = "tab"
 
     async def main():
-        sub = service.broadcaster.subscribe(0)
+        async with recording(service, records):
+            ui = UI(service, max_tokens=6,
+                    scenario_params={"long-prompt-interrupts": dict(reply_tokens=16, doc_tokens=2, doc_at=8)})
 
-        async def collect():
-            while (items := await sub.get()) is not None:
-                records.extend(getattr(x, "obj", x) for x in items)
-        collector = asyncio.ensure_future(collect())
-        ui = UI(service, max_tokens=6,
-                scenario_params={"long-prompt-interrupts": dict(reply_tokens=16, doc_tokens=2, doc_at=8)})
-
-        async def drain(gen):
-            return [out async for out in gen]
-        a, b = await asyncio.gather(drain(ui.send(0, "Say hi.", Tab())), drain(ui.send(1, "Say bye.", Tab())))
-        empty = await drain(ui.send(2, "   ", Tab()))
-        empty.append(len(ui.sessions.get("tab").panels[2].turns))
-        everyone = await drain(ui.send_all(3, "Hello, everyone.", Tab()))
-        empty.append(everyone)
-        await drain(ui.run_scenario("long-prompt-interrupts", "continuous", "", Tab()))
-        sub.close()
-        await collector
+            async def drain(gen):
+                return [out async for out in gen]
+            a, b = await asyncio.gather(drain(ui.send(0, "Say hi.", Tab())), drain(ui.send(1, "Say bye.", Tab())))
+            empty = await drain(ui.send(2, "   ", Tab()))
+            empty.append(len(ui.sessions.get("tab").panels[2].turns))
+            everyone = await drain(ui.send_all(3, "Hello, everyone.", Tab()))
+            empty.append(everyone)
+            await drain(ui.run_scenario("long-prompt-interrupts", "continuous", "", Tab()))
         return ui, a, b, empty
 
     try:
