@@ -301,7 +301,7 @@ def test_an_admission_crosses_to_the_engine_thread_once_and_its_event_is_publish
     import threading
 
     from app import EngineService, ServerConfig
-    from app.serving.request_stream import QueueFull
+    from app.serving.front import QueueFull
     service = EngineService(EngineConfig(dtype="float32"), ServerConfig(history=1024, max_waiting=1),
                             make_engine=lambda call_soon: tiny_engine(tiny))
     service.start(timeout=120)

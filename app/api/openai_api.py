@@ -28,8 +28,8 @@ from app.api.openai_requests import (
     message,
     prompt_input,
 )
+from app.serving.front import TokenLogprob
 from app.serving.rate_limit import bearer, client_of
-from app.serving.request_stream import TokenLogprob
 from app.serving.service import EngineService
 from engine import SamplingParams
 

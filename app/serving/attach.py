@@ -29,9 +29,8 @@ import httpx
 from app.config import ServerConfig
 from app.replay.arrival_log import ArrivalLog
 from app.serving.attach_records import Lanes, RecordsUnavailable
-from app.serving.front import ServiceFront
+from app.serving.front import Delta, QueueFull, RequestStream, ServiceFront, ServiceUnavailable
 from app.serving.rate_limit import Caller
-from app.serving.request_stream import Delta, QueueFull, RequestStream, ServiceUnavailable
 from engine import EngineConfig, SamplingParams
 from engine.memory import resident_bytes
 

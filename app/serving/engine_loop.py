@@ -32,7 +32,7 @@ from collections.abc import Callable
 from app.config import ServerConfig
 from app.replay.arrival_log import ArrivalLog
 from app.serving.broadcast import Broadcaster
-from app.serving.request_stream import Delta, QueueFull, RequestStream, ServiceUnavailable, ShuttingDown, deliver
+from app.serving.front import Delta, QueueFull, RequestStream, ServiceUnavailable, ShuttingDown, deliver
 from engine import EngineConfig
 from engine.memory import release_free_heap
 from engine.outputs.records import Listeners

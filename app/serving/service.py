@@ -26,9 +26,8 @@ from pathlib import Path
 from app.config import ServerConfig, check_step_delay
 from app.replay.arrival_log import ArrivalLog
 from app.serving.engine_loop import EngineLoop
-from app.serving.front import ServiceFront
+from app.serving.front import QueueFull, RequestStream, ServiceFront, ServiceUnavailable, ShuttingDown
 from app.serving.rate_limit import Caller
-from app.serving.request_stream import QueueFull, RequestStream, ServiceUnavailable, ShuttingDown
 from engine import EngineConfig, SamplingParams
 from engine.memory import resident_bytes
 from engine.protocol import Engine
