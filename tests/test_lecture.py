@@ -39,13 +39,13 @@ class Tab:
         self.session_hash = name
 
 
-def start_service(model: str, params: dict = FAST):
+def start_service(model: str, params: dict = FAST, presenter_key: str | None = None):
     from app.config import ServerConfig
     from app.serving.service import EngineService
     from app.ui.page import UI
     from engine import EngineConfig
     service = EngineService(EngineConfig(model=model, dtype="float32", kv_cache_gb=0.25),
-                            ServerConfig(step_delay=STEP_DELAY))
+                            ServerConfig(step_delay=STEP_DELAY, presenter_key=presenter_key))
     service.start()
     return service, UI(service, scenario_params=params)
 
@@ -187,12 +187,14 @@ def test_a_lesson_refused_by_a_live_request_says_why_and_the_request_goes_on(tin
     assert tokens == 600 and last.finish_reason == "length"
 
 
-@pytest.mark.parametrize("when", ["its first user is in", "all its users are in"])
-def test_a_lesson_pressed_while_another_runs_stops_it_and_runs_as_if_alone(tiny_model, when):
-    """The lecturer presses lesson 3 while lesson 2 still runs in the same tab, with its document still to come
-    or with every user in: lesson 2 stops (its users not yet due are never sent, its replies under way are
-    aborted, saying why) before lesson 3 sets anything, so lesson 3 runs step for step as it does alone, and
-    no step of it carries a request of lesson 2."""
+@pytest.mark.parametrize("when, where", [("its first user is in", "the same tab"),
+                                         ("all its users are in", "the same tab"),
+                                         ("all its users are in", "another tab")])
+def test_a_lesson_pressed_while_another_runs_stops_it_and_runs_as_if_alone(tiny_model, when, where):
+    """The lecturer presses lesson 3 while lesson 2 still runs, with its document still to come or with every
+    user in, in the same tab or in a second one on the same engine (the projector's): lesson 2 stops (its users
+    not yet due are never sent, its replies under way are aborted, saying why) before lesson 3 sets anything,
+    so lesson 3 runs step for step as it does alone, and no step of it carries a request of lesson 2."""
     from app.ui.lessons import STOPPED
     two, three = LESSONS[1], LESSONS[2]
     # long replies and a late document: pressed at the first user, lesson 3 comes some hundred steps before
@@ -214,7 +216,8 @@ def test_a_lesson_pressed_while_another_runs_stops_it_and_runs_as_if_alone(tiny_
             want = 1 if when == "its first user is in" else len(arrivals)
             while sum(1 for p in panels for turn in p.turns if turn.rid) < want:
                 await asyncio.sleep(0.005)
-            await asyncio.wait_for(drain(ui.run_scenario(three.scenario, three.policies, "", tab, three)), 120)
+            other = tab if where == "the same tab" else Tab("projector")
+            await asyncio.wait_for(drain(ui.run_scenario(three.scenario, three.policies, "", other, three)), 120)
             await asyncio.wait_for(first, 30)             # it ended, without an error
             await asyncio.sleep(0.3)
 
@@ -239,6 +242,42 @@ def test_a_lesson_pressed_while_another_runs_stops_it_and_runs_as_if_alone(tiny_
     assert [shape(s) for s in got[0][1]] == [shape(s) for s in want[0][1]]
     assert not [s for s in run["records"] if s["type"] == "step" and any(i["req"] in earlier for i in s["items"])], \
         "a step of lesson 3 ran a request of lesson 2"
+
+
+def test_a_tab_without_the_presenter_key_stops_no_lesson(tiny_model):
+    """Where a presenter key is set, a student who presses lesson 2's button while the lecturer's lesson 2 runs
+    plays its scenario under the settings in force (it may change none): the student's users are sent beside
+    the lecturer's, and nothing of the lecturer's lesson is stopped."""
+    two = LESSONS[1]
+    params = {**FAST, "long-prompt-interrupts": dict(reply_tokens=40, doc_tokens=2, doc_at=20)}
+    service, ui = start_service(str(tiny_model), params, presenter_key="lecturer-key")
+    records: list[dict] = []
+
+    async def drain(gen):
+        async for _ in gen:
+            pass
+
+    async def main():
+        async with recording(service, records):
+            lecturer = asyncio.ensure_future(drain(ui.run_scenario(two.scenario, two.policies, "lecturer-key",
+                                                                   Tab("lecturer"), two)))
+            while not any(turn.rid for p in ui.sessions.get("lecturer").panels for turn in p.turns):
+                await asyncio.sleep(0.005)
+            await asyncio.wait_for(drain(ui.run_scenario(two.scenario, two.policies, "", Tab("student"), two)), 120)
+            await asyncio.wait_for(lecturer, 120)
+            await asyncio.sleep(0.3)
+
+    try:
+        asyncio.run(main())
+    finally:
+        service.stop()
+    sent = {tab: {turn.rid for p in ui.sessions.get(tab).panels for turn in p.turns if turn.rid}
+            for tab in ("lecturer", "student")}
+    ends = {r["req"]: r for r in records if r["type"] == "request" and r["event"] in ("finished", "aborted")}
+    n = len(get_scenario(two.scenario, **params[two.scenario]).arrivals)
+    assert len(sent["lecturer"]) == len(sent["student"]) == n, sent
+    assert all(ends[rid]["event"] == "finished" for rid in sent["lecturer"] | sent["student"]), \
+        {rid: ends.get(rid) for rid in sent["lecturer"] | sent["student"]}
 
 
 def test_a_lesson_pressed_while_the_pair_starts_does_not_wait_for_it(tiny_model):

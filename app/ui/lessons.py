@@ -22,7 +22,7 @@ from app.replay.scenarios import Arrival, Scenario
 from app.ui.sessions import Panel, Session, Turn, drive, fresh
 
 SHOWN_CHARS = 220           # a long scripted prompt is shown shortened in its panel
-STOPPED = "another lesson was started in this tab"   # the abort reason of a stopped lesson's replies
+STOPPED = "another lesson was started"   # the abort reason of a stopped lesson's replies
 
 
 def shorten(text: str) -> str:

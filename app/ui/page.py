@@ -29,7 +29,7 @@ from app.ui import lessons
 from app.ui.assets import STATIC, STATIC_URL, head_html, stage_html
 from app.ui.leaderboard import mount_leaderboard
 from app.ui.room_pages import mount_room
-from app.ui.sessions import ScriptedRun, Session, Sessions, Turn, check_message, drive, fresh, stream_all
+from app.ui.sessions import ScriptedRun, Session, Sessions, Stage, Turn, check_message, drive, fresh, stream_all
 from app.ui.text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, setting_line, t
 from engine import SamplingParams
 from engine.errors import ServiceUnavailable
@@ -63,6 +63,7 @@ class UI:
         self.max_tokens, self.doc_max_tokens = max_tokens, doc_max_tokens
         self.scenario_params = scenario_params or {}
         self.sessions = Sessions()
+        self.stage = Stage()        # the lesson playing on the engine, whichever tab pressed it
         self.doc = load_text("lighthouse_report")
         self._doc_tokens: int | None = None
 
@@ -157,7 +158,9 @@ class UI:
         note = "" if allowed or not policies else t(s.lang, "locked")
         run = ScriptedRun()
         try:
-            await s.take_lesson(run)            # the tab's earlier lesson stops first: nothing of it runs on
+            await s.playing.take(run)           # the tab's earlier lesson stops first: nothing of it runs on
+            if allowed and lesson is not None:  # and the engine's, whichever tab plays it: this one sets it
+                await self.stage.take(run)
             first, passes = True, []
             for index, policy in enumerate(policies if allowed and policies else (None,)):
                 if run.stop.is_set():           # a newer lesson was pressed in this tab
@@ -193,7 +196,8 @@ class UI:
                 _, stream = self.service.ring.last_steps(self.service.config.history)
                 yield self.render_all(s, columns=False) + [note + "\n\n" + speculation_result(s.lang, stream, *passes)]
         finally:
-            s.end_lesson(run)
+            s.playing.end(run)
+            self.stage.end(run)
 
     async def pair_ready(self, lang: str, stop: asyncio.Event, timeout: float = 600.0) -> str | None:
         """Wait until the prefill and decode workers are loaded and in force (the first switch starts

@@ -81,22 +81,7 @@ class Session:
         self.visible = 4
         self.lang = "en"
         self.touched = time.monotonic()
-        self.lesson: ScriptedRun | None = None    # the lesson or scenario the tab is playing
-
-    async def take_lesson(self, run: ScriptedRun):
-        """Make `run` this tab's scripted run (a lesson or a scenario). A run still going is stopped first,
-        and awaited: its users not yet due are never sent and its replies under way are aborted
-        (app/ui/lessons.py), so none of it shares the new run's steps or stands in the way of its
-        settings. The caller ends `run` with end_lesson, however it ends (a finally)."""
-        earlier, self.lesson = self.lesson, run
-        if earlier is not None:
-            earlier.stop.set()
-            await earlier.done.wait()
-
-    def end_lesson(self, run: ScriptedRun):
-        run.done.set()
-        if self.lesson is run:
-            self.lesson = None
+        self.playing = Stage()                    # the lesson or scenario the tab is playing
 
     def request_ids(self) -> list[str]:
         """This tab's recent request ids, newest last (the sparklines show only these)."""
@@ -106,10 +91,34 @@ class Session:
 
 @dataclass
 class ScriptedRun:
-    """A lesson or scenario playing in a tab: `stop` is set when a newer one replaces it, `done` once it
-    has stopped (its replies ended)."""
+    """A lesson or scenario playing: `stop` is set when a newer one replaces it, `done` once it has stopped
+    (its replies ended)."""
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Stage:
+    """Where one scripted run plays at a time: each tab has one (Session.playing), and so has the engine for
+    the runs that change its settings (UI.stage: a lecturer's second tab, say the projector's, shares the
+    engine with the first, so a lesson pressed in either stops the one playing in the other)."""
+
+    def __init__(self):
+        self.run: ScriptedRun | None = None
+
+    async def take(self, run: ScriptedRun):
+        """Make `run` the one playing here. A run still going is stopped first, and awaited: its users not yet
+        due are never sent and its replies under way are aborted (app/ui/lessons.py), so none of it shares
+        the new run's steps or stands in the way of its settings. The caller ends `run` with end, however it
+        ends (a finally)."""
+        earlier, self.run = self.run, run
+        if earlier is not None and earlier is not run:
+            earlier.stop.set()
+            await earlier.done.wait()
+
+    def end(self, run: ScriptedRun):
+        run.done.set()
+        if self.run is run:
+            self.run = None
 
 
 class Sessions:
