@@ -27,6 +27,10 @@ engine; `worker_step` is the worker's own count), and each worker's clock is set
 the router's at start, so all times lie on one time line. A `kv_transfer` request
 event tells each hand-over (blocks, bytes, seconds).
 
+The workers start from a fork server (a spawned interpreter where there is none), which imports the
+script that started the pair anew: a script that builds a DisaggregatedEngine at its top level must do it
+under `if __name__ == "__main__":`, as any multiprocessing program must.
+
 step() is the pump of a driver loop: it relays what the workers published and
 returns their next step record with the requests' new output, waiting for a record
 while requests are in flight (as LLMEngine.step waits for its forward pass), and
