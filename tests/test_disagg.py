@@ -127,6 +127,23 @@ def test_an_abort_that_crosses_a_hand_over_is_settled_before_the_pair_says_it_is
     assert_nothing_held(eng)
 
 
+def test_a_burst_sent_to_an_idle_pair_is_counted_as_waiting_at_once(engine):
+    """The server's queue limit reads num_waiting when it admits. The prefill worker says how many wait only
+    in its step records, and an idle worker sends none: requests sent since its last record are counted too,
+    so a burst is, and an aborted one stops counting at once."""
+    eng = engine
+    drive(eng, lambda: not eng.has_unfinished())
+    assert eng.num_waiting == 0
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    rids = [eng.add_request(prompt_token_ids=document_ids(eng, 30, 20 + i), params=params) for i in range(6)]
+    assert eng.num_waiting == 6
+    eng.abort(rids[-1], "gone")
+    assert eng.num_waiting == 5
+    drive(eng, lambda: not eng.has_unfinished())
+    assert eng.num_waiting == 0
+    assert [eng.get_request(r).finish_reason for r in rids] == ["length"] * 5 + ["abort"]
+
+
 def test_aborts_at_random_moments_free_every_block(engine):
     """Many requests, each aborted (or not) after a random number of pump calls: nothing leaks."""
     eng, rng = engine, random.Random(16)

@@ -126,6 +126,7 @@ class _Router:
     transfers: dict[str, Transfer] = field(default_factory=dict)  # exported, not yet adopted
     ended: set[str] = field(default_factory=set)                  # requests the router itself ended
     aborting: dict[str, str] = field(default_factory=dict)        # aborted request -> the worker yet to answer
+    unreported: set[str] = field(default_factory=set)             # sent to prefill after its last step record
 
 
 class DisaggregatedEngine(RequestFront):
@@ -258,6 +259,9 @@ class DisaggregatedEngine(RequestFront):
             if obj["type"] == "step":        # one step numbering for both workers: every reader's `step`
                 obj["worker_step"], obj["step"] = obj["step"], self.steps.take()
                 w.last = obj
+                if w.name == "prefill":
+                    self.router.unreported.clear()   # its queue as this record says (a request in flight
+                                                     # meanwhile is missed for a step: never counted twice)
                 self.counters["steps"] += 1
                 self.counters["output_tokens"] += sum(i["kind"] == "decode" or bool(i.get("completes_prompt"))
                                                       for i in obj["items"])
@@ -320,6 +324,7 @@ class DisaggregatedEngine(RequestFront):
         seq = self.book.admit(self.tokenize(prompt, messages, prompt_token_ids), params, label, request_id,
                               self.clock())
         self.router.holder[seq.id] = "prefill"
+        self.router.unreported.add(seq.id)
         self.book.arrived(seq)
         self._send("prefill", Add(dict(prompt_token_ids=seq.prompt_token_ids, params=seq.params, label=seq.label,
                                        request_id=seq.id), seq.arrival_time))
@@ -345,6 +350,7 @@ class DisaggregatedEngine(RequestFront):
 
     def _retire(self, seq: Sequence, status: Status, finish_reason: str, error: str | None, t: float):
         self.router.holder.pop(seq.id, None)
+        self.router.unreported.discard(seq.id)
         for old in self.book.end(seq, status, finish_reason, error, t):
             self.router.ended.discard(old)
 
@@ -419,8 +425,9 @@ class DisaggregatedEngine(RequestFront):
 
     @property
     def num_waiting(self) -> int:
-        """The prefill worker's queue, as its last record reported it."""
-        return (self.workers["prefill"].last or {}).get("waiting", 0)
+        """The prefill worker's queue as its last step record reported it, and the requests sent to it since
+        (an idle worker sends no record: a burst must count at once, for the server's queue limit)."""
+        return (self.workers["prefill"].last or {}).get("waiting", 0) + len(self.router.unreported)
 
     def stats(self) -> dict:
         workers, kv = {}, [0, 0, 0]
