@@ -20,6 +20,7 @@ from collections import Counter
 import pytest
 
 from app.replay.scenarios import LESSONS, SETTING_KEYS, get_scenario
+from app.ui.text import t
 from tests.helpers import recording
 
 # the lessons' own speed knobs (shorter replies, the document early); no pause between steps: the
@@ -161,7 +162,6 @@ def test_a_lesson_refused_by_a_live_request_says_why_and_the_request_goes_on(tin
     student's long chat, or the lesson still running before it) makes the engine refuse that setting. The
     lesson says so in its note, naming the request, and starts nothing; the reply runs to its end (600 tokens:
     seconds on the tiny model, against the milliseconds the lesson takes to ask)."""
-    from app.ui.text import t
     from engine import SamplingParams
     seven = next(x for x in LESSONS if x.scenario == "memory-pressure")
     service, ui = start_service(str(tiny_model))
@@ -204,14 +204,17 @@ def test_a_lesson_pressed_while_another_runs_stops_it_and_runs_as_if_alone(tiny_
     records: list[dict] = []
     arrivals = get_scenario(two.scenario, **params[two.scenario]).arrivals
 
-    async def drain(gen):
-        async for _ in gen:
-            pass
+    notes: list[str] = []                 # the notes lesson 2's tab showed, last last
+
+    async def drain(gen, notes: list | None = None):
+        async for out in gen:
+            if notes is not None:
+                notes.append(out[-1])
 
     async def main():
         async with recording(service, records):
             tab = Tab("lecturer")
-            first = asyncio.ensure_future(drain(ui.run_scenario(two.scenario, two.policies, "", tab, two)))
+            first = asyncio.ensure_future(drain(ui.run_scenario(two.scenario, two.policies, "", tab, two), notes))
             panels = ui.sessions.get(tab.session_hash).panels
             want = 1 if when == "its first user is in" else len(arrivals)
             while sum(1 for p in panels for turn in p.turns if turn.rid) < want:
@@ -242,6 +245,10 @@ def test_a_lesson_pressed_while_another_runs_stops_it_and_runs_as_if_alone(tiny_
     assert [shape(s) for s in got[0][1]] == [shape(s) for s in want[0][1]]
     assert not [s for s in run["records"] if s["type"] == "step" and any(i["req"] in earlier for i in s["items"])], \
         "a step of lesson 3 ran a request of lesson 2"
+    # a tab whose lesson another tab stopped says so (its note of the settings in force is no longer true);
+    # one pressed in the same tab is drawn by the new lesson
+    stopped = t("en", "lesson_stopped")
+    assert (notes[-1] == stopped) == (where == "another tab") and stopped not in notes[:-1], notes[-3:]
 
 
 def test_a_tab_without_the_presenter_key_stops_no_lesson(tiny_model):

@@ -163,8 +163,8 @@ class UI:
                 await self.stage.take(run)
             first, passes = True, []
             for index, policy in enumerate(policies if allowed and policies else (None,)):
-                if run.stop.is_set():           # a newer lesson was pressed in this tab
-                    return
+                if run.stop.is_set():           # a newer lesson was pressed
+                    break
                 if allowed and lesson is not None:
                     change = lesson.setting(scenario, policy, self.service.config.step_delay, index)
                     try:
@@ -184,7 +184,7 @@ class UI:
                             yield self.render_all(s, columns=False) + [problem]
                             return
                         if run.stop.is_set():
-                            return
+                            break
                 changed = asyncio.Event()
                 before = {id(turn) for p in s.panels for turn in p.turns}
                 job = lessons.play(self.service, s, scenario, changed, s.lang, run.stop)
@@ -192,6 +192,11 @@ class UI:
                     yield self.render_all(s, columns=first) + [note]
                     first = False
                 passes.append({turn.rid for p in s.panels for turn in p.turns if id(turn) not in before and turn.rid})
+            if run.stop.is_set() and s.playing.run is run:
+                # stopped by a lesson pressed in another tab (one pressed here draws this tab itself): the
+                # note of the settings this lesson set is no longer true
+                yield self.render_all(s, columns=False) + [t(s.lang, "lesson_stopped")]
+                return
             if allowed and lesson is not None and lesson.speculative and len(passes) == 2 and not run.stop.is_set():
                 _, stream = self.service.ring.last_steps(self.service.config.history)
                 yield self.render_all(s, columns=False) + [note + "\n\n" + speculation_result(s.lang, stream, *passes)]

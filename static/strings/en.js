@@ -271,6 +271,7 @@ export default {
   "page.locked": "Settings are locked (presenter key), so this ran under the current policy.",
   "page.pair_starting": "Switching to disaggregated: waiting for the prefill and decode workers (two processes, a model copy each; the first time takes a while)…",
   "page.lesson_refused": "This lesson did not start: the engine refused its setting ({why}). Press it again once that has ended.",
+  "page.lesson_stopped": "Another lesson was started from another tab, so this one stopped; that lesson's settings are in force now.",
   "page.pair_failed": "The prefill and decode workers did not start ({why}), so the disaggregated run was left out.",
   "page.err_empty": "The message is empty: type something first.",
   "page.err_chars": "That message is too long ({n:,} characters; the limit is {limit:,}).",

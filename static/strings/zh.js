@@ -270,6 +270,7 @@ export default {
   "page.locked": "设置已锁定（演示者密钥），所以按当前策略运行。",
   "page.pair_starting": "切换到分离式：等待预填充和解码 worker 启动（两个进程，各一份模型；第一次需要一些时间）……",
   "page.lesson_refused": "这一课没有开始：引擎拒绝了它的设置（{why}）。等那个请求结束后再按一次。",
+  "page.lesson_stopped": "另一个标签页开始了另一课，所以这一课停止了；现在生效的是那一课的设置。",
   "page.pair_failed": "预填充和解码 worker 没有启动（{why}），所以没有运行分离式这一遍。",
   "page.err_empty": "消息是空的：请先输入内容。",
   "page.err_chars": "消息太长（{n:,} 个字符；上限是 {limit:,}）。",
