@@ -40,6 +40,13 @@ class Tab:
         self.session_hash = name
 
 
+async def drain(run, notes: list | None = None):
+    """Play a lesson's run_scenario to its end; the notes it showed, in order, into `notes`."""
+    async for out in run:
+        if notes is not None:
+            notes.append(out[-1])
+
+
 def start_service(model: str, params: dict = FAST, presenter_key: str | None = None):
     from app.config import ServerConfig
     from app.serving.service import EngineService
@@ -206,11 +213,6 @@ def test_a_lesson_pressed_while_another_runs_stops_it_and_runs_as_if_alone(tiny_
 
     notes: list[str] = []                 # the notes lesson 2's tab showed, last last
 
-    async def drain(gen, notes: list | None = None):
-        async for out in gen:
-            if notes is not None:
-                notes.append(out[-1])
-
     async def main():
         async with recording(service, records):
             tab = Tab("lecturer")
@@ -259,10 +261,6 @@ def test_a_tab_without_the_presenter_key_stops_no_lesson(tiny_model):
     params = {**FAST, "long-prompt-interrupts": dict(reply_tokens=40, doc_tokens=2, doc_at=20)}
     service, ui = start_service(str(tiny_model), params, presenter_key="lecturer-key")
     records: list[dict] = []
-
-    async def drain(gen):
-        async for _ in gen:
-            pass
 
     async def main():
         async with recording(service, records):

@@ -111,7 +111,7 @@ class Stage:
         the new run's steps or stands in the way of its settings. The caller ends `run` with end, however it
         ends (a finally)."""
         earlier, self.run = self.run, run
-        if earlier is not None and earlier is not run:
+        if earlier is not None:
             earlier.stop.set()
             await earlier.done.wait()
 
