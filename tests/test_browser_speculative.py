@@ -1,5 +1,5 @@
 """The speculative lesson in the live page on the default model: drafts drawn kept and rejected while it runs,
-and, when it ends, its note gives the numbers of its own records (app/ui/page.py speculation_result)."""
+and, when it ends, its note gives the numbers of its own records (app/ui/lessons.py speculation_result)."""
 from __future__ import annotations
 
 import pytest
@@ -20,7 +20,7 @@ def server():
 
 
 def test_the_speculative_lesson_draws_its_drafts_and_ends_with_its_numbers(server, browser):  # noqa: F811
-    from app.ui.page import speculation_result
+    from app.ui.lessons import speculation_result
     url, service = server
     assert LESSONS[-1].scenario == "speculative-room"
     with live_page(browser, url, {"width": 1366, "height": 768}) as page:

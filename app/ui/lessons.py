@@ -1,4 +1,9 @@
-"""Scripted users: play an app/replay/scenarios.py Scenario through the chat panels.
+"""A lesson played through a tab's chat panels: its passes, each under the setting it sets (run), and
+its scripted users (play), from an app/replay/scenarios.py Scenario.
+
+A lesson plays on the engine one at a time: one pressed in any tab stops the one playing (its Stage),
+and one pressed again in a tab stops that tab's earlier lesson; a tab without the presenter key plays
+the scenario under the settings in force and stops only its own.
 
 Each distinct label of the scenario takes a panel (a panel of the same name
 if there is one, else the next free one), so the lecturer sees the scripted
@@ -17,9 +22,12 @@ import asyncio
 import contextlib
 import math
 
+from app.readers import metrics
 from app.replay.play import Replay
-from app.replay.scenarios import Arrival, Scenario
-from app.ui.sessions import Panel, Session, Turn, drive, fresh
+from app.replay.scenarios import Arrival, Lesson, Scenario
+from app.ui.sessions import Panel, ScriptedRun, Session, Stage, Turn, drive, fresh, stream_all
+from app.ui.text import setting_line, t
+from engine.errors import ServiceUnavailable
 
 SHOWN_CHARS = 220           # a long scripted prompt is shown shortened in its panel
 STOPPED = "another lesson was started"   # the abort reason of a stopped lesson's replies
@@ -43,6 +51,90 @@ def assign_panels(session: Session, scenario: Scenario) -> dict[str, Panel]:
     used = max(session.panels.index(p) for p in out.values()) + 1
     session.visible = max(session.visible, min(used, len(session.panels)))
     return out
+
+
+async def run(service, s: Session, scenario: Scenario, lesson: Lesson | None, policies: tuple[str, ...],
+              allowed: bool, stage: Stage):
+    """Play `scenario` in tab `s`, once per policy, one pass after the other, each under the full setting
+    its lesson sets for it (app/replay/scenarios.py Lesson.setting); without the presenter key (`allowed`
+    False) or policies, once under the settings in force. Before each pass the prefix cache is emptied,
+    so the pass finds no earlier chat's blocks and runs as it does alone. Yields the note to show under
+    the lesson strip each time the panels have changed. `stage`: the engine's (see the module's text)."""
+    note = "" if allowed or not policies else t(s.lang, "locked")
+    sets = allowed and lesson is not None
+    me = ScriptedRun()
+    try:
+        await s.playing.take(me)            # the tab's earlier lesson stops first: nothing of it runs on
+        if sets:                            # and the engine's, whichever tab plays it: this one sets it
+            await stage.take(me)
+        passes = []
+        for index, policy in enumerate(policies if allowed and policies else (None,)):
+            if me.stop.is_set():            # a newer lesson was pressed
+                break
+            if sets:
+                change = lesson.setting(scenario, policy, service.config.step_delay, index)
+                try:
+                    await service.set_policy(**change)
+                except (ValueError, ServiceUnavailable) as e:
+                    # refused, all of it (a reply under way needs more KV than the lesson's cap, say: the
+                    # engine's message names it), or no engine: the lesson says why and starts nothing more
+                    yield t(s.lang, "lesson_refused", why=e)
+                    return
+                if hasattr(service, "reset_prefix_cache"):
+                    await service.reset_prefix_cache()
+                note = t(s.lang, "in_force", setting=setting_line(s.lang, change))
+                if policy == "disaggregated":
+                    yield t(s.lang, "pair_starting")
+                    if problem := await pair_ready(service, s.lang, me.stop):
+                        yield problem
+                        return
+                    if me.stop.is_set():
+                        break
+            changed = asyncio.Event()
+            before = {id(turn) for p in s.panels for turn in p.turns}
+            async for _ in stream_all([play(service, s, scenario, changed, s.lang, me.stop)], changed, lambda: None):
+                yield note
+            passes.append({turn.rid for p in s.panels for turn in p.turns if id(turn) not in before and turn.rid})
+        if me.stop.is_set() and s.playing.run is me:
+            # stopped by a lesson pressed in another tab (one pressed here draws this tab itself): the
+            # note of the settings this lesson set is no longer true
+            yield t(s.lang, "lesson_stopped")
+            return
+        if sets and lesson.speculative and len(passes) == 2 and not me.stop.is_set():
+            _, stream = service.ring.last_steps(service.config.history)
+            yield note + "\n\n" + speculation_result(s.lang, stream, *passes)
+    finally:
+        s.playing.end(me)
+        stage.end(me)
+
+
+async def pair_ready(service, lang: str, stop: asyncio.Event, timeout: float = 600.0) -> str | None:
+    """Wait until the prefill and decode workers are loaded and in force (the first switch starts
+    them: two model copies), or `stop` is set; None then, else a note saying why not."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline and not stop.is_set():
+        state = await service.engine_state()
+        if state.get("policy") == "disaggregated":
+            return None
+        if str(state.get("disaggregated") or "").startswith("failed"):
+            return t(lang, "pair_failed", why=state["disaggregated"])
+        await asyncio.sleep(0.5)
+    return None if stop.is_set() else t(lang, "pair_failed", why=f"not ready after {timeout:.0f} s")
+
+
+def speculation_result(lang: str, stream: list[dict], off: set[str], on: set[str]) -> str:
+    """The speculative lesson's two numbers, from its records: mean time between tokens without and with
+    speculation, at 1 stream and at the most streams both passes decoded at once; and the acceptance rate."""
+    a, b = metrics.tbt_by_streams(stream, off), metrics.tbt_by_streams(stream, on)
+    mine = [r for r in metrics.steps(stream) if any(it["req"] in on for it in r["items"])]
+    rate = metrics.acceptance_rate(*metrics.drafts(mine))
+    shared = sorted(set(a) & set(b))
+    if not shared or rate is None:
+        return t(lang, "spec_result_none")
+    ms = lambda v: f"{v * 1000:.0f} ms"
+    n = shared[-1]
+    return t(lang, "spec_result", one_off=ms(a[shared[0]]), one_on=ms(b[shared[0]]), lo=shared[0], n=n,
+             n_off=ms(a[n]), n_on=ms(b[n]), rate=f"{rate * 100:.0f} %")
 
 
 async def play(service, session: Session, scenario: Scenario, changed: asyncio.Event, lang: str,

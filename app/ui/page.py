@@ -13,6 +13,7 @@ from the engine through the service's in-process API (app/ui/sessions.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import json
 
@@ -21,7 +22,6 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from app.api.auth import key_matches
-from app.readers import metrics
 from app.replay.scenarios import LESSONS, SCENARIOS, Lesson, get_scenario, load_text
 from app.serving.rate_limit import client_of
 from app.serving.room import Room
@@ -29,10 +29,9 @@ from app.ui import lessons
 from app.ui.assets import STATIC, STATIC_URL, head_html, stage_html
 from app.ui.leaderboard import mount_leaderboard
 from app.ui.room_pages import mount_room
-from app.ui.sessions import ScriptedRun, Session, Sessions, Stage, Turn, check_message, drive, fresh, stream_all
+from app.ui.sessions import Session, Sessions, Stage, Turn, check_message, drive, fresh, stream_all
 from app.ui.text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, setting_line, t
 from engine import SamplingParams
-from engine.errors import ServiceUnavailable
 
 MAX_PANELS = len(USERS)
 KEY_JS = "(...a) => [...a.slice(0, -1), (window.sessionStorage && sessionStorage.getItem('batchscope.key')) || '']"
@@ -145,77 +144,20 @@ class UI:
 
     async def run_scenario(self, name: str, policies: tuple[str, ...] | str | None, key: str, request: gr.Request,
                            lesson: Lesson | None = None):
-        """Play the scenario once per policy, one after the other, each pass under its lesson's full
-        setting (none: once, under the current settings). `lesson`: the lesson whose passes these are
-        (its changes too); else one made of the name and the policies. Before each pass the prefix cache
-        is emptied, so the pass finds no earlier chat's blocks and runs as it does alone."""
+        """Play a scenario through this tab's panels (app/ui/lessons.py run): once per policy, each pass
+        under its lesson's full setting, or once under the settings in force (no policies, or no presenter
+        key). `lesson`: the lesson whose passes these are; else one made of the name and the policies."""
         policies = (policies,) if isinstance(policies, str) else tuple(policies or ())
         s = self.session(request)
         scenario = get_scenario(name, **self.scenario_params.get(name, {}))
         lesson = lesson or (next((x for x in LESSONS if (x.scenario, x.policies) == (name, policies)),
                                  Lesson(name, policies)) if policies else None)
-        allowed = self.authorised(key)
-        note = "" if allowed or not policies else t(s.lang, "locked")
-        run = ScriptedRun()
-        try:
-            await s.playing.take(run)           # the tab's earlier lesson stops first: nothing of it runs on
-            if allowed and lesson is not None:  # and the engine's, whichever tab plays it: this one sets it
-                await self.stage.take(run)
-            first, passes = True, []
-            for index, policy in enumerate(policies if allowed and policies else (None,)):
-                if run.stop.is_set():           # a newer lesson was pressed
-                    break
-                if allowed and lesson is not None:
-                    change = lesson.setting(scenario, policy, self.service.config.step_delay, index)
-                    try:
-                        await self.service.set_policy(**change)
-                    except (ValueError, ServiceUnavailable) as e:
-                        # refused, all of it (a reply under way needs more KV than the lesson's cap, say: the
-                        # engine's message names it), or no engine: the lesson says why and starts nothing more
-                        yield self.render_all(s, columns=first) + [t(s.lang, "lesson_refused", why=e)]
-                        return
-                    if hasattr(self.service, "reset_prefix_cache"):
-                        await self.service.reset_prefix_cache()
-                    note = t(s.lang, "in_force", setting=setting_line(s.lang, change))
-                    if policy == "disaggregated":
-                        yield self.render_all(s, columns=first) + [t(s.lang, "pair_starting")]
-                        first = False
-                        if problem := await self.pair_ready(s.lang, run.stop):
-                            yield self.render_all(s, columns=False) + [problem]
-                            return
-                        if run.stop.is_set():
-                            break
-                changed = asyncio.Event()
-                before = {id(turn) for p in s.panels for turn in p.turns}
-                job = lessons.play(self.service, s, scenario, changed, s.lang, run.stop)
-                async for _ in stream_all([job], changed, lambda: None):
-                    yield self.render_all(s, columns=first) + [note]
-                    first = False
-                passes.append({turn.rid for p in s.panels for turn in p.turns if id(turn) not in before and turn.rid})
-            if run.stop.is_set() and s.playing.run is run:
-                # stopped by a lesson pressed in another tab (one pressed here draws this tab itself): the
-                # note of the settings this lesson set is no longer true
-                yield self.render_all(s, columns=False) + [t(s.lang, "lesson_stopped")]
-                return
-            if allowed and lesson is not None and lesson.speculative and len(passes) == 2 and not run.stop.is_set():
-                _, stream = self.service.ring.last_steps(self.service.config.history)
-                yield self.render_all(s, columns=False) + [note + "\n\n" + speculation_result(s.lang, stream, *passes)]
-        finally:
-            s.playing.end(run)
-            self.stage.end(run)
-
-    async def pair_ready(self, lang: str, stop: asyncio.Event, timeout: float = 600.0) -> str | None:
-        """Wait until the prefill and decode workers are loaded and in force (the first switch starts
-        them: two model copies), or `stop` is set; None then, else a note saying why not."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while asyncio.get_running_loop().time() < deadline and not stop.is_set():
-            state = await self.service.engine_state()
-            if state.get("policy") == "disaggregated":
-                return None
-            if str(state.get("disaggregated") or "").startswith("failed"):
-                return t(lang, "pair_failed", why=state["disaggregated"])
-            await asyncio.sleep(0.5)
-        return None if stop.is_set() else t(lang, "pair_failed", why=f"not ready after {timeout:.0f} s")
+        first = True
+        async with contextlib.aclosing(lessons.run(self.service, s, scenario, lesson, policies,
+                                                   self.authorised(key), self.stage)) as notes:
+            async for note in notes:
+                yield self.render_all(s, columns=first) + [note]
+                first = False
 
     def lesson_text(self, lang: str, k: int) -> str:
         """Lesson k's caption and, last, the settings each of its passes runs under."""
@@ -392,21 +334,6 @@ def lesson_words(lang: str, k: int, part: str = "") -> str:
     lesson = LESSONS[k]
     key = lesson.text_key(k + 1) + part
     return t(lang, key, k=k + 1) if lesson.text else t(lang, key)
-
-
-def speculation_result(lang: str, stream: list[dict], off: set[str], on: set[str]) -> str:
-    """The speculative lesson's two numbers, from its records: mean time between tokens without and with
-    speculation, at 1 stream and at the most streams both passes decoded at once; and the acceptance rate."""
-    a, b = metrics.tbt_by_streams(stream, off), metrics.tbt_by_streams(stream, on)
-    mine = [r for r in metrics.steps(stream) if any(it["req"] in on for it in r["items"])]
-    rate = metrics.acceptance_rate(*metrics.drafts(mine))
-    shared = sorted(set(a) & set(b))
-    if not shared or rate is None:
-        return t(lang, "spec_result_none")
-    ms = lambda v: f"{v * 1000:.0f} ms"
-    n = shared[-1]
-    return t(lang, "spec_result", one_off=ms(a[shared[0]]), one_on=ms(b[shared[0]]), lo=shared[0], n=n,
-             n_off=ms(a[n]), n_on=ms(b[n]), rate=f"{rate * 100:.0f} %")
 
 
 def _typed_scenario(ui: UI, name: str, policies: tuple[str, ...], lesson: Lesson | None = None):
