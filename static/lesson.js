@@ -2,6 +2,7 @@
 // lesson's caption shown above the chart, the page scrolled so that caption, chart and batch bar
 // share one screen (a projector at 1366x768 included: the chart grows only as far as that allows).
 import { toggleLesson } from "./a11y.js";
+import { t } from "./i18n.js";
 import { store } from "./socket.js";
 import { state } from "./state.js";
 
@@ -19,11 +20,30 @@ export function fitChart() {
   state.chartMaxH = Math.max(194, Math.min(420, Math.floor(window.innerHeight - around)));
 }
 
+// A lesson stopped by one pressed in another tab: the server marks this tab's hidden list of its requests
+// with the lesson's number (app/ui/page.py mine_html, data-stopped), and the caption then says why it
+// stopped instead of naming a lesson no longer playing. Checked whenever Gradio redraws that list.
+function markStopped() {
+  const cap = caption(), mine = document.querySelector("[data-mine]");
+  if (!cap || cap.hidden || !mine) return;
+  const text = mine.dataset.stopped === cap.dataset.lesson ? t("page.lesson_stopped") : cap.dataset.text;
+  if (text && cap.textContent !== text) cap.textContent = text;
+}
+
+let watching = false;
+function watchStopped() {
+  const box = document.querySelector(".bs-mine");
+  if (watching || !box) return;
+  new MutationObserver(markStopped).observe(box, { subtree: true, childList: true, attributes: true });
+  watching = true;
+}
+
 export function showLesson(k) {
   const src = document.getElementById("bs-lesson-text-" + k), cap = caption();
   if (!cap) return;
-  cap.textContent = src ? src.textContent.replace(/\s+/g, " ").trim() : "";
+  cap.textContent = cap.dataset.text = src ? src.textContent.replace(/\s+/g, " ").trim() : "";
   cap.dataset.lesson = String(k);
+  watchStopped();
   const steps = store.steps;            // where this lesson's steps begin (the what-if panel replays from it)
   state.lessonStart = steps.length ? steps[steps.length - 1].step + 1 : 0;
   cap.hidden = !cap.textContent;

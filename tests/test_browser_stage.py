@@ -60,6 +60,27 @@ def test_a_pressed_lesson_shows_caption_chart_and_batch_bar_on_one_screen(server
         assert pg.is_disabled("[data-testid=chunk-cap-clear]")
 
 
+
+def test_a_lesson_stopped_from_another_tab_says_so_in_its_caption(server, browser):  # noqa: F811
+    """A lecturer's second tab (the laptop beside the projector's) presses a lesson while the first plays
+    one: the first tab's caption stops naming its lesson, which no longer plays, and says why."""
+    from app.ui.text import t
+    cap = "document.querySelector('[data-testid=lesson-caption]')"
+    with live_page(browser, server, {"width": 1366, "height": 768}) as first, \
+            live_page(browser, server, {"width": 1366, "height": 768}) as second:
+        first.click("#bs-lesson-1")
+        wait_js(first, "BS.store.steps.some(s => s.policy === 'static' && s.items.length >= 2)")
+        assert "Static batching" in first.inner_text("[data-testid=lesson-caption]")
+        second.click("#bs-lesson-1")
+        wait_js(first, f"{cap}.textContent === {t('en', 'lesson_stopped')!r}")
+        assert "Static batching" in second.inner_text("[data-testid=lesson-caption]")
+        # the second tab's lesson plays on to its end (its 8 users finish), its caption unchanged; the
+        # first's stays stopped
+        wait_js(second, "(rs => rs.filter(r => r.endEvent === 'finished').length >= 8 && rs.every(r => r.end != null))"
+                        "([...BS.store.reqs.values()])", timeout=60)
+        assert "Static batching" in second.inner_text("[data-testid=lesson-caption]")
+        assert first.inner_text("[data-testid=lesson-caption]") == t("en", "lesson_stopped")
+
 def test_the_chunk_cap_shows_and_clears_from_the_page(server, browser):  # noqa: F811
     with live_page(browser, server, {"width": 1366, "height": 768}) as pg:
         api(server, "/api/engine", {"max_prefill_chunk": 4})

@@ -24,7 +24,7 @@ import math
 
 from app.readers import metrics
 from app.replay.play import Replay
-from app.replay.scenarios import Arrival, Lesson, Scenario
+from app.replay.scenarios import LESSONS, Arrival, Lesson, Scenario
 from app.ui.sessions import Panel, ScriptedRun, Session, Stage, Turn, drive, fresh, stream_all
 from app.ui.text import setting_line, t
 from engine.errors import ServiceUnavailable
@@ -63,6 +63,7 @@ async def run(service, s: Session, scenario: Scenario, lesson: Lesson | None, po
     note = "" if allowed or not policies else t(s.lang, "locked")
     sets = allowed and lesson is not None
     me = ScriptedRun()
+    s.stopped = 0
     try:
         await s.playing.take(me)            # the tab's earlier lesson stops first: nothing of it runs on
         if sets:                            # and the engine's, whichever tab plays it: this one sets it
@@ -97,7 +98,8 @@ async def run(service, s: Session, scenario: Scenario, lesson: Lesson | None, po
             passes.append({turn.rid for p in s.panels for turn in p.turns if id(turn) not in before and turn.rid})
         if me.stop.is_set() and s.playing.run is me:
             # stopped by a lesson pressed in another tab (one pressed here draws this tab itself): the
-            # note of the settings this lesson set is no longer true
+            # note of the settings this lesson set is no longer true, nor is its caption
+            s.stopped = LESSONS.index(lesson) + 1 if lesson in LESSONS else 0
             yield t(s.lang, "lesson_stopped")
             return
         if sets and lesson.speculative and len(passes) == 2 and not me.stop.is_set():

@@ -51,8 +51,10 @@ def notice_html(text: str) -> str:
 
 
 def mine_html(session: Session) -> str:
-    """This tab's request ids, for the sparklines (hidden)."""
-    return f'<span data-mine="{html.escape(" ".join(session.request_ids()))}"></span>'
+    """This tab's request ids, for the sparklines, and the lesson a lesson pressed in another tab stopped
+    here, whose caption above the chart then says so (static/lesson.js); hidden."""
+    stopped = f' data-stopped="{session.stopped}"' if session.stopped else ""
+    return f'<span data-mine="{html.escape(" ".join(session.request_ids()))}"{stopped}></span>'
 
 
 class UI:

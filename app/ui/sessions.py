@@ -82,6 +82,7 @@ class Session:
         self.lang = "en"
         self.touched = time.monotonic()
         self.playing = Stage()                    # the lesson or scenario the tab is playing
+        self.stopped = 0        # the lesson (its number) that one pressed in another tab stopped here, else 0
 
     def request_ids(self) -> list[str]:
         """This tab's recent request ids, newest last (the sparklines show only these)."""
