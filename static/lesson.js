@@ -20,30 +20,34 @@ export function fitChart() {
   state.chartMaxH = Math.max(194, Math.min(420, Math.floor(window.innerHeight - around)));
 }
 
-// A lesson stopped by one pressed in another tab: the server marks this tab's hidden list of its requests
-// with the lesson's number (app/ui/page.py mine_html, data-stopped), and the caption then says why it
-// stopped instead of naming a lesson no longer playing. Checked whenever Gradio redraws that list.
-function markStopped() {
-  const cap = caption(), mine = document.querySelector("[data-mine]");
-  if (!cap || cap.hidden || !mine) return;
-  const text = mine.dataset.stopped === cap.dataset.lesson ? t("page.lesson_stopped") : cap.dataset.text;
+// The caption follows what it shows: the lesson's text in the strip, which Gradio redraws in the other
+// language when it is switched; and a lesson stopped by one pressed in another tab, which the server marks
+// on this tab's hidden list of its requests with the lesson's number (app/ui/page.py mine_html,
+// data-stopped): the caption then says why instead of naming a lesson no longer playing.
+function syncCaption() {
+  const cap = caption();
+  if (!cap || cap.hidden) return;
+  const src = document.getElementById("bs-lesson-text-" + cap.dataset.lesson), mine = document.querySelector("[data-mine]");
+  const lessonText = src ? src.textContent.replace(/\s+/g, " ").trim() : cap.textContent;
+  const text = mine && mine.dataset.stopped === cap.dataset.lesson ? t("page.lesson_stopped") : lessonText;
   if (text && cap.textContent !== text) cap.textContent = text;
 }
 
 let watching = false;
-function watchStopped() {
-  const box = document.querySelector(".bs-mine");
-  if (watching || !box) return;
-  new MutationObserver(markStopped).observe(box, { subtree: true, childList: true, attributes: true });
+function watchCaption() {
+  const boxes = [document.querySelector(".bs-mine"), ...document.querySelectorAll("[id^=bs-lesson-text-]")];
+  if (watching || !boxes[0]) return;
+  const seen = new MutationObserver(syncCaption);
+  for (const box of boxes) seen.observe(box, { subtree: true, childList: true, characterData: true, attributes: true });
   watching = true;
 }
 
 export function showLesson(k) {
   const src = document.getElementById("bs-lesson-text-" + k), cap = caption();
   if (!cap) return;
-  cap.textContent = cap.dataset.text = src ? src.textContent.replace(/\s+/g, " ").trim() : "";
+  cap.textContent = src ? src.textContent.replace(/\s+/g, " ").trim() : "";
   cap.dataset.lesson = String(k);
-  watchStopped();
+  watchCaption();
   const steps = store.steps;            // where this lesson's steps begin (the what-if panel replays from it)
   state.lessonStart = steps.length ? steps[steps.length - 1].step + 1 : 0;
   cap.hidden = !cap.textContent;

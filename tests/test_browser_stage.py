@@ -63,7 +63,8 @@ def test_a_pressed_lesson_shows_caption_chart_and_batch_bar_on_one_screen(server
 
 def test_a_lesson_stopped_from_another_tab_says_so_in_its_caption(server, browser):  # noqa: F811
     """A lecturer's second tab (the laptop beside the projector's) presses a lesson while the first plays
-    one: the first tab's caption stops naming its lesson, which no longer plays, and says why."""
+    one: the first tab's caption stops naming its lesson, which no longer plays, and says why; and each
+    caption is redrawn in the language the tab switches to."""
     from app.ui.text import t
     cap = "document.querySelector('[data-testid=lesson-caption]')"
     with live_page(browser, server, {"width": 1366, "height": 768}) as first, \
@@ -80,6 +81,13 @@ def test_a_lesson_stopped_from_another_tab_says_so_in_its_caption(server, browse
                         "([...BS.store.reqs.values()])", timeout=60)
         assert "Static batching" in second.inner_text("[data-testid=lesson-caption]")
         assert first.inner_text("[data-testid=lesson-caption]") == t("en", "lesson_stopped")
+        # each caption follows the language: Chinese, then English again
+        for pg in (first, second):
+            pg.click("#bs-lang label:has-text('中文')")
+        wait_js(first, f"{cap}.textContent === {t('zh', 'lesson_stopped')!r}")
+        wait_js(second, f"{cap}.textContent.includes('静态批处理')")
+        second.click("#bs-lang label:has-text('English')")
+        wait_js(second, f"{cap}.textContent.includes('Static batching')")
 
 def test_the_chunk_cap_shows_and_clears_from_the_page(server, browser):  # noqa: F811
     with live_page(browser, server, {"width": 1366, "height": 768}) as pg:
