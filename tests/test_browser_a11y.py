@@ -25,7 +25,8 @@ from tests.test_colour_vision import NEIGHBOURS_APART
 
 pytestmark = MARKS
 KEY = "a11y-presenter-key"
-STALL = dict(reply_tokens=16, doc_tokens=2, doc_at=8)          # lesson 2, short enough for a test
+# lesson 2, short enough for a test: a ~300-token document (still three chunks of the lesson's budget)
+STALL = dict(reply_tokens=16, doc_tokens=2, doc_at=8, doc_paragraphs=3)
 
 
 @pytest.fixture(scope="session", autouse=True)
