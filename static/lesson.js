@@ -25,12 +25,17 @@ export function fitChart() {
 // on this tab's hidden list of its requests with the lesson's number (app/ui/page.py mine_html,
 // data-stopped): the caption then says why instead of naming a lesson no longer playing.
 function syncCaption() {
-  const cap = caption();
+  const cap = caption(), mine = document.querySelector("[data-mine]");
   if (!cap || cap.hidden) return;
-  const src = document.getElementById("bs-lesson-text-" + cap.dataset.lesson), mine = document.querySelector("[data-mine]");
-  const lessonText = src ? src.textContent.replace(/\s+/g, " ").trim() : cap.textContent;
-  const text = mine && mine.dataset.stopped === cap.dataset.lesson ? t("page.lesson_stopped") : lessonText;
+  const text = mine && mine.dataset.stopped === cap.dataset.lesson ? t("page.lesson_stopped")
+    : lessonText(cap.dataset.lesson);
   if (text && cap.textContent !== text) cap.textContent = text;
+}
+
+// lesson k's text in the strip, on one line ("" where the page has none)
+function lessonText(k) {
+  const src = document.getElementById("bs-lesson-text-" + k);
+  return src ? src.textContent.replace(/\s+/g, " ").trim() : "";
 }
 
 let watching = false;
@@ -38,14 +43,15 @@ function watchCaption() {
   const boxes = [document.querySelector(".bs-mine"), ...document.querySelectorAll("[id^=bs-lesson-text-]")];
   if (watching || !boxes[0]) return;
   const seen = new MutationObserver(syncCaption);
-  for (const box of boxes) seen.observe(box, { subtree: true, childList: true, characterData: true, attributes: true });
+  const what = { subtree: true, childList: true, characterData: true, attributes: true };
+  for (const box of boxes) seen.observe(box, what);
   watching = true;
 }
 
 export function showLesson(k) {
-  const src = document.getElementById("bs-lesson-text-" + k), cap = caption();
+  const cap = caption();
   if (!cap) return;
-  cap.textContent = src ? src.textContent.replace(/\s+/g, " ").trim() : "";
+  cap.textContent = lessonText(k);
   cap.dataset.lesson = String(k);
   watchCaption();
   const steps = store.steps;            // where this lesson's steps begin (the what-if panel replays from it)
