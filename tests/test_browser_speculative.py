@@ -45,5 +45,5 @@ def test_the_speculative_lesson_draws_its_drafts_and_ends_with_its_numbers(serve
                               for i in s["items"] if i["req"] in labels}
     off, on = reqs_of(firsts[0], firsts[1]), reqs_of(firsts[1], 10**9)
     assert len(off) == len(on) == 16
-    want = speculation_result("en", stream, off, on)
+    want = speculation_result(stream, off, on)("en")
     assert want.replace("**", "") in note.replace("**", ""), (want, note)

@@ -64,7 +64,7 @@ def test_a_pressed_lesson_shows_caption_chart_and_batch_bar_on_one_screen(server
 def test_a_lesson_stopped_from_another_tab_says_so_in_its_caption(server, browser):  # noqa: F811
     """A lecturer's second tab (the laptop beside the projector's) presses a lesson while the first plays
     one: the first tab's caption stops naming its lesson, which no longer plays, and says why; and each
-    caption is redrawn in the language the tab switches to."""
+    caption, and the note under the lesson strip, is redrawn in the language the tab switches to."""
     from app.ui.text import t
     cap = "document.querySelector('[data-testid=lesson-caption]')"
     with live_page(browser, server, {"width": 1366, "height": 768}) as first, \
@@ -86,8 +86,14 @@ def test_a_lesson_stopped_from_another_tab_says_so_in_its_caption(server, browse
             pg.click("#bs-lang label:has-text('中文')")
         wait_js(first, f"{cap}.textContent === {t('zh', 'lesson_stopped')!r}")
         wait_js(second, f"{cap}.textContent.includes('静态批处理')")
+        # and so does the note under the lesson strip: why the lesson stopped, the settings it set
+        in_force = lambda lang: t(lang, "in_force", setting="").strip()
+        note = "document.querySelector('#bs-note').innerText.trim()"
+        wait_js(first, f"{note} === {t('zh', 'lesson_stopped')!r}")
+        wait_js(second, f"{note}.startsWith({in_force('zh')!r})")
         second.click("#bs-lang label:has-text('English')")
         wait_js(second, f"{cap}.textContent.includes('Static batching')")
+        wait_js(second, f"{note}.startsWith({in_force('en')!r})")
 
 def test_the_chunk_cap_shows_and_clears_from_the_page(server, browser):  # noqa: F811
     with live_page(browser, server, {"width": 1366, "height": 768}) as pg:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from collections.abc import Callable
 
 from app.readers import metrics
 from app.replay.play import Replay
@@ -31,6 +32,28 @@ from engine.errors import ServiceUnavailable
 
 SHOWN_CHARS = 220           # a long scripted prompt is shown shortened in its panel
 STOPPED = "another lesson was started"   # the abort reason of a stopped lesson's replies
+
+# The note under the lesson strip, said in a given language: the tab keeps the last one (Session.note),
+# so a switch of language says it again in the new one.
+Note = Callable[[str], str]
+
+
+def silent(lang: str) -> str:
+    return ""
+
+
+def say(key: str, **fields) -> Note:
+    """The note app/ui/text.py's `key` says, with fields that read the same in every language."""
+    return lambda lang: t(lang, key, **fields)
+
+
+def in_force(change: dict) -> Note:
+    """The settings a lesson's pass set (POST /api/engine's fields), each said in the note's language."""
+    return lambda lang: t(lang, "in_force", setting=setting_line(lang, change))
+
+
+def joined(*notes: Note) -> Note:
+    return lambda lang: "\n\n".join(note(lang) for note in notes)
 
 
 def shorten(text: str) -> str:
@@ -59,8 +82,9 @@ async def run(service, s: Session, scenario: Scenario, lesson: Lesson | None, po
     its lesson sets for it (app/replay/scenarios.py Lesson.setting); without the presenter key (`allowed`
     False) or policies, once under the settings in force. Before each pass the prefix cache is emptied,
     so the pass finds no earlier chat's blocks and runs as it does alone. Yields the note to show under
-    the lesson strip each time the panels have changed. `stage`: the engine's (see the module's text)."""
-    note = "" if allowed or not policies else t(s.lang, "locked")
+    the lesson strip (a Note) each time the panels have changed. `stage`: the engine's (see the module's
+    text)."""
+    note = silent if allowed or not policies else say("locked")
     sets = allowed and lesson is not None
     me = ScriptedRun()
     s.stopped = 0
@@ -79,14 +103,14 @@ async def run(service, s: Session, scenario: Scenario, lesson: Lesson | None, po
                 except (ValueError, ServiceUnavailable) as e:
                     # refused, all of it (a reply under way needs more KV than the lesson's cap, say: the
                     # engine's message names it), or no engine: the lesson says why and starts nothing more
-                    yield t(s.lang, "lesson_refused", why=e)
+                    yield say("lesson_refused", why=e)
                     return
                 if hasattr(service, "reset_prefix_cache"):
                     await service.reset_prefix_cache()
-                note = t(s.lang, "in_force", setting=setting_line(s.lang, change))
+                note = in_force(change)
                 if policy == "disaggregated":
-                    yield t(s.lang, "pair_starting")
-                    if problem := await pair_ready(service, s.lang, me.stop):
+                    yield say("pair_starting")
+                    if problem := await pair_ready(service, me.stop):
                         yield problem
                         return
                     if me.stop.is_set():
@@ -100,17 +124,17 @@ async def run(service, s: Session, scenario: Scenario, lesson: Lesson | None, po
             # stopped by a lesson pressed in another tab (one pressed here draws this tab itself): the
             # note of the settings this lesson set is no longer true, nor is its caption
             s.stopped = LESSONS.index(lesson) + 1 if lesson in LESSONS else 0
-            yield t(s.lang, "lesson_stopped")
+            yield say("lesson_stopped")
             return
         if sets and lesson.speculative and len(passes) == 2 and not me.stop.is_set():
             _, stream = service.ring.last_steps(service.config.history)
-            yield note + "\n\n" + speculation_result(s.lang, stream, *passes)
+            yield joined(note, speculation_result(stream, *passes))
     finally:
         s.playing.end(me)
         stage.end(me)
 
 
-async def pair_ready(service, lang: str, stop: asyncio.Event, timeout: float = 600.0) -> str | None:
+async def pair_ready(service, stop: asyncio.Event, timeout: float = 600.0) -> Note | None:
     """Wait until the prefill and decode workers are loaded and in force (the first switch starts
     them: two model copies), or `stop` is set; None then, else a note saying why not."""
     deadline = asyncio.get_running_loop().time() + timeout
@@ -119,12 +143,12 @@ async def pair_ready(service, lang: str, stop: asyncio.Event, timeout: float = 6
         if state.get("policy") == "disaggregated":
             return None
         if str(state.get("disaggregated") or "").startswith("failed"):
-            return t(lang, "pair_failed", why=state["disaggregated"])
+            return say("pair_failed", why=state["disaggregated"])
         await asyncio.sleep(0.5)
-    return None if stop.is_set() else t(lang, "pair_failed", why=f"not ready after {timeout:.0f} s")
+    return None if stop.is_set() else say("pair_failed", why=f"not ready after {timeout:.0f} s")
 
 
-def speculation_result(lang: str, stream: list[dict], off: set[str], on: set[str]) -> str:
+def speculation_result(stream: list[dict], off: set[str], on: set[str]) -> Note:
     """The speculative lesson's two numbers, from its records: mean time between tokens without and with
     speculation, at 1 stream and at the most streams both passes decoded at once; and the acceptance rate."""
     a, b = metrics.tbt_by_streams(stream, off), metrics.tbt_by_streams(stream, on)
@@ -132,10 +156,10 @@ def speculation_result(lang: str, stream: list[dict], off: set[str], on: set[str
     rate = metrics.acceptance_rate(*metrics.drafts(mine))
     shared = sorted(set(a) & set(b))
     if not shared or rate is None:
-        return t(lang, "spec_result_none")
+        return say("spec_result_none")
     ms = lambda v: f"{v * 1000:.0f} ms"
     n = shared[-1]
-    return t(lang, "spec_result", one_off=ms(a[shared[0]]), one_on=ms(b[shared[0]]), lo=shared[0], n=n,
+    return say("spec_result", one_off=ms(a[shared[0]]), one_on=ms(b[shared[0]]), lo=shared[0], n=n,
              n_off=ms(a[n]), n_on=ms(b[n]), rate=f"{rate * 100:.0f} %")
 
 

@@ -158,7 +158,8 @@ class UI:
         async with contextlib.aclosing(lessons.run(self.service, s, scenario, lesson, policies,
                                                    self.authorised(key), self.stage)) as notes:
             async for note in notes:
-                yield self.render_all(s, columns=first) + [note]
+                s.note = note
+                yield self.render_all(s, columns=first) + [note(s.lang)]
                 first = False
 
     def lesson_text(self, lang: str, k: int) -> str:
@@ -262,7 +263,8 @@ def build_ui(service, **options) -> gr.Blocks:
 
         def switch_language(choice: str, request: gr.Request):
             code = LANGS.get(choice, "en")
-            ui.session(request).lang = code
+            s = ui.session(request)
+            s.lang = code
             return ([t(code, "title"), t(code, "subtitle"), gr.update(label=t(code, "lang")), t(code, "steps_title")]
                     + [ui.lesson_text(code, k) for k in range(len(LESSONS))]
                     + [gr.update(value=lesson_words(code, k, "_btn")) for k in range(len(LESSONS))]
@@ -273,12 +275,13 @@ def build_ui(service, **options) -> gr.Blocks:
                     + [gr.update(value=t(code, "send")) for _ in sends]
                     + [gr.update(value=t(code, "all")) for _ in alls]
                     + [gr.update(value=t(code, "short")) for _ in shorts]
-                    + [gr.update(value=t(code, "long")) for _ in longs])
+                    + [gr.update(value=t(code, "long")) for _ in longs]
+                    + [s.note(code) if s.note else gr.skip()])
 
         lang.change(switch_language, [lang],
                     [title, subtitle, lang, steps_title] + lesson_md + lesson_btn + [scen_label]
                     + list(scen_btn.values()) + [add_btn, remove_btn, clear_btn, stop_btn]
-                    + boxes + sends + alls + shorts + longs,
+                    + boxes + sends + alls + shorts + longs + [note],
                     js=f"(c) => {{ if (window.BS && BS.setLang) BS.setLang(({json.dumps(LANGS)})[c] || 'en'); "
                        "return c; }")
         demo.unload(ui.drop)

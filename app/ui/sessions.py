@@ -83,6 +83,7 @@ class Session:
         self.touched = time.monotonic()
         self.playing = Stage()                    # the lesson or scenario the tab is playing
         self.stopped = 0        # the lesson (its number) that one pressed in another tab stopped here, else 0
+        self.note = None        # the note under the lesson strip (app/ui/lessons.py Note), said in any language
 
     def request_ids(self) -> list[str]:
         """This tab's recent request ids, newest last (the sparklines show only these)."""
