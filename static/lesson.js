@@ -1,9 +1,11 @@
 // The lecturer's lesson strip: captions folded to one line (a click opens one), and the pressed
 // lesson's caption shown above the chart, the page scrolled so that caption, chart and batch bar
 // share one screen (a projector at 1366x768 included: the chart grows only as far as that allows).
+// On the other pages (projector, students', a replayed trace), the lesson playing is named over the
+// chart, from the record stream's lesson messages.
 import { toggleLesson } from "./a11y.js";
-import { t } from "./i18n.js";
-import { store } from "./socket.js";
+import { fmt, onLang, t } from "./i18n.js";
+import { onStore, store } from "./socket.js";
 import { state } from "./state.js";
 
 
@@ -57,9 +59,32 @@ export function showLesson(k) {
   const steps = store.steps;            // where this lesson's steps begin (the what-if panel replays from it)
   state.lessonStart = steps.length ? steps[steps.length - 1].step + 1 : 0;
   cap.hidden = !cap.textContent;
+  drawLessonNow();
   fitChart();
   cap.scrollIntoView({ block: "start" });
 }
+
+// "1 · Static batching.": the bold lead of the lesson's words, their first sentence where they have none
+export function lessonTitle(m) {
+  const words = fmt("page." + m.text, { k: m.lesson });
+  const bold = /\*\*(.+?)\*\*/.exec(words);
+  return (bold ? bold[1] : words.split(/(?<=[.。])\s/)[0]).replace(/[*_]/g, "").trim();
+}
+
+// the lesson over the chart: "Now playing" while it plays, "Just played" once it ended (the chart still
+// shows its steps), nothing once it was stopped. A lecturer's tab that pressed a lesson has its caption
+// instead, which says more.
+function drawLessonNow() {
+  const el = document.querySelector("[data-testid=lesson-now]"), m = store.lesson, cap = caption();
+  if (!el) return;
+  const text = m && m.event !== "stopped" && !(cap && !cap.hidden)
+    ? fmt(m.event === "ended" ? "lesson.ended" : "lesson.now", { title: lessonTitle(m) }) : "";
+  if (el.textContent !== text) el.textContent = text;
+  el.hidden = !text;
+  el.dataset.event = m ? m.event : "";
+}
+onStore(drawLessonNow);
+onLang(drawLessonNow);
 
 document.addEventListener("click", (e) => {
   const text = e.target.closest && e.target.closest("[id^=bs-lesson-text-]");

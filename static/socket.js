@@ -18,6 +18,7 @@ export const store = {
   gaps: [],           // {after, before}: step indices missed between two received steps
   transfers: [],      // KV hand-overs between workers (disaggregated), oldest first: {rid, label, t0, t, ...}
   stretches: null,    // the server's per-setting metrics of the whole run (app/readers/metrics.py stretches()), or null offline
+  lesson: null,       // the last lesson message: {event: started|ended|stopped, lesson, text} (app/ui/lessons.py)
   version: 0,         // bumps whenever anything changes; views redraw when it moves
   connected: false,
   listeners: [],
@@ -136,9 +137,11 @@ export function ingest(msg) {
     case "request": addEvent(msg); break;
     case "policy": store.settings = Object.assign({}, store.settings, R.settings(msg)); break;
     case "stretches": store.stretches = msg.stretches; break;
+    case "lesson": store.lesson = msg; break;
     case "snapshot": {
       if (msg.settings) store.settings = Object.assign({}, store.settings, R.settings(msg.settings));
       if (msg.stretches) store.stretches = msg.stretches;
+      if (msg.lesson !== undefined) store.lesson = msg.lesson;
       const before = store.steps.length ? R.step(store.steps[store.steps.length - 1]) : null;
       const recs = msg.records || [];
       for (const m of recs) ingest(m);

@@ -195,3 +195,42 @@ def test_a_slow_step_after_a_setting_change_keeps_its_duration_and_a_running_ste
         assert pg.evaluate("BS.view.drawn.running.text").startswith("step running… 3.")
     finally:
         pg.close()
+
+
+def test_the_projector_names_the_lesson_playing_and_one_opened_late_does_too(server, browser):  # noqa: F811
+    """The lecturer presses a lesson on the laptop: the projector names it over its chart while it plays, a
+    projector opened meanwhile does too (its snapshot says which), and both say it was just played once it
+    ended (the chart still shows its steps)."""
+    from app.ui.text import STRINGS
+    title = "1 · Static batching."                      # the bold lead of lesson 1's words
+    now, ended = (STRINGS["en"][k].format(title=title) for k in ("lesson.now", "lesson.ended"))
+    named = "document.querySelector('[data-testid=lesson-now]')"
+    contexts = []
+
+    def projector():
+        ctx = browser.new_context(viewport={"width": 1366, "height": 768})
+        contexts.append(ctx)
+        pg = ctx.new_page()
+        pg.goto(server + "/projector")
+        wait_js(pg, "document.querySelector('[data-testid=conn]').dataset.state === 'live'")
+        return pg
+
+    try:
+        with live_page(browser, server, {"width": 1366, "height": 768}) as lecturer:
+            first = projector()
+            lecturer.click("#bs-lesson-1")
+            wait_js(first, f"!{named}.hidden && {named}.textContent === {now!r}")
+            late = projector()
+            wait_js(late, f"[{now!r}, {ended!r}].includes({named}.textContent)")
+            assert lecturer.is_hidden("[data-testid=lesson-now]")        # the lecturer has the caption
+            # a second lecturer tab, where no lesson was pressed, names it as the projector does
+            with live_page(browser, server, {"width": 1366, "height": 768}) as laptop:
+                wait_js(laptop, f"[{now!r}, {ended!r}].includes({named}.textContent) && !{named}.hidden")
+            for pg in (first, late):
+                wait_js(pg, f"{named}.dataset.event === 'ended' && {named}.textContent === {ended!r}", timeout=60)
+            # a title in place of the chart's reading hint: the projector still fits its screen
+            wait_js(first, "document.documentElement.scrollHeight <= 770", timeout=10)
+            first.screenshot(path=str(screenshot_dir() / "ui_projector_lesson.png"))
+    finally:
+        for ctx in contexts:
+            ctx.close()

@@ -130,6 +130,11 @@ def check_as_if_alone(order: list[int], model: str) -> list[dict]:
         k, lesson = run["lesson"], LESSONS[run["lesson"] - 1]
         got, want = passes(run), passes(alone[k])
         assert [e["policy"] for e, _ in got] == list(lesson.policies), (k, [e["policy"] for e, _ in got])
+        # every viewer was told which lesson played: its start before its first setting, then its end
+        told = [(r["event"], r["lesson"], r["text"]) if r["type"] == "lesson" else "policy"
+                for r in run["records"] if r["type"] in ("lesson", "policy")]
+        assert told[0] == ("started", k, lesson.text_key(k)) and told[-1] == ("ended", k, lesson.text_key(k)), told
+        assert sum(x != "policy" for x in told) == 2, told
         assert len(want) == len(got)
         for index, ((event, steps), (_, ref)) in enumerate(zip(got, want)):
             # the setting in force is the lesson's, all of it (the chunk cap of lesson 4 included)
@@ -251,6 +256,9 @@ def test_a_lesson_pressed_while_another_runs_stops_it_and_runs_as_if_alone(tiny_
     # one pressed in the same tab is drawn by the new lesson
     stopped = t("en", "lesson_stopped")
     assert (notes[-1] == stopped) == (where == "another tab") and stopped not in notes[:-1], notes[-3:]
+    # every viewer was told: lesson 2 started, then lesson 3 (the stopped one says nothing more), which ended
+    told = [(r["event"], r["lesson"]) for r in records if r["type"] == "lesson"]
+    assert told == [("started", 2), ("started", 3), ("ended", 3)], told
 
 
 def test_a_tab_without_the_presenter_key_stops_no_lesson(tiny_model):

@@ -127,6 +127,12 @@ class ServiceFront:
         return {"model": self.model_name, "device": self.device, "dtype": self.dtype,
                 "max_model_len": self.max_model_len, "settings": {**self.settings, "step_delay": self.step_delay}}
 
+    def announce(self, message: dict):
+        """Event loop: one of the app's own messages (a lesson's start or end, app/ui/lessons.py) to every
+        viewer, in order with the records, and into the ring, so an exported trace keeps it."""
+        self.broadcaster.publish(message)
+        self.broadcaster.flush()
+
     def check_rate(self, client: Caller | None):
         """QueueFull when the client is over its rate limit (client: app.serving.rate_limit.client_of; None, an
         in-process caller, is not limited); a request that passes spends one token of the client's bucket."""

@@ -3,7 +3,9 @@ its scripted users (play), from an app/replay/scenarios.py Scenario.
 
 A lesson plays on the engine one at a time: one pressed in any tab stops the one playing (its Stage),
 and one pressed again in a tab stops that tab's earlier lesson; a tab without the presenter key plays
-the scenario under the settings in force and stops only its own.
+the scenario under the settings in force and stops only its own. The lesson on the engine tells every
+viewer when it starts and ends (a "lesson" message in the record stream, `announcement`): the projector
+and the students' pages name it over their chart.
 
 Each distinct label of the scenario takes a panel (a panel of the same name
 if there is one, else the next free one), so the lecturer sees the scripted
@@ -56,6 +58,13 @@ def joined(*notes: Note) -> Note:
     return lambda lang: "\n\n".join(note(lang) for note in notes)
 
 
+def announcement(k: int, lesson: Lesson, event: str) -> dict:
+    """The stream's message that lesson k (from 1) `started`, `ended` (played to its end) or `stopped`
+    (cancelled, or its setting refused; one replaced by a newer lesson says nothing: the newer one starts).
+    `text`: its words' key in the page's strings (`page.<text>`, `{k}` in them its number)."""
+    return {"type": "lesson", "event": event, "lesson": k, "text": lesson.text_key(k)}
+
+
 def shorten(text: str) -> str:
     if len(text) <= SHOWN_CHARS:
         return text
@@ -86,12 +95,16 @@ async def run(service, s: Session, scenario: Scenario, lesson: Lesson | None, po
     text)."""
     note = silent if allowed or not policies else say("locked")
     sets = allowed and lesson is not None
+    number = LESSONS.index(lesson) + 1 if sets and lesson in LESSONS else 0   # told to every viewer
     me = ScriptedRun()
     s.stopped = 0
+    played = False
     try:
         await s.playing.take(me)            # the tab's earlier lesson stops first: nothing of it runs on
         if sets:                            # and the engine's, whichever tab plays it: this one sets it
             await stage.take(me)
+        if number:
+            service.announce(announcement(number, lesson, "started"))
         passes = []
         for index, policy in enumerate(policies if allowed and policies else (None,)):
             if me.stop.is_set():            # a newer lesson was pressed
@@ -126,12 +139,15 @@ async def run(service, s: Session, scenario: Scenario, lesson: Lesson | None, po
             s.stopped = LESSONS.index(lesson) + 1 if lesson in LESSONS else 0
             yield say("lesson_stopped")
             return
-        if sets and lesson.speculative and len(passes) == 2 and not me.stop.is_set():
+        played = not me.stop.is_set()
+        if sets and lesson.speculative and len(passes) == 2 and played:
             _, stream = service.ring.last_steps(service.config.history)
             yield joined(note, speculation_result(stream, *passes))
     finally:
         s.playing.end(me)
         stage.end(me)
+        if number and not me.stop.is_set():     # a newer lesson took over: it announces itself
+            service.announce(announcement(number, lesson, "ended" if played else "stopped"))
 
 
 async def pair_ready(service, stop: asyncio.Event, timeout: float = 600.0) -> Note | None:

@@ -21,6 +21,8 @@ export default {
   "chart.title": "Every forward pass of the engine, live",
   "chart.running": "step running…",
   "chart.hint": "One row per request, one column per step (forward pass). Read a column top to bottom: who shared that step.",
+  "lesson.now": "Now playing: lesson {title}",
+  "lesson.ended": "Just played: lesson {title}",
   "legend.decode": "decode: 1 new reply token",
   "legend.drafts": "speculative decode: its token, then drafts kept ● or rejected ×",
   "legend.prefill": "prefill: reading the prompt (tokens)",

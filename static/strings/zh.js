@@ -20,6 +20,8 @@ export default {
   "chart.title": "引擎的每一次前向计算（实时）",
   "chart.running": "这一步正在计算……",
   "chart.hint": "每行是一个请求，每列是一步（一次前向计算）。从上往下读一列：这一步里有谁。",
+  "lesson.now": "正在演示的课：{title}",
+  "lesson.ended": "刚演示完的课：{title}",
   "legend.decode": "解码：生成 1 个回复 token",
   "legend.drafts": "投机解码：自己的 token，再加草稿，接受 ● 或拒绝 ×",
   "legend.prefill": "预填充：读取提示词（token 数）",
