@@ -99,10 +99,13 @@ def test_join_and_the_projector_idle_during_and_after_a_lesson(server, browser):
         wait_js(join, "!document.querySelector('[data-testid=you-are]').hidden")
         no_violations(join, "/join joined")
         with live_page(browser, server, {"width": 1366, "height": 900}) as lecturer:
+            lecturer.evaluate(f"sessionStorage.setItem('batchscope.key', {json.dumps(KEY)})")   # the presenter's
             lecturer.click("#bs-lesson-2")
             join.fill("[data-testid=student-box]", "Say hi.")
             join.click("[data-testid=student-send]")
             wait_js(proj, RUNNING)
+            for pg in (proj, join):             # the lesson playing is named over their chart, and checked
+                wait_js(pg, "!document.querySelector('[data-testid=lesson-now]').hidden")
             no_violations(proj, "/projector during lesson 2")
             no_violations(join, "/join during lesson 2")
             wait_js(lecturer, ALL_ENDED)
