@@ -4,7 +4,7 @@
 // On the other pages (projector, students', a replayed trace), the lesson playing is named over the
 // chart, from the record stream's lesson messages.
 import { toggleLesson } from "./a11y.js";
-import { fmt, onLang, t } from "./i18n.js";
+import { fmt, lang, onLang, t } from "./i18n.js";
 import { onStore, store } from "./socket.js";
 import { state } from "./state.js";
 
@@ -74,12 +74,16 @@ export function lessonTitle(m) {
 // the lesson over the chart: "Now playing" while it plays, "Just played" once it ended (the chart still
 // shows its steps), nothing once it was stopped. A lecturer's tab that pressed a lesson has its caption
 // instead, which says more.
+let lessonDrawn = "";        // what drawLessonNow last drew from: the store calls it on every new record
 function drawLessonNow() {
   const el = document.querySelector("[data-testid=lesson-now]"), m = store.lesson, cap = caption();
-  if (!el) return;
-  const text = m && m.event !== "stopped" && !(cap && !cap.hidden)
+  const own = !!(cap && !cap.hidden);
+  const key = m ? [m.event, m.lesson, m.text, lang(), own].join("|") : "";
+  if (!el || key === lessonDrawn) return;
+  lessonDrawn = key;
+  const text = m && m.event !== "stopped" && !own
     ? fmt(m.event === "ended" ? "lesson.ended" : "lesson.now", { title: lessonTitle(m) }) : "";
-  if (el.textContent !== text) el.textContent = text;
+  el.textContent = text;
   el.hidden = !text;
   el.dataset.event = m ? m.event : "";
 }
