@@ -283,6 +283,26 @@ def test_one_chrome_converter_every_event_on_a_track():
     assert [e["name"] for e in steps] == [f"step {r['step']}" for r in metrics.steps(s)]
 
 
+def test_the_chrome_trace_marks_each_lesson_where_it_stood_in_the_stream():
+    """The app's lesson messages carry no engine time: each is marked at the last time before it in the stream
+    (the end of the step before it), or, first in the stream, at the first time after it."""
+    from app.readers.trace import chrome_trace
+    from tests.factories import stall_stream
+    s = stall_stream()
+    recs = metrics.steps(s)
+    lesson = lambda event: {"type": "lesson", "event": event, "lesson": 3, "text": "step3"}
+    cut = next(i for i, o in enumerate(s) if o is recs[1])          # between the first two steps
+    stream = [lesson("started"), *s[:cut], lesson("stopped"), *s[cut:], lesson("ended")]
+    marks = [e for e in chrome_trace(stream)["traceEvents"] if e.get("cat") == "lesson"]
+    first_t = min(o.get("t", o.get("t_start", 1e9)) for o in s)
+    before_cut = max(o.get("t_end", o.get("t", -1)) for o in s[:cut])
+    last_t = max(o.get("t_end", o.get("t", -1)) for o in s)
+    assert [(m["name"], m["ts"]) for m in marks] == [("lesson 3 started", first_t * 1e6),
+                                                      ("lesson 3 stopped", before_cut * 1e6),
+                                                      ("lesson 3 ended", last_t * 1e6)]
+    assert all(m["ph"] == "i" and m["tid"] == 0 and m["args"]["text"] == "step3" for m in marks)
+
+
 def test_app_does_not_import_demos_and_metrics_need_no_torch():
     import subprocess
     import sys

@@ -3,8 +3,9 @@
 Used by the server's `/api/trace?format=chrome` and by `python -m demos.compare.trace`.
 A `steps` track with one slice per step; one track per request (named by its
 label) with a `decode` or `prefill N` slice for each step it was in and instant
-markers for its lifecycle events; instants for policy changes; counters for the
-queues, KV blocks and budget fill. Our times are seconds; Chrome's are microseconds.
+markers for its lifecycle events; instants for policy changes and for the app's lesson
+messages; counters for the queues, KV blocks and budget fill. Our times are seconds;
+Chrome's are microseconds.
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def chrome_trace(objs: list[dict], meta: dict | None = None) -> dict:
         elif e.get("type") == "policy":
             ev.append({"ph": "i", "s": "p", "pid": PID, "tid": 0, "ts": e["t"] * US, "name": "policy",
                        "cat": "policy", "args": {k: v for k, v in e.items() if k not in ("type", "t")}})
+    for e, t in lesson_times(objs):
+        ev.append({"ph": "i", "s": "p", "pid": PID, "tid": 0, "ts": t * US, "cat": "lesson",
+                   "name": f"lesson {e['lesson']} {e['event']}", "args": {k: v for k, v in e.items() if k != "type"}})
     if meta is None:
         meta = next((o for o in objs if o.get("type") == "trace"), None)
     return {"traceEvents": ev, "displayTimeUnit": "ms", "otherData": meta or {}}
@@ -57,6 +61,22 @@ def step_events(rec: dict, tid: dict[str, int]) -> list[dict]:
            {"ph": "C", "pid": PID, "tid": 0, "ts": t_end, "name": "budget fill",
             "args": {"fill": rec["num_tokens"] / rec["token_budget"]}}]
     return ev
+
+
+def lesson_times(objs: list[dict]) -> list[tuple[dict, float]]:
+    """Each lesson message (app/ui/lessons.py; the app sends it without an engine time) with its place on the
+    engine's clock: the latest time before it in the stream (a step's end, an event's time), or, where
+    nothing timed comes before it, the stream's earliest time."""
+    timed = ("step", "request", "policy")
+    first = min((o.get("t_start", o.get("t")) for o in objs if o.get("type") in timed), default=None)
+    out, latest = [], None
+    for o in objs:
+        if o.get("type") == "lesson" and (latest is not None or first is not None):
+            out.append((o, first if latest is None else latest))
+        elif o.get("type") in timed:
+            t = o.get("t_end", o.get("t"))
+            latest = t if latest is None else max(latest, t)
+    return out
 
 
 def request_order(objs: list[dict]) -> list[str]:
