@@ -72,7 +72,8 @@ def random_streams(draw, speculative=False):
     """Engine-shaped streams: requests arrive, prefill in chunks (a first one sometimes after a cached
     prefix), decode or are left out (stalled), sometimes are preempted and recomputed; settings (policy,
     prefix caching, a KV cap) change now and then. speculative: decodes verify 0 to k drafts and keep some,
-    and k (the step's `speculative`, None: off) changes now and then too."""
+    and k (the step's `speculative`, None: off) changes now and then too. Now and then the app's lesson
+    message comes between two steps: no number may move for it."""
     n_req = draw(st.integers(1, 5))
     state = {f"r{i}": "new" for i in range(n_req)}
     s, t = [], 0.0
@@ -87,6 +88,10 @@ def random_streams(draw, speculative=False):
             k = draw(st.sampled_from([None, 1, 3]))
         if draw(st.integers(0, 7)) == 0:
             caching, limit = draw(st.booleans()), draw(st.sampled_from([None, 8, 32]))
+        if draw(st.integers(0, 7)) == 0:
+            s.append({"type": "lesson", "event": draw(st.sampled_from(["started", "ended", "stopped"])),
+                      "lesson": draw(st.integers(1, 8)),
+                      "text": draw(st.sampled_from(["step1", "step3", "speculative"]))})
         items, stalled, preempted = [], [], []
         for req, st_ in state.items():
             act = draw(st.sampled_from(["run", "run", "skip", "preempt"]))

@@ -188,6 +188,16 @@ def test_tokens_stalls_and_stretches_agree_with_a_direct_count(s):
     assert all(tuple(a[k] for k in keys) != tuple(b[k] for k in keys) for a, b in zip(parts, parts[1:]))
 
 
+@settings(max_examples=150, deadline=None)
+@given(random_streams())
+def test_the_apps_lesson_messages_move_no_number(s):
+    """The lesson messages the app puts in the stream (app/ui/lessons.py) are not records: every number is
+    the same with them as without."""
+    plain = [o for o in s if o.get("type") != "lesson"]
+    assert metrics.summarize(s) == metrics.summarize(plain) and metrics.stretches(s) == metrics.stretches(plain)
+    assert metrics.tokens(s) == metrics.tokens(plain)
+
+
 def test_a_first_token_is_never_a_stall():
     """Only a gap can be a stall: a (malformed) `stalled` entry before the first token is ignored."""
     s = [arrived("a", 0.0), step(0, 0.0, 0.1, [], stalled=["a"]), step(1, 0.1, 0.2, [pre("a", 4, 0, 4)]),
