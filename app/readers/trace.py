@@ -71,7 +71,7 @@ def lesson_times(objs: list[dict]) -> list[tuple[dict, float]]:
     first = min((o.get("t_start", o.get("t")) for o in objs if o.get("type") in timed), default=None)
     out, latest = [], None
     for o in objs:
-        if o.get("type") == "lesson" and (latest is not None or first is not None):
+        if o.get("type") == "lesson" and first is not None:
             out.append((o, first if latest is None else latest))
         elif o.get("type") in timed:
             t = o.get("t_end", o.get("t"))

@@ -164,7 +164,7 @@ class Broadcaster:
         self._flushed = 0                   # ring head at the last wake-up
         self.dropped = 0                    # records skipped over, all viewers together
         self.describe: Callable[[], dict] = dict   # what a snapshot says about the engine; the service sets it
-        self.lesson: dict | None = None     # the last "lesson" message (app/ui/lessons.py), for late viewers
+        self.lesson: dict | None = None     # the last "lesson" message (ServiceFront.announce), for late viewers
         self.meter = StretchMeter()         # the per-setting metrics of the whole run, for late viewers
         self._meter_lock = threading.Lock()
         self._stretches: Entry | None = None
@@ -179,8 +179,6 @@ class Broadcaster:
         """Engine thread (or the event loop, for the app's own messages): O(1), whatever the number of
         viewers. Viewers learn of it at the next flush()."""
         self.ring.append(obj)
-        if obj.get("type") == "lesson":
-            self.lesson = obj
         with self._meter_lock:              # O(items): the stretch's running numbers
             self.meter.observe(obj)
             self._meter_steps += obj.get("type") == "step"

@@ -129,7 +129,10 @@ class ServiceFront:
 
     def announce(self, message: dict):
         """Event loop: one of the app's own messages (a lesson's start or end, app/ui/lessons.py) to every
-        viewer, in order with the records, and into the ring, so an exported trace keeps it."""
+        viewer, in order with the records, and into the ring, so an exported trace keeps it. The last lesson
+        message is kept for the snapshots of viewers who join later."""
+        if message.get("type") == "lesson":
+            self.broadcaster.lesson = message
         self.broadcaster.publish(message)
         self.broadcaster.flush()
 

@@ -136,7 +136,7 @@ async def run(service, s: Session, scenario: Scenario, lesson: Lesson | None, po
         if me.stop.is_set() and s.playing.run is me:
             # stopped by a lesson pressed in another tab (one pressed here draws this tab itself): the
             # note of the settings this lesson set is no longer true, nor is its caption
-            s.stopped = LESSONS.index(lesson) + 1 if lesson in LESSONS else 0
+            s.stopped = number              # only a lesson that set the engine's stage is stopped by another tab
             yield say("lesson_stopped")
             return
         played = not me.stop.is_set()
