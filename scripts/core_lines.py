@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # request -> scheduler -> block manager -> flat batch -> model -> sampler -> outputs
 CORE = ["engine/sampling_params.py", "engine/scheduling/sequence.py", "engine/scheduling/scheduler.py",
         "engine/scheduling/policy.py", "engine/scheduling/policies/__init__.py",
-        "engine/scheduling/policies/common.py", "engine/scheduling/policies/static.py",
+        "engine/scheduling/policies/static.py",
         "engine/scheduling/policies/continuous.py", "engine/scheduling/policies/chunked.py",
         "engine/scheduling/ngram.py", "engine/scheduling/block_manager.py", "engine/execution/model_runner.py",
         "engine/execution/attention.py", "engine/models/llama.py", "engine/execution/sampler.py",

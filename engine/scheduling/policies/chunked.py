@@ -1,8 +1,7 @@
 """chunked: decode first under a token budget, prompts in chunks (Sarathi-Serve's stall-free batching)."""
 from __future__ import annotations
 
-from engine.scheduling.policies.common import room_for_whole_prompt, run_decodes
-from engine.scheduling.policy import Policy, RequestView, StepView
+from engine.scheduling.policy import Policy, RequestView, StepView, room_for_whole_prompt, run_decodes
 
 
 class Chunked(Policy):

@@ -2,13 +2,14 @@
 now, whole, and every running reply waits for it."""
 from __future__ import annotations
 
-from engine.scheduling.policies.common import (
+from engine.scheduling.policy import (
+    Policy,
+    StepView,
     prompts_wait_for_prefill,
     room_for_whole_prompt,
     run_decodes,
     run_whole_prompts,
 )
-from engine.scheduling.policy import Policy, StepView
 
 
 class Continuous(Policy):
