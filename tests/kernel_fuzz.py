@@ -1,4 +1,4 @@
-"""Random calls of every CPU op (engine/kernels/cpu_kernels.py), for tests/test_kernel_ops.py, which runs them
+"""Random calls of every CPU op (engine/kernels/ops.py), for tests/test_kernel_ops.py, which runs them
 in a child process (a crash fails the test instead of ending pytest), once with the AddressSanitizer build:
 
     python -m tests.kernel_fuzz valid|invalid [examples]
@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.kernels import cpu_kernels as k
+from engine.kernels import ops
 from engine.kernels import reference as ref
 
 FLOATS = [torch.float32, torch.bfloat16]
@@ -45,17 +46,17 @@ def chains(data, g):
     rows, hidden = data.draw(st.integers(0, 40)), data.draw(st.integers(1, 200))
     x, res, w = (rows_view(data, g, rows, hidden, dtype), rand(g, rows, hidden, dtype=dtype),
                  rand(g, hidden, dtype=dtype))
-    close(k.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), dtype)
-    (n1, s1), (n2, s2) = k.add_rms_norm(x, res, w, 1e-5), ref.add_rms_norm(x, res, w, 1e-5)
+    close(ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), dtype)
+    (n1, s1), (n2, s2) = ops.add_rms_norm(x, res, w, 1e-5), ref.add_rms_norm(x, res, w, 1e-5)
     close(n1, n2, dtype)
     assert torch.equal(s1, s2)
     inter = data.draw(st.integers(1, 200))
     gu = rows_view(data, g, rows, 2 * inter, dtype)
-    close(k.silu_and_mul(gu, inter), ref.silu_and_mul(gu, inter), dtype)
+    close(ops.silu_and_mul(gu, inter), ref.silu_and_mul(gu, inter), dtype)
     heads, d = data.draw(st.integers(1, 7)), 2 * data.draw(st.integers(1, 65))
     qk = rand(g, rows, heads + data.draw(st.integers(0, 3)), d, dtype=dtype)[:, :heads]     # strided rows
     cos, sin = rand(g, rows, 1, d, dtype=dtype), rand(g, rows, 1, d, dtype=dtype)
-    close(k.rope(qk, cos, sin), ref.apply_rope(qk, cos, sin), dtype)
+    close(ops.rope(qk, cos, sin), ref.apply_rope(qk, cos, sin), dtype)
 
 
 def paged(data, g, dtype=None):
@@ -80,10 +81,10 @@ def paged(data, g, dtype=None):
 def attention(data, g):
     q, key, val, kc, vc, slots, tables, lens = paged(data, g)
     kc2, vc2 = kc.clone(), vc.clone()
-    k.write_kv(key, val, kc, vc, slots)
+    ops.write_kv(key, val, kc, vc, slots)
     ref.write_kv(key, val, kc2, vc2, slots)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
-    close(k.paged_decode(q, kc, vc, tables, lens), ref.paged_decode(q, kc, vc, tables, lens), q.dtype)
+    close(ops.paged_decode(q, kc, vc, tables, lens), ref.paged_decode(q, kc, vc, tables, lens), q.dtype)
 
 
 def causal(data, g):
@@ -94,7 +95,7 @@ def causal(data, g):
     heads = kvh * data.draw(st.integers(1, 3))
     qkv = rand(g, m * q_len, heads + 2 * kvh, d, dtype=dtype)
     q, key, val = qkv[:, :heads], qkv[:, heads:heads + kvh], qkv[:, heads + kvh:]
-    close(k.causal_prefill(q, key, val, m), ref.causal_prefill(q, key, val, m), dtype)
+    close(ops.causal_prefill_or_none(q, key, val, m), ref.causal_prefill(q, key, val, m), dtype)
 
 
 def linears(data, g):
@@ -102,11 +103,11 @@ def linears(data, g):
     if k.f32_kernel():
         x, w = rows_view(data, g, rows, kk, torch.float32), rand(g, n, kk)
         b = rand(g, n) if data.draw(st.booleans()) else None
-        close(k.linear_f32(x, k.pack_f32(w), n, b), ref.linear(x, w, b), torch.float32)
+        close(ops.linear_f32(x, ops.pack_f32(w), n, b), ref.linear(x, w, b), torch.float32)
     if k.amx_bf16():
         kk = 32 * data.draw(st.integers(1, 6))
         x, w = rand(g, rows, kk, dtype=torch.bfloat16), rand(g, n, kk, dtype=torch.bfloat16)
-        assert torch.equal(k.linear_amx(x, k.pack_amx(w), n), ref.linear(x, w))
+        assert torch.equal(ops.linear_amx(x, ops.pack_amx(w), n), ref.linear(x, w))
 
 
 def layer_stack(data, g, dtype):
@@ -123,7 +124,7 @@ def layer_stack(data, g, dtype):
     plain |= {"input_norm": [rand(g, hidden, dtype=dtype) for _ in range(layers)],
               "post_norm": [rand(g, hidden, dtype=dtype) for _ in range(layers)],
               "k_cache": [kc.clone() for _ in range(layers)], "v_cache": [vc.clone() for _ in range(layers)]}
-    pack = k.pack_amx if dtype == torch.bfloat16 else k.pack_f32
+    pack = ops.pack_amx if dtype == torch.bfloat16 else ops.pack_f32
     packed = {name: [pack(w) if name in shapes else w.clone() for w in ws] for name, ws in plain.items()}
     meta = AttentionMetadata(slot_mapping=slots, context_lens=lens, block_tables=tables, num_decodes=n)
     cos, sin = rand(g, n, 1, d, dtype=dtype), rand(g, n, 1, d, dtype=dtype)
@@ -138,7 +139,7 @@ def layers(data, g):
     x, cos, sin, meta, packed, plain, heads, kvh = layer_stack(data, g, dtype)
     want_x, want_res = ref.decode_layers(x.clone(), cos, sin, meta.slot_mapping, meta.block_tables, meta.context_lens,
                                          plain, heads, kvh, 1e-5)
-    res = k.decode_layers(x, cos, sin, meta, packed, heads=heads, kv_heads=kvh, eps=1e-5)
+    res = ops.decode_step(x, cos, sin, meta, packed, heads=heads, kv_heads=kvh, eps=1e-5)
     close(res, want_res, dtype)
     close(x, want_x, dtype)
     for a, b in zip(packed["k_cache"] + packed["v_cache"], plain["k_cache"] + plain["v_cache"]):
@@ -165,63 +166,63 @@ def broken(data, g):
     far = data.draw(st.sampled_from([nb * bs, nb * bs + 1, 10**9, -1]))
     x, w = rand(g, 3, 40), rand(g, 40)
     cases = {
-        "slot past the cache": (lambda: k.write_kv(key, val, kc, vc, slots.index_fill(0, torch.tensor([0]), far)),
+        "slot past the cache": (lambda: ops.write_kv(key, val, kc, vc, slots.index_fill(0, torch.tensor([0]), far)),
                                 "slot_mapping"),
-        "slots of other tokens": (lambda: k.write_kv(key, val, kc, vc, torch.cat([slots, slots])), "slot_mapping"),
-        "block id past the cache": (lambda: k.paged_decode(q, kc, vc, tables.index_fill(
+        "slots of other tokens": (lambda: ops.write_kv(key, val, kc, vc, torch.cat([slots, slots])), "slot_mapping"),
+        "block id past the cache": (lambda: ops.paged_decode(q, kc, vc, tables.index_fill(
             1, torch.tensor([0]), nb + data.draw(st.integers(0, 5))), lens), "block_tables"),
-        "negative block id": (lambda: k.paged_decode(q, kc, vc, tables.index_fill(1, torch.tensor([0]), -1), lens),
+        "negative block id": (lambda: ops.paged_decode(q, kc, vc, tables.index_fill(1, torch.tensor([0]), -1), lens),
                               "block_tables"),
-        "context past the table": (lambda: k.paged_decode(q, kc, vc, tables, lens + tables.shape[1] * bs),
+        "context past the table": (lambda: ops.paged_decode(q, kc, vc, tables, lens + tables.shape[1] * bs),
                                    "context_lens"),
-        "empty context": (lambda: k.paged_decode(q, kc, vc, tables, lens * 0), "context_lens"),
-        "short table": (lambda: k.paged_decode(q, kc, vc, tables[:0], lens), "block_tables"),
+        "empty context": (lambda: ops.paged_decode(q, kc, vc, tables, lens * 0), "context_lens"),
+        "short table": (lambda: ops.paged_decode(q, kc, vc, tables[:0], lens), "block_tables"),
         # one KV head divides every head count: then a cache of two (causal_prefill has a kernel only
         # with AVX-512, and without one it hands the call to SDPA, so decode's op is the one checked)
-        "heads % kv_heads": (lambda: k.paged_decode(rand(g, q.shape[0], 3, kc.shape[3]), kc.repeat(1, 1, 2, 1),
+        "heads % kv_heads": (lambda: ops.paged_decode(rand(g, q.shape[0], 3, kc.shape[3]), kc.repeat(1, 1, 2, 1),
                                                     vc.repeat(1, 1, 2, 1), tables, lens)
                              if kc.shape[2] == 1 else
-                             k.paged_decode(rand(g, q.shape[0], kc.shape[2] + 1, kc.shape[3]), kc, vc, tables, lens),
+                             ops.paged_decode(rand(g, q.shape[0], kc.shape[2] + 1, kc.shape[3]), kc, vc, tables, lens),
                              "kv_heads"),
-        "strided cache": (lambda: k.write_kv(key, val, kc.transpose(0, 1).contiguous().transpose(0, 1), vc, slots),
+        "strided cache": (lambda: ops.write_kv(key, val, kc.transpose(0, 1).contiguous().transpose(0, 1), vc, slots),
                           "k_cache"),
-        "cache of another dtype": (lambda: k.write_kv(key, val, kc.double(), vc, slots), "k_cache"),
-        "inter against the width": (lambda: k.silu_and_mul(rand(g, 3, 64), data.draw(st.sampled_from([31, 33, 0]))),
+        "cache of another dtype": (lambda: ops.write_kv(key, val, kc.double(), vc, slots), "k_cache"),
+        "inter against the width": (lambda: ops.silu_and_mul(rand(g, 3, 64), data.draw(st.sampled_from([31, 33, 0]))),
                                     "inter"),
-        "cos rows against positions": (lambda: k.rope(rand(g, 3, 2, 64), rand(g, 2, 1, 64), rand(g, 3, 1, 64)),
+        "cos rows against positions": (lambda: ops.rope(rand(g, 3, 2, 64), rand(g, 2, 1, 64), rand(g, 3, 1, 64)),
                                        "cos"),
-        "sin rows against positions": (lambda: k.rope(rand(g, 3, 2, 64), rand(g, 3, 1, 64), rand(g, 4, 1, 64)),
+        "sin rows against positions": (lambda: ops.rope(rand(g, 3, 2, 64), rand(g, 3, 1, 64), rand(g, 4, 1, 64)),
                                        "sin"),
-        "norm weight width": (lambda: k.rms_norm(x, rand(g, 41), 1e-5), "weight"),
-        "residual shape": (lambda: k.add_rms_norm(x, rand(g, 2, 40), w, 1e-5), "residual"),
-        "pack outputs not a multiple of 16": (lambda: k.pack_f32(rand(g, 24, 40)), "w"),
-        "tile layout input not a multiple of 32": (lambda: k.pack_amx(rand(g, 32, 48, dtype=torch.bfloat16)), "w"),
+        "norm weight width": (lambda: ops.rms_norm(x, rand(g, 41), 1e-5), "weight"),
+        "residual shape": (lambda: ops.add_rms_norm(x, rand(g, 2, 40), w, 1e-5), "residual"),
+        "pack outputs not a multiple of 16": (lambda: ops.pack_f32(rand(g, 24, 40)), "w"),
+        "tile layout input not a multiple of 32": (lambda: ops.pack_amx(rand(g, 32, 48, dtype=torch.bfloat16)), "w"),
     }
     if k.avx512():
         cases["chunks that do not split the rows"] = (lambda: torch.ops.batchscope.causal_prefill(
             rand(g, 5, 2, 64), rand(g, 5, 2, 64), rand(g, 5, 2, 64), 2), "m")
     if k.f32_kernel():
-        packed = k.pack_f32(rand(g, 32, 40))
+        packed = ops.pack_f32(rand(g, 32, 40))
         cases |= {
-            "packed weight against x": (lambda: k.linear_f32(rand(g, 3, 41), packed, 32), "x"),
-            "out_features against the packed weight": (lambda: k.linear_f32(x, packed, 48), "out_features"),
-            "packed outputs not a multiple of 16": (lambda: k.linear_f32(x, rand(g, 24, 40), 24), "packed"),
-            "bias length": (lambda: k.linear_f32(x, packed, 32, rand(g, 31)), "b"),
+            "packed weight against x": (lambda: ops.linear_f32(rand(g, 3, 41), packed, 32), "x"),
+            "out_features against the packed weight": (lambda: ops.linear_f32(x, packed, 48), "out_features"),
+            "packed outputs not a multiple of 16": (lambda: ops.linear_f32(x, rand(g, 24, 40), 24), "packed"),
+            "bias length": (lambda: ops.linear_f32(x, packed, 32, rand(g, 31)), "b"),
         }
         x2, cos, sin, meta, packed_w, _, heads, kvh = layer_stack(data, g, torch.float32)
         stack_slots = packed_w["k_cache"][0].shape[0] * packed_w["k_cache"][0].shape[1]
         meta_bad = type(meta)(slot_mapping=meta.slot_mapping + stack_slots, context_lens=meta.context_lens,
                               block_tables=meta.block_tables)
         hidden, inter = x2.shape[1], packed_w["down"][0].shape[1]
-        short = {**packed_w, "down": [k.pack_f32(rand(g, hidden, inter + 32)) for _ in packed_w["down"]]}
+        short = {**packed_w, "down": [ops.pack_f32(rand(g, hidden, inter + 32)) for _ in packed_w["down"]]}
         cases |= {
-            "decode_layers slot": (lambda: k.decode_layers(x2, cos, sin, meta_bad, packed_w, heads=heads,
+            "decode_layers slot": (lambda: ops.decode_step(x2, cos, sin, meta_bad, packed_w, heads=heads,
                                                            kv_heads=kvh, eps=1e-5), "slot_mapping"),
-            "decode_layers inter": (lambda: k.decode_layers(x2, cos, sin, meta, short, heads=heads, kv_heads=kvh,
+            "decode_layers inter": (lambda: ops.decode_step(x2, cos, sin, meta, short, heads=heads, kv_heads=kvh,
                                                             eps=1e-5), "down[0]"),
-            "decode_layers kv_heads": (lambda: k.decode_layers(x2, cos, sin, meta, packed_w, heads=heads,
+            "decode_layers kv_heads": (lambda: ops.decode_step(x2, cos, sin, meta, packed_w, heads=heads,
                                                                kv_heads=kvh + 1, eps=1e-5), "kv_heads"),
-            "decode_layers cos rows": (lambda: k.decode_layers(x2, cos[:-1], sin, meta, packed_w, heads=heads,
+            "decode_layers cos rows": (lambda: ops.decode_step(x2, cos[:-1], sin, meta, packed_w, heads=heads,
                                                                kv_heads=kvh, eps=1e-5), "cos"),
         }
     name = data.draw(st.sampled_from(sorted(cases)), label="broken")

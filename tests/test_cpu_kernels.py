@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from engine.execution.attention import AttentionMetadata, PrefillChunk, TorchAttention
 from engine.execution.backends import CpuAttention, select_backend
-from engine.kernels import cpu_kernels, loading
+from engine.kernels import cpu_kernels, ops
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler: the kernel cannot be built")
 
@@ -83,7 +83,7 @@ def test_decode_kernel_matches_fp64_attention(ctx, seed):
     keys = k_cache[table].flatten(0, 1)[:ctx].double().repeat_interleave(heads // kv, 1)     # (ctx, heads, hd)
     vals = v_cache[table].flatten(0, 1)[:ctx].double().repeat_interleave(heads // kv, 1)
     ref = torch.einsum("ht,thd->hd", torch.einsum("hd,thd->ht", q[0].double(), keys).div(hd ** 0.5).softmax(-1), vals)
-    out = cpu_kernels.paged_decode(q, to_kernel_layout(k_cache, True), to_kernel_layout(v_cache, False),
+    out = ops.paged_decode(q, to_kernel_layout(k_cache, True), to_kernel_layout(v_cache, False),
                                   table[None], torch.tensor([ctx]))
     torch.testing.assert_close(out[0].double(), ref, rtol=1e-5, atol=1e-6)
 
@@ -114,7 +114,7 @@ def check_causal(m, q_len, d, kv_heads, group, seed, scale, dtype):
     heads = kv_heads * group
     qkv = (torch.randn(m * q_len, heads + 2 * kv_heads, d, generator=g) * scale).to(dtype)
     q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
-    got = cpu_kernels.causal_prefill(q, k, v, m)
+    got = ops.causal_prefill_or_none(q, k, v, m)
     exact = torch.nn.functional.scaled_dot_product_attention(
         *(batched(t.double(), m) for t in (q, k, v)), is_causal=True, enable_gqa=True).transpose(1, 2).reshape(q.shape)
     assert got.shape == q.shape and got.dtype == dtype
@@ -132,8 +132,8 @@ def test_the_causal_kernel_takes_fp32_and_bf16_and_the_backend_falls_back_to_sdp
     from engine.execution.attention import TorchAttention
     from engine.execution.backends import CpuAttention
     q, k, v = torch.randn(20, 4, 64), torch.randn(20, 2, 64), torch.randn(20, 2, 64)
-    assert cpu_kernels.causal_prefill(q.half(), k.half(), v.half(), 2) is None
-    assert cpu_kernels.causal_prefill(q[:, :, :48].contiguous(), k[:, :, :48].contiguous(),
+    assert ops.causal_prefill_or_none(q.half(), k.half(), v.half(), 2) is None
+    assert ops.causal_prefill_or_none(q[:, :, :48].contiguous(), k[:, :, :48].contiguous(),
                                       v[:, :, :48].contiguous(), 2) is None        # head_dim 48: no kernel
     for t, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 1e-3)):
         got = CpuAttention().causal(q.to(t), k.to(t), v.to(t), 2)
@@ -144,7 +144,7 @@ def test_shapes_without_a_kernel_are_refused():
     q = torch.randn(1, 2, 32)
     cache = torch.zeros(4, 16, 1, 32)
     with pytest.raises(ValueError, match="head_dim 32"):
-        cpu_kernels.paged_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
+        ops.paged_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]))
     assert not cpu_kernels.supports(torch.float16, 16, 64) and not cpu_kernels.supports(torch.float32, 8, 64)
 
 
@@ -178,7 +178,7 @@ def test_a_build_is_reused_and_named_by_what_it_was_built_from(tmp_path, monkeyp
         stamp = built[0].stat().st_mtime_ns
         cpu_kernels.library.cache_clear()
         assert cpu_kernels.library() is not None and built[0].stat().st_mtime_ns == stamp   # loaded, not rebuilt
-        monkeypatch.setattr(loading, "cpu_flags", lambda: "flags : another cpu")
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags : another cpu")
         cpu_kernels.library.cache_clear()
         assert cpu_kernels.library() is not None and len(list((tmp_path / "kernels").glob("*.so"))) == 2
     finally:
@@ -254,15 +254,15 @@ def test_fused_bf16_chains_are_torchs_up_to_one_rounding(rows, hidden, seed, sca
     g = torch.Generator().manual_seed(seed)
     bf = lambda *shape: (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
     x, res, w = bf(rows, hidden), bf(rows, hidden), bf(hidden)
-    checks = [(llama.rms_norm(x, w, 1e-5), cpu_kernels.rms_norm(x, w, 1e-5))]
-    (n1, s1), (n2, s2) = llama.add_rms_norm(x, res, w, 1e-5), cpu_kernels.add_rms_norm(x, res, w, 1e-5)
+    checks = [(llama.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5))]
+    (n1, s1), (n2, s2) = llama.add_rms_norm(x, res, w, 1e-5), ops.add_rms_norm(x, res, w, 1e-5)
     assert torch.equal(s1, s2)                                   # the residual sum is one bf16 add: exact
     checks.append((n1, n2))
     gate_up = bf(rows, 2 * hidden)
-    checks.append((llama.silu_and_mul(gate_up, hidden), cpu_kernels.silu_and_mul(gate_up, hidden)))
+    checks.append((llama.silu_and_mul(gate_up, hidden), ops.silu_and_mul(gate_up, hidden)))
     qkv = bf(rows, 5, 64)                                        # q and k heads: a strided view, as in the model
     cos, sin = bf(rows, 1, 64), bf(rows, 1, 64)
-    checks.append((llama.apply_rope(qkv[:, :4], cos, sin), cpu_kernels.rope(qkv[:, :4], cos, sin)))
+    checks.append((llama.apply_rope(qkv[:, :4], cos, sin), ops.rope(qkv[:, :4], cos, sin)))
     for expected, got in checks:
         assert got.shape == expected.shape and got.dtype == torch.bfloat16 and not got.isnan().any()
         tiny = (expected.abs() < 1e-30) & (got.abs() < 1e-30)   # silu far below 0: ~1e-37 against torch's 0
@@ -287,25 +287,25 @@ def test_fused_f32_chains_are_torchs_up_to_rounding(rows, hidden, seed, scale):
     # size of what was summed: RoPE's two products can cancel
     close = lambda got, expected: torch.testing.assert_close(  # noqa: E731
         got, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
-    close(cpu_kernels.rms_norm(x, w, 1e-5), llama.rms_norm(x, w, 1e-5))
-    (n1, s1), (n2, s2) = llama.add_rms_norm(x, res, w, 1e-5), cpu_kernels.add_rms_norm(x, res, w, 1e-5)
+    close(ops.rms_norm(x, w, 1e-5), llama.rms_norm(x, w, 1e-5))
+    (n1, s1), (n2, s2) = llama.add_rms_norm(x, res, w, 1e-5), ops.add_rms_norm(x, res, w, 1e-5)
     assert torch.equal(s1, s2)                                   # the residual sum is one fp32 add: exact
     close(n2, n1)
     gate_up = f(rows, 2 * hidden)
-    close(cpu_kernels.silu_and_mul(gate_up, hidden), llama.silu_and_mul(gate_up, hidden))
+    close(ops.silu_and_mul(gate_up, hidden), llama.silu_and_mul(gate_up, hidden))
     qkv = f(rows, 5, 64)                                         # q and k heads: a strided view, as in the model
     cos, sin = f(rows, 1, 64), f(rows, 1, 64)
-    close(cpu_kernels.rope(qkv[:, :4], cos, sin), llama.apply_rope(qkv[:, :4], cos, sin))
+    close(ops.rope(qkv[:, :4], cos, sin), llama.apply_rope(qkv[:, :4], cos, sin))
 
 
 def test_bf16_and_fp32_take_the_fused_chains_at_every_row_count_other_dtypes_and_eager_do_not(monkeypatch):
     from engine.models.fast_paths import FusedOps
     calls = []
-    monkeypatch.setattr(cpu_kernels, "silu_and_mul", lambda x, inter: calls.append((x.dtype, len(x))) or x[:, :inter])
-    ops = FusedOps()
+    monkeypatch.setattr(ops, "silu_and_mul", lambda x, inter: calls.append((x.dtype, len(x))) or x[:, :inter])
+    fused = FusedOps()
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
         for rows in (1, 64):
-            ops.silu_and_mul(torch.zeros(rows, 8, dtype=dtype), 4)
+            fused.silu_and_mul(torch.zeros(rows, 8, dtype=dtype), 4)
     assert calls == [(torch.bfloat16, 1), (torch.bfloat16, 64), (torch.float32, 1), (torch.float32, 64)]
     eager = FusedOps(enabled=False)                              # enforce_eager: torch's ops, op by op
     eager.silu_and_mul(torch.zeros(64, 8, dtype=torch.bfloat16), 4)
@@ -329,7 +329,7 @@ def test_amx_linears_compute_what_f_linear_does(rows, out_blocks, in_blocks, see
     n, k = 16 * out_blocks, 32 * in_blocks
     w = (torch.randn(n, k, generator=g) * scale).to(torch.bfloat16)
     x = (torch.randn(rows, k, generator=g) * scale).to(torch.bfloat16)
-    assert torch.equal(cpu_kernels.linear_amx(x, cpu_kernels.pack_amx(w), n), torch.nn.functional.linear(x, w))
+    assert torch.equal(ops.linear_amx(x, ops.pack_amx(w), n), torch.nn.functional.linear(x, w))
 
 
 @needs_amx
@@ -350,8 +350,8 @@ def test_a_bf16_model_takes_the_amx_linears_for_few_rows_only(monkeypatch):
     assert linears and all(m.amx is not None and m.packed is not None for m in linears)
     assert model.amx_head is not None
     calls = []
-    real = cpu_kernels.linear_amx
-    monkeypatch.setattr(cpu_kernels, "linear_amx", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    real = ops.linear_amx
+    monkeypatch.setattr(ops, "linear_amx", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     lin = linears[0]
     for rows in (1, cpu_kernels.AMX_ROWS, cpu_kernels.AMX_ROWS + 1, 200):
         x = torch.randn(rows, lin.in_features, generator=g).to(torch.bfloat16)
@@ -401,11 +401,11 @@ def test_f32_linears_compute_what_f_linear_does_whatever_shares_the_step(rows, o
     n = 16 * out_blocks
     w, x = torch.randn(n, k, generator=g) * scale, torch.randn(rows, k, generator=g) * scale
     b = torch.randn(n, generator=g) * scale if bias else None
-    packed = cpu_kernels.pack_f32(w)
-    y = cpu_kernels.linear_f32(x, packed, n, b)
+    packed = ops.pack_f32(w)
+    y = ops.linear_f32(x, packed, n, b)
     assert close_to_f_linear(y, x, w, b)
     one = int(torch.randint(0, rows, (1,), generator=g))
-    assert torch.equal(cpu_kernels.linear_f32(x[one:one + 1], packed, n, b), y[one:one + 1])
+    assert torch.equal(ops.linear_f32(x[one:one + 1], packed, n, b), y[one:one + 1])
 
 
 @needs_f32
@@ -429,8 +429,8 @@ def test_an_fp32_model_takes_the_f32_linears_where_they_win(monkeypatch):
     assert linears and all(m.f32 is not None and (m.packed is None) == every_row and m.amx is None for m in linears)
     assert model.f32_head is not None and model.amx_head is None and (model.packed_head is None) == every_row
     calls = []
-    real = cpu_kernels.linear_f32
-    monkeypatch.setattr(cpu_kernels, "linear_f32", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    real = ops.linear_f32
+    monkeypatch.setattr(ops, "linear_f32", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     lin = linears[0]
     assert lin.bias is not None
     sizes = (1, cpu_kernels.F32_AVX2_ROWS, cpu_kernels.F32_AVX2_ROWS + 1, 32, 129, 2048)

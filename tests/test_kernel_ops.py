@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import build, cpu_kernels
+from engine.kernels import build, cpu_kernels, ops
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler: the kernels cannot be built")
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,20 +68,20 @@ def test_the_registered_torch_ops_run_the_checked_bodies_the_core_calls():
     """The core calls each op's body as a Python function (no dispatcher); torch.ops.batchscope.<name> is the
     same body: the same values, the same refusal by name, nothing written on a refusal."""
     x, w = torch.randn(3, 40), torch.randn(40)
-    assert torch.equal(torch.ops.batchscope.rms_norm(x, w, 1e-5), cpu_kernels.rms_norm(x, w, 1e-5))
+    assert torch.equal(torch.ops.batchscope.rms_norm(x, w, 1e-5), ops.rms_norm(x, w, 1e-5))
     k_cache = torch.zeros(4, 16, 2, 64)
     v_cache, key = torch.zeros_like(k_cache), torch.randn(2, 2, 64)
-    for call in (torch.ops.batchscope.rms_norm, cpu_kernels.rms_norm):
+    for call in (torch.ops.batchscope.rms_norm, ops.rms_norm):
         with pytest.raises(ValueError, match="^weight: "):
             call(x, torch.randn(41), 1e-5)
-    for call in (torch.ops.batchscope.write_kv, cpu_kernels.write_kv):
+    for call in (torch.ops.batchscope.write_kv, ops.write_kv):
         with pytest.raises(ValueError, match="^slot_mapping: holds 64, outside"):
             call(key, key, k_cache, v_cache, torch.tensor([3, 64]))
     assert not k_cache.any() and not v_cache.any()
     torch.ops.batchscope.write_kv(key, key, k_cache, v_cache, torch.tensor([3, 63]))
     written = k_cache.clone()
     k_cache.zero_()
-    cpu_kernels.write_kv(key, key, k_cache, v_cache, torch.tensor([3, 63]))
+    ops.write_kv(key, key, k_cache, v_cache, torch.tensor([3, 63]))
     assert torch.equal(k_cache, written) and written.any()
 
 

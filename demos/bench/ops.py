@@ -1,4 +1,4 @@
-"""The CPU kernels of the engine (engine/kernels/cpu_kernels.py) against what torch offers for the same op,
+"""The CPU kernels of the engine (engine/kernels/ops.py) against what torch offers for the same op,
 side by side: a kernel stays only where it wins here.
 
     python -m demos.bench.ops                  # torch's thread count
@@ -7,20 +7,20 @@ side by side: a kernel stays only where it wins here.
 linears     the default model's 30 layers of linears and its logits head at 1 to 512 rows, fp32:
             F.linear against engine.models.linears.linear (output features cut into one slice
             per thread, one batched matmul), oneDNN's packed kernel and, on AVX-512, the
-            engine's own kernel (engine.kernels.cpu_kernels.linear_f32), which the engine takes at every
+            engine's own kernel (engine.kernels.ops.linear_f32), which the engine takes at every
             row count where it is built.
 prefill     fresh prompt chunks' causal attention, 30 layers, fp32: SDPA (one call per run of
-            chunks, as TorchAttention) against the engine's kernel (cpu_kernels.causal_prefill).
+            chunks, as TorchAttention) against the engine's kernel (ops.causal_prefill_or_none).
 attention   one layer's decode attention over a paged cache with scattered block tables:
             one SDPA call per sequence and one batched call over blocks gathered by tensor
             indexing (the two earlier engine paths) against TorchAttention.decode (one call
             per group of similar contexts, blocks gathered by index_select) and the engine's
-            paged kernel (cpu_kernels.paged_decode, in its own layout inside a block).
+            paged kernel (ops.paged_decode, in its own layout inside a block).
 chains      the elementwise chains (RMSNorm with the residual add, SiLU-and-multiply, RoPE) of 30
             layers, fp32 and bf16: torch eager (the plain path), torch.compile (Inductor's fused
             C++; its compile time is printed apart: it delays the first reply) and the kernels.
 kv_write    a step's keys and values into the paged cache, 30 layers: one index_put_ per cache in
-            the kernel's layout (engine/kernels/reference.write_kv) against cpu_kernels.write_kv.
+            the kernel's layout (engine/kernels/reference.write_kv) against ops.write_kv.
 
 The variants take turns in each round; the table gives medians and the median of the
 per-round ratios. Shapes are SmolLM2-135M's; the weights are random (time does not depend
@@ -39,7 +39,7 @@ from demos.bench.against_hf import cpu_facts
 from demos.compare.scenario import machine
 from engine.execution.attention import AttentionMetadata, TorchAttention, sdpa
 from engine.execution.model_runner import keep_freed_memory
-from engine.kernels import cpu_kernels
+from engine.kernels import cpu_kernels, ops
 from engine.models.linears import linear, pack, packed_linear, packed_weights_work
 
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
@@ -75,8 +75,8 @@ def linears(rounds: int, rows=(1, 8, 32, 128, 512)):
         onednn = [pack(w) for w in weights]
         variants["oneDNN"] = lambda x, w, i: packed_linear(x, onednn[i])
     if cpu_kernels.f32_linears():
-        own = [cpu_kernels.pack_f32(w) for w in weights]
-        variants["kernel"] = lambda x, w, i: cpu_kernels.linear_f32(x, own[i], w.shape[0])
+        own = [ops.pack_f32(w) for w in weights]
+        variants["kernel"] = lambda x, w, i: ops.linear_f32(x, own[i], w.shape[0])
     others = [k for k in variants if k != "F.linear"]
     print("\n| rows | F.linear ms | " + " | ".join(f"{k} ms | F.linear / {k}" for k in others) + " |\n|---:|---:|"
           + "---:|---:|" * len(others))
@@ -93,7 +93,7 @@ def prefill(rounds: int, cases=((8, 256), (1, 2048), (4, 100))):
         qkv = torch.randn(m * n, HEADS + 2 * KV_HEADS, HEAD_DIM)       # rows of the fused projection, as served
         q, k, v = qkv[:, :HEADS], qkv[:, HEADS:HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS:]
         times = rounds_of({"sdpa": lambda: [TorchAttention().causal(q, k, v, m) for _ in range(LAYERS)],
-                           "kernel": lambda: [cpu_kernels.causal_prefill(q, k, v, m) for _ in range(LAYERS)]}, rounds)
+                           "kernel": lambda: [ops.causal_prefill_or_none(q, k, v, m) for _ in range(LAYERS)]}, rounds)
         print(f"| {m} x {n} | " + " | ".join(row(times, "sdpa")) + " |")
 
 
@@ -130,7 +130,7 @@ def attention(rounds: int, cases=((1, 512), (8, 512), (32, 512), (8, 64), (32, 1
             TorchAttention().decode(q, k_cache, v_cache, meta)
         variants = {"each": each, "indexed": indexed, "engine": engine}
         if cpu_kernels.supports(torch.float32, BLOCK, HEAD_DIM):   # the cache's layout differs; not its time
-            variants["kernel"] = lambda: cpu_kernels.paged_decode(q, k_cache, v_cache, tables, meta.context_lens)
+            variants["kernel"] = lambda: ops.paged_decode(q, k_cache, v_cache, tables, meta.context_lens)
         times = rounds_of(variants, rounds)
         print(f"| {n} x {ctx0} | " + " | ".join(row(times, "each")) + " |")
 
@@ -144,7 +144,7 @@ def chains(rounds: int, rows=(1, 8, 32, 128, 512, 2048)):
             norm(x, res, w, 1e-5)
             silu(gu, INTER)
             rope(qk, cos, sin)
-    kernels = (cpu_kernels.add_rms_norm, cpu_kernels.silu_and_mul, cpu_kernels.rope)
+    kernels = (ops.add_rms_norm, ops.silu_and_mul, ops.rope)
     print("\n| dtype, rows | eager ms | compiled ms | eager / compiled | kernel ms | eager / kernel | compile s |"
           "\n|---|---:|---:|---:|---:|---:|---:|")
     for dtype in (torch.float32, torch.bfloat16):
@@ -177,7 +177,7 @@ def kv_write(rounds: int, tokens=(1, 8, 32, 128, 512, 2048)):
             slots = torch.randperm(4096 * BLOCK)[:n]
             times = rounds_of({"index_put": lambda: [ref.write_kv(k, v, k_cache, v_cache, slots)
                                                      for _ in range(LAYERS)],
-                               "kernel": lambda: [cpu_kernels.write_kv(k, v, k_cache, v_cache, slots)
+                               "kernel": lambda: [ops.write_kv(k, v, k_cache, v_cache, slots)
                                                   for _ in range(LAYERS)]}, rounds)
             print(f"| {n} | " + " | ".join(row(times, "index_put")) + " |")
 

@@ -31,8 +31,8 @@ class CpuAttention(TorchAttention):
     name = "cpu-paged"
 
     def __init__(self):
-        from engine.kernels import cpu_kernels
-        self.kernel, self.write_kv = cpu_kernels.paged_decode, cpu_kernels.write_kv
+        from engine.kernels import ops
+        self.kernel, self.write_kv = ops.paged_decode, ops.write_kv
 
     @staticmethod
     def views(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,8 +54,8 @@ class CpuAttention(TorchAttention):
         return self.kernel(q, k_cache, v_cache, meta.block_tables, meta.context_lens)
 
     def causal(self, q, k, v, m: int) -> torch.Tensor:
-        from engine.kernels import cpu_kernels  # fp32 on AVX-512: the kernel; otherwise SDPA
-        out = cpu_kernels.causal_prefill(q, k, v, m)
+        from engine.kernels import ops  # fp32 on AVX-512: the kernel; otherwise SDPA
+        out = ops.causal_prefill_or_none(q, k, v, m)
         return super().causal(q, k, v, m) if out is None else out
 
 

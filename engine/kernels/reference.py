@@ -1,4 +1,4 @@
-"""The torch reference of every CPU op (engine/kernels/cpu_kernels.py), in the ops' own arguments and layouts.
+"""The torch reference of every CPU op (engine/kernels/ops.py), in the ops' own arguments and layouts.
 
 The elementwise chains are the model's plain path itself (models.llama imports them from here), the one
 `BATCHSCOPE_CPU_KERNEL=0` runs; the attention ones read the cache in the kernel's layout inside a block

@@ -3,7 +3,7 @@
 - Fused / FusedOps: the elementwise chains (RMSNorm, residual add + RMSNorm, RoPE, SiLU * up), in one pass of
   the CPU library or compiled on CUDA, else the plain functions of engine/kernels/reference.py;
 - pack_weights: the linears' and the logits head's copies in the CPU kernels' layouts (the plain weights stay);
-- decode_weights: what a decode step's layers in one call of the CPU library (cpu_kernels.decode_layers) read.
+- decode_weights: what a decode step's layers in one call of the CPU library (ops.decode_step) read.
 
 With the kernels off (BATCHSCOPE_CPU_KERNEL=0, enforce_eager) none of these changes what the model computes.
 """
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from engine.execution.backends import CpuAttention
-from engine.kernels import cpu_kernels
+from engine.kernels import cpu_kernels, ops
 from engine.kernels.reference import add_rms_norm, apply_rope, rms_norm, silu_and_mul
 from engine.models.linears import Linear, amx_linears_work, f32_linears_work, pack, packed_weights_work
 
@@ -44,7 +44,7 @@ class Fused:
             if x.dtype not in cpu_kernels.CHAINS or not self.enabled:
                 return self.fn(x, *args)
             if self.cpu is None:             # first call: the C++ form, or the plain one without it
-                self.cpu = getattr(cpu_kernels, self.cpu_name) if cpu_kernels.fused_chains() else self.fn
+                self.cpu = getattr(ops, self.cpu_name) if cpu_kernels.fused_chains() else self.fn
             return self.cpu(x, *args)
         if not (self.enabled and self.active):
             return self.fn(x, *args)
@@ -83,7 +83,7 @@ class FusedOps:
 
 
 def decode_weights(model) -> dict[str, list[torch.Tensor]]:
-    """Each layer's weights (the linears in their kernel's layout) and KV cache, as cpu_kernels.decode_layers
+    """Each layer's weights (the linears in their kernel's layout) and KV cache, as ops.decode_step
     takes them: the tensors themselves, read at every call, so a cache the runner gave the layers later is
     the one used. The modules they are read from are found once (nn.Module's attribute lookup of a
     submodule is the slow part: a third of a millisecond a step for 30 layers)."""
@@ -119,19 +119,19 @@ def pack_weights(model):
     for m in model.modules():
         if isinstance(m, Linear):
             if f32 and m.out_features % 16 == 0:
-                m.f32, m.f32_rows = cpu_kernels.pack_f32(m.weight), f32_rows
+                m.f32, m.f32_rows = ops.pack_f32(m.weight), f32_rows
                 if every_row:
                     continue
             m.packed = pack(m.weight)
             if amx and m.bias is None and cpu_kernels.amx_shape_ok(*m.weight.shape):
-                m.amx = cpu_kernels.pack_amx(m.weight)
+                m.amx = ops.pack_amx(m.weight)
     f32_head = f32 and model.cfg.vocab_size % 16 == 0
     if f32_head:
-        model.f32_head, model.f32_rows = cpu_kernels.pack_f32(model.head_weight()), f32_rows
+        model.f32_head, model.f32_rows = ops.pack_f32(model.head_weight()), f32_rows
     if not (f32_head and every_row):
         model.packed_head = pack(model.head_weight())
     if amx and cpu_kernels.amx_shape_ok(*model.head_weight().shape):
-        model.amx_head = cpu_kernels.pack_amx(model.head_weight())
+        model.amx_head = ops.pack_amx(model.head_weight())
     # every piece of every layer has its kernel: the linears' (bias-free), paged attention, the C++ chains
     model.fused_decode = (amx or f32) and model.ops.rms_norm.enabled and cpu_kernels.fused_chains() and all(
         isinstance(l.self_attn.backend, CpuAttention) and not l.self_attn.qk_norm and

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu_kernels
+from engine.kernels import cpu_kernels, ops
 
 log = logging.getLogger("batchscope.engine")
 
@@ -95,31 +95,31 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None 
 
 
 def amx_linears_work() -> bool:
-    """Whether this CPU's AMX tile kernel (engine/cpu_kernels.linear_amx) runs here and computes bit for bit
+    """Whether this CPU's AMX tile kernel (engine/ops.linear_amx) runs here and computes bit for bit
     what F.linear does at every row count it is used for: checked on a probe (a partial column group too)."""
     if not cpu_kernels.amx_bf16():
         return False
     g = torch.Generator().manual_seed(0)
     w = torch.randn(80, 96, generator=g).to(torch.bfloat16)
-    packed = cpu_kernels.pack_amx(w)
+    packed = ops.pack_amx(w)
     for rows in (1, 7, 16, cpu_kernels.AMX_ROWS):
         x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
-        if not torch.equal(cpu_kernels.linear_amx(x, packed, 80), F.linear(x, w)):
+        if not torch.equal(ops.linear_amx(x, packed, 80), F.linear(x, w)):
             log.warning("the AMX linears differ from F.linear at %d rows on this CPU: they stay off", rows)
             return False
     return True
 
 
 def f32_linears_work() -> bool:
-    """Whether this CPU runs the fp32 kernel (engine/cpu_kernels.linear_f32) and it computes F.linear's values
+    """Whether this CPU runs the fp32 kernel (engine/ops.linear_f32) and it computes F.linear's values
     (close_to_f_linear), each row's the same at every row count: checked on a probe (a partial group too)."""
     if not cpu_kernels.f32_linears():
         return False
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(80, 72, generator=g), torch.randn(80, generator=g)
-    packed = cpu_kernels.pack_f32(w)
+    packed = ops.pack_f32(w)
     x = torch.randn(300, 72, generator=g)
-    ys = {rows: cpu_kernels.linear_f32(x[:rows], packed, 80, b) for rows in (1, 7, 13, 300)}
+    ys = {rows: ops.linear_f32(x[:rows], packed, 80, b) for rows in (1, 7, 13, 300)}
     if all(close_to_f_linear(y, x[:rows], w, b) and torch.equal(y, ys[300][:rows])
            for rows, y in ys.items()):
         return True
@@ -131,8 +131,8 @@ class Linear(nn.Linear):
     """nn.Linear over a flat batch; on a CPU, over copies of the weight laid out once at load
     (models.fast_paths.pack_weights) instead of re-laid out on every call:
     - `amx`: bf16, the AMX tile kernel's layout, for a decode step's 1 to 32 rows, where the CPU has AMX
-      (engine/cpu_kernels.linear_amx, which streams the weights once per step);
-    - `f32`: fp32, the kernel's layout (engine/cpu_kernels.linear_f32), up to `f32_rows` rows: every row
+      (engine/ops.linear_amx, which streams the weights once per step);
+    - `f32`: fp32, the kernel's layout (engine/ops.linear_f32), up to `f32_rows` rows: every row
       count with AVX-512, where no oneDNN copy is kept beside it (it was no faster at any row count), and
       a decode step's few rows with AVX2 (cpu_kernels.f32_kernel_rows), oneDNN's copy taking more;
     - `packed`: oneDNN's, for more rows, or every row count without the kernels above (a layout made once
@@ -144,9 +144,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx is not None and x.shape[0] <= cpu_kernels.AMX_ROWS:
-            return cpu_kernels.linear_amx(x, self.amx, self.out_features)
+            return ops.linear_amx(x, self.amx, self.out_features)
         if self.f32 is not None and x.shape[0] <= self.f32_rows:
-            return cpu_kernels.linear_f32(x, self.f32, self.out_features, self.bias)
+            return ops.linear_f32(x, self.f32, self.out_features, self.bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from engine.execution.attention import get_metadata
-from engine.kernels import cpu_kernels
+from engine.kernels import cpu_kernels, ops
 from engine.kernels.reference import add_rms_norm, apply_rope, rms_norm, silu_and_mul  # noqa: F401 (the plain path)
 from engine.models import fast_paths
 from engine.models.fast_paths import FusedOps
@@ -151,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual, meta = self.embed_tokens(input_ids), None, get_metadata()
         if self.fused_decode and x.shape[0] <= self.fused_rows and not meta.prefills:
             a = self.layers[0].self_attn
-            residual = cpu_kernels.decode_layers(x, cos, sin, meta, self.decode_weights(), heads=a.num_heads,
+            residual = ops.decode_step(x, cos, sin, meta, self.decode_weights(), heads=a.num_heads,
                                                  kv_heads=a.num_kv_heads, eps=self.cfg.rms_norm_eps)
             return self.norm.add_forward(x, residual)[0]
         for layer in self.layers:
@@ -165,9 +165,9 @@ class LlamaForCausalLM(nn.Module):
         if self.int8_head is not None:
             return self.int8_head(hidden)
         if self.amx_head is not None and hidden.shape[0] <= cpu_kernels.AMX_ROWS:
-            return cpu_kernels.linear_amx(hidden, self.amx_head, self.cfg.vocab_size)
+            return ops.linear_amx(hidden, self.amx_head, self.cfg.vocab_size)
         if self.f32_head is not None and hidden.shape[0] <= self.f32_rows:
-            return cpu_kernels.linear_f32(hidden, self.f32_head, self.cfg.vocab_size)
+            return ops.linear_f32(hidden, self.f32_head, self.cfg.vocab_size)
         if self.packed_head is not None:
             return packed_linear(hidden, self.packed_head)
         return linear(hidden, self.head_weight())
@@ -176,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
     amx_head: torch.Tensor | None = None
     f32_head: torch.Tensor | None = None
     f32_rows = 0                    # up to this many rows the f32 head (with AVX2, oneDNN's above: pack_weights)
-    # a decode step's layers in one call of the CPU kernels (engine/kernels/cpu_kernels.decode_layers): set by
+    # a decode step's layers in one call of the CPU kernels (engine/kernels/ops.decode_step): set by
     # pack_weights where every piece of a layer has its kernel; demos/profile_serving turns it off to time
     # the pieces one by one
     fused_decode = False
