@@ -188,7 +188,7 @@ def test_a_build_is_reused_and_named_by_what_it_was_built_from(tmp_path, monkeyp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_linears_compute_what_f_linear_does(dtype):
     """bf16: bit for bit; fp32: oneDNN sums in its own order (close_to_f_linear)."""
-    from engine.models.linears import Linear, close_to_f_linear, pack, packed_weights_work
+    from engine.models.fast_paths import Linear, close_to_f_linear, pack, packed_weights_work
     if not packed_weights_work(dtype):
         pytest.skip(f"this torch has no oneDNN {dtype} linear")
     g = torch.Generator().manual_seed(0)
@@ -209,10 +209,10 @@ def test_packed_linears_see_few_row_counts_and_keep_every_row(rows, bias, seed):
     count a flat batch can have, a process grew by gigabytes (docs/reliability.md). packed_linear hands it
     a few row counts only (at most 16 per power of two, each at most 1/16 more rows than asked), and
     returns exactly the rows asked for, F.linear's values."""
-    from engine.models import linears
-    if not linears.packed_weights_work(torch.float32):
+    from engine.models import fast_paths
+    if not fast_paths.packed_weights_work(torch.float32):
         pytest.skip("this torch has no oneDNN fp32 linear")
-    assert rows <= linears.padded_rows(rows) <= rows + rows // 16
+    assert rows <= fast_paths.padded_rows(rows) <= rows + rows // 16
     g = torch.Generator().manual_seed(seed)
     w, b = torch.randn(48, 40, generator=g), torch.randn(48, generator=g) if bias else None
     x = torch.randn(rows, 40, generator=g)
@@ -221,19 +221,19 @@ def test_packed_linears_see_few_row_counts_and_keep_every_row(rows, bias, seed):
     def onednn(x, packed, b):
         seen.append(x.shape[0])
         return real(x, packed, b)
-    real, linears._onednn = linears._onednn, onednn
+    real, fast_paths._onednn = fast_paths._onednn, onednn
     try:
-        y = linears.packed_linear(x, linears.pack(w), b)
+        y = fast_paths.packed_linear(x, fast_paths.pack(w), b)
     finally:
-        linears._onednn = real
-    assert seen == [linears.padded_rows(rows)]
-    assert y.shape == (rows, 48) and linears.close_to_f_linear(y, x, w, b)
+        fast_paths._onednn = real
+    assert seen == [fast_paths.padded_rows(rows)]
+    assert y.shape == (rows, 48) and fast_paths.close_to_f_linear(y, x, w, b)
 
 
 def test_packed_linears_row_counts_are_bounded():
-    from engine.models import linears
-    sizes = {linears.padded_rows(m) for m in range(1, 8193)}
-    assert len(sizes) <= 16 * 13 and all(linears.padded_rows(s) == s for s in sizes)
+    from engine.models import fast_paths
+    sizes = {fast_paths.padded_rows(m) for m in range(1, 8193)}
+    assert len(sizes) <= 16 * 13 and all(fast_paths.padded_rows(s) == s for s in sizes)
 
 
 # ---- the bf16 elementwise chains against models.llama's torch versions ----
@@ -336,7 +336,7 @@ def test_amx_linears_compute_what_f_linear_does(rows, out_blocks, in_blocks, see
 def test_a_bf16_model_takes_the_amx_linears_for_few_rows_only(monkeypatch):
     from transformers import LlamaConfig
 
-    from engine.models.linears import Linear, amx_linears_work
+    from engine.models.fast_paths import Linear, amx_linears_work
     from engine.models.llama import LlamaForCausalLM
     assert amx_linears_work()
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -364,7 +364,7 @@ def test_a_bf16_model_takes_the_amx_linears_for_few_rows_only(monkeypatch):
 def test_amx_can_be_switched_off_and_fp32_never_takes_it(monkeypatch):
     from transformers import LlamaConfig
 
-    from engine.models.linears import Linear
+    from engine.models.fast_paths import Linear
     from engine.models.llama import LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2)
@@ -396,7 +396,7 @@ needs_f32 = pytest.mark.skipif(not cpu_kernels.f32_linears(),
 def test_f32_linears_compute_what_f_linear_does_whatever_shares_the_step(rows, out_blocks, k, bias, seed, scale):
     """Every row count the kernel is used for, every group of outputs (full or half) and input length: F.linear's
     values up to summing in another order, and each row's values bit for bit those it has alone."""
-    from engine.models.linears import close_to_f_linear
+    from engine.models.fast_paths import close_to_f_linear
     g = torch.Generator().manual_seed(seed)
     n = 16 * out_blocks
     w, x = torch.randn(n, k, generator=g) * scale, torch.randn(rows, k, generator=g) * scale
@@ -414,7 +414,7 @@ def test_an_fp32_model_takes_the_f32_linears_where_they_win(monkeypatch):
     F32_AVX2_ROWS rows, oneDNN's packed copy above."""
     from transformers import Qwen2Config
 
-    from engine.models.linears import Linear, close_to_f_linear, f32_linears_work
+    from engine.models.fast_paths import Linear, close_to_f_linear, f32_linears_work
     from engine.models.llama import LlamaForCausalLM
     assert f32_linears_work()
     cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
@@ -446,7 +446,7 @@ def test_an_fp32_model_takes_the_f32_linears_where_they_win(monkeypatch):
 def test_the_f32_kernel_can_be_switched_off(monkeypatch):
     from transformers import LlamaConfig
 
-    from engine.models.linears import Linear
+    from engine.models.fast_paths import Linear
     from engine.models.llama import LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2)

@@ -197,7 +197,7 @@ def test_fusion_switch_is_per_model(tmp_path):
 @given(rows=st.sampled_from([0, 1, 2, 5, 9, 257]), cols=st.integers(1, 24), out=st.integers(1, 24),
        threads=st.integers(1, 4), bias=st.booleans(), seed=st.integers(0, 999))
 def test_split_linear_equals_f_linear(rows, cols, out, threads, bias, seed):
-    from engine.models.linears import linear
+    from engine.models.fast_paths import linear
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(rows, cols, generator=g), torch.randn(out, cols, generator=g)
     b = torch.randn(out, generator=g) if bias else None

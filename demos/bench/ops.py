@@ -5,7 +5,7 @@ side by side: a kernel stays only where it wins here.
     python -m demos.bench.ops --threads 1 --only chains,kv_write
 
 linears     the default model's 30 layers of linears and its logits head at 1 to 512 rows, fp32:
-            F.linear against engine.models.linears.linear (output features cut into one slice
+            F.linear against engine.models.fast_paths.linear (output features cut into one slice
             per thread, one batched matmul), oneDNN's packed kernel and, on AVX-512, the
             engine's own kernel (engine.kernels.ops.linear_f32), which the engine takes at every
             row count where it is built.
@@ -40,7 +40,7 @@ from demos.compare.scenario import machine
 from engine.execution.attention import AttentionMetadata, TorchAttention, sdpa
 from engine.execution.model_runner import keep_freed_memory
 from engine.kernels import cpu_kernels, ops
-from engine.models.linears import linear, pack, packed_linear, packed_weights_work
+from engine.models.fast_paths import linear, pack, packed_linear, packed_weights_work
 
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

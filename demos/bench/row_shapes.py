@@ -1,5 +1,5 @@
 """oneDNN's linears fed every row count a flat batch can have: resident memory and time, exact rows against
-the padded rows engine.models.linears.packed_linear hands it, side by side.
+the padded rows engine.models.fast_paths.packed_linear hands it, side by side.
 
     python -m demos.bench.row_shapes [--max-rows 512] [--rounds 3]
 
@@ -25,7 +25,7 @@ import torch
 from demos.bench.against_hf import cpu_facts
 from demos.compare.scenario import machine
 from engine.execution.model_runner import keep_freed_memory
-from engine.models import linears
+from engine.models import fast_paths
 
 SHAPES = ((3 * 576, 576), (576, 576), (2 * 1536, 576), (576, 1536))   # qkv, o, gate_up, down
 HEAD = (49152, 576)
@@ -37,16 +37,16 @@ def rss_mb() -> float:
 
 
 def variant(name: str):
-    exact = lambda x, p: linears._onednn(x, p, None)            # noqa: E731
-    return exact if name == "exact" else linears.packed_linear
+    exact = lambda x, p: fast_paths._onednn(x, p, None)            # noqa: E731
+    return exact if name == "exact" else fast_paths.packed_linear
 
 
 def child(name: str, max_rows: int, rounds: int, seed: int):
     """Every row count through the layer shapes, rounds times: one JSON line of resident MB per round."""
     keep_freed_memory()                             # as the engine's runner does on a CPU
     run = variant(name)
-    weights = [linears.pack(torch.randn(*s) * 0.02) for s in SHAPES]
-    head = linears.pack(torch.randn(*HEAD) * 0.02)
+    weights = [fast_paths.pack(torch.randn(*s) * 0.02) for s in SHAPES]
+    head = fast_paths.pack(torch.randn(*HEAD) * 0.02)
     out, rng = {"start": rss_mb(), "rounds": []}, random.Random(seed)
     for _ in range(rounds):
         order = list(range(1, max_rows + 1))
@@ -63,7 +63,7 @@ def child(name: str, max_rows: int, rounds: int, seed: int):
 def timing(rows_list: list[int], reps: int) -> list[tuple[int, int, float, float]]:
     """(rows, padded rows, exact ms, padded ms) per row count: medians, the variants taking turns (the
     first repetition of each is its warm-up)."""
-    weights = [linears.pack(torch.randn(*s) * 0.02) for s in SHAPES]
+    weights = [fast_paths.pack(torch.randn(*s) * 0.02) for s in SHAPES]
     out = []
     for rows in rows_list:
         xs = [torch.randn(rows, inp) for _, inp in SHAPES]
@@ -75,7 +75,7 @@ def timing(rows_list: list[int], reps: int) -> list[tuple[int, int, float, float
                 for x, w in zip(xs, weights):
                     run(x, w)
                 times[name].append((time.perf_counter() - t0) * 1e3)
-        out.append((rows, linears.padded_rows(rows), statistics.median(times["exact"][1:]),
+        out.append((rows, fast_paths.padded_rows(rows), statistics.median(times["exact"][1:]),
                     statistics.median(times["padded"][1:])))
     return out
 
@@ -90,7 +90,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.child:
         return child(args.child, args.max_rows, args.rounds, args.seed)
-    if not linears.packed_weights_work(torch.float32):
+    if not fast_paths.packed_weights_work(torch.float32):
         sys.exit("this torch has no oneDNN fp32 linear: nothing to measure")
     m, facts = machine(), cpu_facts()
     print(f"{m['date']}, {m['cpu']} ({m['cpu_count']} cores; flags {', '.join(facts['cpu_flags']) or 'none read'}; "
@@ -101,7 +101,7 @@ def main(argv=None):
         cmd = [sys.executable, "-m", "demos.bench.row_shapes", "--child", name, "--max-rows", str(args.max_rows),
                "--rounds", str(args.rounds), "--seed", str(args.seed)]
         results[name] = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-    sizes = len({linears.padded_rows(r) for r in range(1, args.max_rows + 1)})
+    sizes = len({fast_paths.padded_rows(r) for r in range(1, args.max_rows + 1)})
     print(f"\nresident MB, every row count 1..{args.max_rows} per round "
           f"(exact: {args.max_rows} shapes per linear; padded: {sizes})\n")
     print("| variant | start | " + " | ".join(f"round {i + 1}" for i in range(args.rounds)) + " |")

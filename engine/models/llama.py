@@ -14,8 +14,7 @@ from engine.execution.attention import get_metadata
 from engine.kernels import cpu_kernels, ops
 from engine.kernels.reference import add_rms_norm, apply_rope, rms_norm, silu_and_mul  # noqa: F401 (the plain path)
 from engine.models import fast_paths
-from engine.models.fast_paths import FusedOps
-from engine.models.linears import Linear, linear, packed_linear
+from engine.models.fast_paths import FusedOps, Linear, linear, packed_linear
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
