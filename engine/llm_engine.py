@@ -25,9 +25,8 @@ import torch
 from engine.config import DTYPES, EngineConfig, check_budgets
 from engine.execution.model_runner import ModelRunner
 from engine.memory import resident_bytes
-from engine.outputs.detokenizer import Detokenizer, StopCheck
 from engine.outputs.records import KVState, PolicyEvent, read_batch, step_record
-from engine.outputs.requests import RequestBook, RequestFront, StepCounter, eos_ids
+from engine.outputs.requests import Detokenizer, RequestBook, RequestFront, StepCounter, StopCheck, eos_ids
 from engine.protocol import StepOutputs
 from engine.sampling_params import SamplingParams
 from engine.scheduling.block_manager import BlockManager

@@ -16,7 +16,7 @@ CORE = ["engine/sampling_params.py", "engine/scheduling/sequence.py", "engine/sc
         "engine/scheduling/policies/continuous.py", "engine/scheduling/policies/chunked.py",
         "engine/scheduling/ngram.py", "engine/scheduling/block_manager.py", "engine/execution/model_runner.py",
         "engine/execution/attention.py", "engine/models/llama.py", "engine/execution/sampler.py",
-        "engine/outputs/requests.py", "engine/outputs/records.py", "engine/outputs/detokenizer.py",
+        "engine/outputs/requests.py", "engine/outputs/records.py",
         "engine/llm_engine.py", "engine/config.py"]
 
 

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.outputs.detokenizer import Detokenizer
+from engine.outputs.requests import Detokenizer
 from engine.scheduling.sequence import Sequence
 
 pytestmark = pytest.mark.model

@@ -72,9 +72,8 @@ from engine.disagg.worker import Staging, worker_main
 from engine.errors import SpeculationRefused
 from engine.llm_engine import LLMEngine
 from engine.memory import resident_bytes
-from engine.outputs.detokenizer import Detokenizer
 from engine.outputs.records import KVState, PolicyEvent, RequestEvent
-from engine.outputs.requests import RequestBook, RequestFront, StepCounter
+from engine.outputs.requests import Detokenizer, RequestBook, RequestFront, StepCounter
 from engine.protocol import StepOutputs
 from engine.sampling_params import SamplingParams
 from engine.scheduling.sequence import Sequence, Status

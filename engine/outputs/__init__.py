@@ -1,2 +1,2 @@
 """What a step hands back: the requests' book (requests), the StepRecord and its events (records),
-chat prompts (prompts) and incremental detokenizing (detokenizer)."""
+chat prompts (prompts) and incremental detokenizing (requests)."""

@@ -212,7 +212,7 @@ class Scheduler:
         token; for a decode that verified drafts, the list of drafts it accepted followed by the token
         sampled after them; None where the logits were non-finite (that sequence publishes nothing to
         the prefix cache: its KV is suspect). ended(seq), called after each token appended (the engine's
-        StopCheck, engine/outputs/detokenizer.py), says the reply is over: the rest of a verified run is dropped.
+        StopCheck, engine/outputs/requests.py), says the reply is over: the rest of a verified run is dropped.
         Returns (sequence, token) for each token appended (and each None); ending a request is the engine's call.
         """
         sampled, out = iter(tokens), []
