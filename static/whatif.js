@@ -53,9 +53,15 @@ function showEstimate(s) {
   $("whatif-run").disabled = over || !e.requests || !n;
 }
 
+// answers may come back out of order (a slow estimate, a busy server): one older than the newest shown is dropped
+let asked = 0, shown = 0;
+
 async function poll() {
+  const mine = ++asked;
   try {
     const s = await call("GET", "/api/whatif?since_step=" + since());
+    if (mine < shown) return;
+    shown = mine;
     showLog(s.log);
     showEstimate(s);
     const bar = $("whatif-progress");
@@ -66,7 +72,7 @@ async function poll() {
       say(fmt("whatif.progress", { k: p.setting, n: p.settings, phase: p.phase, tokens: p.tokens, total: p.tokens_total }));
     }
   } catch (e) {
-    say(e.message, true);
+    if (mine >= shown) say(e.message, true);
   }
 }
 

@@ -62,6 +62,17 @@ def test_whatif_panel_replays_and_shows_each_user(server):
         page.wait_for_function("document.querySelector('[data-testid=whatif-estimate]').textContent"
                                ".startsWith('2 request(s) since step 0: about')")
         assert "(limit 240 s)" in estimate.inner_text() and not panel.locator("[data-testid=whatif-run]").is_disabled()
+        # an estimate asked for earlier but answered later never replaces a newer one: the far step's answer
+        # is held back 1.5 s, and "since the last lesson" is pressed meanwhile
+        page.evaluate("(() => { const real = window.fetch; window.fetch = (u, o) => String(u).includes('since_step=100000')"
+                      " ? new Promise((ok) => setTimeout(() => ok(real(u, o)), 1500)) : real(u, o); })()")
+        panel.locator("[data-testid=whatif-since]").fill("100000")
+        panel.locator("[data-testid=whatif-since]").dispatch_event("change")
+        panel.locator("[data-testid=whatif-last-lesson]").click()
+        page.wait_for_function("document.querySelector('[data-testid=whatif-estimate]').textContent"
+                               ".startsWith('2 request(s) since step 0: about')")
+        time.sleep(2.5)                                           # the held-back answer has landed by now
+        assert estimate.inner_text().startswith("2 request(s) since step 0: about"), estimate.inner_text()
         panel.locator("[data-testid=whatif-run]").click()
         panel.locator("[data-testid=whatif-table]").wait_for(state="visible", timeout=600_000)
         assert panel.locator("figure.bs-whatif-gantt").count() == 2
