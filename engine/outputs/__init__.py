@@ -1,2 +1,2 @@
-"""What a step hands back: the requests' book (requests), the StepRecord and its events (records),
-chat prompts (prompts) and incremental detokenizing (requests)."""
+"""What a step hands back: the requests' book, with each request's input as token ids and its reply's
+text (requests), and the StepRecord and its events (records)."""
