@@ -64,7 +64,8 @@ def test_whatif_panel_replays_and_shows_each_user(server):
         assert "(limit 240 s)" in estimate.inner_text() and not panel.locator("[data-testid=whatif-run]").is_disabled()
         # an estimate asked for earlier but answered later never replaces a newer one: the far step's answer
         # is held back 1.5 s, and "since the last lesson" is pressed meanwhile
-        page.evaluate("(() => { const real = window.fetch; window.fetch = (u, o) => String(u).includes('since_step=100000')"
+        page.evaluate("(() => { const real = window.fetch; window.fetch = (u, o) =>"
+                      " String(u).includes('since_step=100000')"
                       " ? new Promise((ok) => setTimeout(() => ok(real(u, o)), 1500)) : real(u, o); })()")
         panel.locator("[data-testid=whatif-since]").fill("100000")
         panel.locator("[data-testid=whatif-since]").dispatch_event("change")
