@@ -42,6 +42,14 @@ def test_whatif_panel_replays_and_shows_each_user(server):
         panel = page.locator("[data-testid=whatif]")
         panel.wait_for()
         status = panel.locator("[data-testid=whatif-status]")
+        # the panel's buttons wear its own style, not the host theme's, which fades them between states (axe once
+        # caught Replay mid-fade at 3.7:1): enabled and disabled at once, each above 4.5:1
+        look = ("(() => { const c = getComputedStyle(document.querySelector('[data-testid=whatif-run]'));"
+                " return [c.color, c.backgroundColor, c.transitionDuration]; })()")
+        assert page.evaluate(look) == ["rgb(17, 17, 17)", "rgb(255, 255, 255)", "0s"], page.evaluate(look)
+        page.evaluate("document.querySelector('[data-testid=whatif-run]').disabled = true")
+        assert page.evaluate(look) == ["rgb(85, 85, 85)", "rgb(238, 238, 238)", "0s"], page.evaluate(look)
+        page.evaluate("document.querySelector('[data-testid=whatif-run]').disabled = false")
         panel.locator("[data-testid=whatif-run]").click()        # no key: the server says no, the page says why
         page.wait_for_function("document.querySelector('[data-testid=whatif-status]').dataset.bad === '1'")
         assert "presenter key" in status.inner_text()
