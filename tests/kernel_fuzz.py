@@ -180,7 +180,7 @@ def broken(data, g):
         # one KV head divides every head count: then a cache of two (causal_prefill has a kernel only
         # with AVX-512, and without one it hands the call to SDPA, so decode's op is the one checked)
         "heads % kv_heads": (lambda: ops.paged_decode(rand(g, q.shape[0], 3, kc.shape[3]), kc.repeat(1, 1, 2, 1),
-                                                    vc.repeat(1, 1, 2, 1), tables, lens)
+                                                      vc.repeat(1, 1, 2, 1), tables, lens)
                              if kc.shape[2] == 1 else
                              ops.paged_decode(rand(g, q.shape[0], kc.shape[2] + 1, kc.shape[3]), kc, vc, tables, lens),
                              "kv_heads"),

@@ -84,7 +84,7 @@ def test_decode_kernel_matches_fp64_attention(ctx, seed):
     vals = v_cache[table].flatten(0, 1)[:ctx].double().repeat_interleave(heads // kv, 1)
     ref = torch.einsum("ht,thd->hd", torch.einsum("hd,thd->ht", q[0].double(), keys).div(hd ** 0.5).softmax(-1), vals)
     out = ops.paged_decode(q, to_kernel_layout(k_cache, True), to_kernel_layout(v_cache, False),
-                                  table[None], torch.tensor([ctx]))
+                           table[None], torch.tensor([ctx]))
     torch.testing.assert_close(out[0].double(), ref, rtol=1e-5, atol=1e-6)
 
 

@@ -60,10 +60,12 @@ def op(schema: str):
 # comparisons, no new tensors, no formatting until something fails (a decode step makes about 200 op
 # calls; `python -m demos.bench.ops --only chains,kv_write` sets them beside torch at 1 row). Index bounds
 # (slots, block ids, context lengths) cost a min and a max per index tensor; a step's metadata tensors are
-# the same objects in all of its layers, so `check_ids` checks each tensor once per bound and remembers it (a weak
-# reference and the tensor's version counter where it has one: inference tensors have none, and the runner
-# builds its metadata once per step and never writes it). A new tensor, as a direct call passes, is always checked.
-_CHECKED: dict[int, tuple] = {}      # id(tensor) -> (weak reference, version, low, high) of a passed check
+# the same objects in all of its layers, so `check_ids` checks each tensor once per bound and remembers it
+# (a weak reference and the tensor's version counter where it has one: inference tensors have none, and the
+# runner builds its metadata once per step and never writes it). A new tensor, as a direct call passes, is
+# always checked.
+# id(tensor) -> (weak reference, version, low, high, data pointer, shape) of a passed check
+_CHECKED: dict[int, tuple] = {}
 
 
 def fail(name: str, problem: str):
@@ -151,7 +153,7 @@ def index_tables(n: int, block_tables, context_lens, num_blocks: int, block_size
     # the whole tensors (the runner's rows beyond the decodes are valid too): the same objects in every layer
     check_ids("block_tables", block_tables, 0, num_blocks, "the cache's num_blocks")
     check_ids("context_lens", context_lens, 1, width * block_size + 1,
-          "a row of the table holds its width * block_size tokens, and at least one")
+              "a row of the table holds its width * block_size tokens, and at least one")
 
 
 @op("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens) -> Tensor")
@@ -410,7 +412,7 @@ def decode_layers(x, cos, sin, slot_mapping, block_tables, context_lens, input_n
     inter = gate_up[0].shape[0] // 2 if gate_up[0].dim() == 2 else 0
     if not (hidden % 32 == 0 and heads * d % 32 == 0 and inter % 32 == 0 and inter > 0 and (bs, d) in k.SHAPES):
         fail("x", f"decode_layers has no kernel for hidden {hidden}, heads {heads} x {d}, inter {inter}, "
-               f"block_size {bs} (multiples of 32; {sorted(k.SHAPES)})")
+             f"block_size {bs} (multiples of 32; {sorted(k.SHAPES)})")
     if not (k.amx_bf16() if x.dtype == torch.bfloat16 else k.f32_kernel()):
         raise RuntimeError(f"decode_layers: this build has no {x.dtype} linears' kernel")
     want = {"input_norm": (hidden,), "post_norm": (hidden,), "qkv": ((heads + 2 * kv_heads) * d, hidden),
@@ -420,7 +422,7 @@ def decode_layers(x, cos, sin, slot_mapping, block_tables, context_lens, input_n
         for i, t in enumerate(ts):
             if t.dtype != x.dtype or t.shape != want[name] or not t.is_contiguous() or t.device.type != "cpu":
                 fail(f"{name}[{i}]", f"must be a contiguous {x.dtype} CPU tensor of shape {want[name]}, "
-                       f"is {t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ', strided'}")
+                     f"is {t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ', strided'}")
     cos, sin = rope_table("cos", cos, rows, d, x.dtype), rope_table("sin", sin, rows, d, x.dtype)
     check_tensor("slot_mapping", slot_mapping, 1, torch.long)
     check_shape("slot_mapping", slot_mapping, (rows,))

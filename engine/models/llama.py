@@ -151,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         if self.fused_decode and x.shape[0] <= self.fused_rows and not meta.prefills:
             a = self.layers[0].self_attn
             residual = ops.decode_step(x, cos, sin, meta, self.decode_weights(), heads=a.num_heads,
-                                                 kv_heads=a.num_kv_heads, eps=self.cfg.rms_norm_eps)
+                                       kv_heads=a.num_kv_heads, eps=self.cfg.rms_norm_eps)
             return self.norm.add_forward(x, residual)[0]
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin)
