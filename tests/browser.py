@@ -48,9 +48,10 @@ def chromium():
 
 
 @contextmanager
-def served_ui(engine_config, server_options: dict | None = None, **mount_options):
-    """The app with its page (app.ui.page.mount_ui(**mount_options)) on a free 127.0.0.1 port, served by
-    uvicorn in a thread. Yields (url, service); the server stops when the block ends."""
+def served_ui(engine_config, server_options: dict | None = None, mount=None, **mount_options):
+    """The app with its page (app.ui.page.mount_ui(**mount_options), or `mount(app, service)`, such as
+    app.ui.plain_page.mount_plain) on a free 127.0.0.1 port, served by uvicorn in a thread. Yields
+    (url, service); the server stops when the block ends."""
     import uvicorn
 
     from app.api.server import create_app
@@ -63,7 +64,7 @@ def served_ui(engine_config, server_options: dict | None = None, **mount_options
         port = s.getsockname()[1]
     service = EngineService(engine_config, ServerConfig(port=port, **(server_options or {})))
     app = create_app(service)
-    mount_ui(app, service, **mount_options)
+    (mount or mount_ui)(app, service, **mount_options)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()

@@ -41,4 +41,4 @@ def stage_html() -> str:
     caption = '<div class="bs-lesson-now" data-testid="lesson-caption" aria-live="polite" hidden></div>\n'
     parts = [(STATIC / name).read_text() for name in ("controls.html", "chart.html", "why.html")]
     parts.insert(1, caption)                # the pressed lesson's caption, just above the chart
-    return '<div class="bs-stage" data-testid="stage" data-role="lecturer">\n' + "".join(parts) + "</div>"
+    return '<div id="bs-stage" class="bs-stage" data-testid="stage" data-role="lecturer">\n' + "".join(parts) + "</div>"

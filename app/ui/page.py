@@ -213,7 +213,8 @@ def build_ui(service, **options) -> gr.Blocks:
         # so a lecturer types into a chat with the chart in view ----
         with gr.Row(equal_height=False, elem_id="bs-main"):
             with gr.Column(scale=3, min_width=620, elem_id="bs-left"):
-                gr.HTML(stage_html(), js_on_load=None, elem_id="bs-stage")
+                # the stage brings its own look (static/style.css): none of the Gradio theme's prose styles
+                gr.HTML(stage_html(), js_on_load=None, apply_default_css=False, elem_id="bs-stage-block")
                 gr.HTML((STATIC / "whatif.html").read_text(), js_on_load=None, elem_id="bs-whatif")   # replay
             with gr.Column(scale=1, min_width=300, elem_id="bs-chats"):
                 with gr.Row(elem_classes="bs-chatbar"):
