@@ -31,6 +31,17 @@ export function fit(canvas) {
   return { g, w: cw / S, h: ch / S };
 }
 
+// `text` in lines no wider than `max`, broken between words (a word wider than `max` keeps a line to itself)
+function wrapWords(g, text, max) {
+  const lines = [];
+  for (const word of text.split(" ")) {
+    const last = lines.length ? lines[lines.length - 1] + " " + word : null;
+    if (last !== null && g.measureText(last).width <= max) lines[lines.length - 1] = last;
+    else lines.push(word);
+  }
+  return lines;
+}
+
 function ellipsize(g, text, max) {
   if (g.measureText(text).width <= max) return text;
   while (text.length > 1 && g.measureText(text + "…").width > max) text = text.slice(0, -1);
@@ -61,7 +72,8 @@ function drawGantt(gantt, resized) {
   const win = layout.windowOf(plotW);
   if (!win) {
     g.fillStyle = C().muted; g.font = "16px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
-    g.fillText(t("metrics.empty"), w / 2, h / 2);
+    const lines = wrapWords(g, t("metrics.empty"), w - 16);     // a phone's chart is narrower than the words
+    lines.forEach((line, i) => g.fillText(line, w / 2, h / 2 + (i - (lines.length - 1) / 2) * 22));
     view.drawn = { steps: [], rows: [], cells: [] };
     syncRowLabels(gantt, []);
     setNote(gantt, "");

@@ -1,0 +1,81 @@
+"""The stage before the first step, as a class first sees it, on a phone and on a projector: its
+"no steps yet" words are whole and readable where they are drawn (on the chart's canvas, in the
+metrics' box), and nothing is wider than the screen."""
+import pytest
+
+from tests.browser import MARKS, chromium, load_stage
+from tests.factories import arrived, dec, step
+
+pytestmark = MARKS
+
+# every text the Gantt's canvas draws: its words, where its ink starts and ends, and the canvas's width
+RECORD_TEXT = """
+  window.drawnTexts = [];
+  const fill = CanvasRenderingContext2D.prototype.fillText;
+  CanvasRenderingContext2D.prototype.fillText = function (text, x, y, ...rest) {
+    if (this.canvas.dataset.testid === 'gantt') {
+      const m = this.measureText(text), scale = this.getTransform().a;
+      window.drawnTexts.push({text: String(text), left: x - m.actualBoundingBoxLeft,
+                              right: x + m.actualBoundingBoxRight, width: this.canvas.width / scale});
+    }
+    return fill.call(this, text, x, y, ...rest);
+  };"""
+
+
+# the stage's elements that reach past the screen's right edge, but those inside a box that clips or scrolls
+# them (the metrics' scroller, the screen reader's copies of the chart)
+WIDE = """(w) => { const root = document.querySelector('[data-testid=stage]');
+  const held = (e) => { for (let a = e.parentElement; a && a !== root; a = a.parentElement)
+      if (getComputedStyle(a).overflowX !== 'visible') return true;
+    return false; };
+  return [...root.querySelectorAll('*')]
+    .filter(e => e.getBoundingClientRect().right > w + 0.5 && e.offsetParent !== null && !held(e))
+    .map(e => (e.dataset.testid || e.className || e.tagName) + ' ' + Math.round(e.getBoundingClientRect().right)); }"""
+
+
+@pytest.mark.parametrize("size", [(360, 780), (390, 844), (1366, 768)])
+def test_no_steps_yet_is_whole_and_nothing_overflows_the_screen(size):
+    width, height = size
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": width, "height": height})
+        page.add_init_script(RECORD_TEXT)
+        load_stage(page, [])
+        page.wait_for_function("window.drawnTexts.length > 0")
+        page.wait_for_timeout(300)
+        empty = page.evaluate("BS.t('metrics.empty')")
+
+        # the chart's words: every word of the message drawn, each line inside the canvas
+        drawn = page.evaluate("window.drawnTexts")
+        assert " ".join(d["text"] for d in drawn).split() == empty.split(), drawn
+        outside = [d for d in drawn if d["left"] < 0 or d["right"] > d["width"]]
+        assert not outside, f"drawn past the canvas's edge at {width}px: {outside}"
+
+        # the metrics' words: at most two lines, not one word a line in a column of its own
+        box = page.evaluate("""() => { const c = document.querySelector('[data-testid=metrics] caption');
+            const r = c.getBoundingClientRect(), lh = parseFloat(getComputedStyle(c).fontSize) * 1.3;
+            return {text: c.textContent, lines: Math.round(r.height / lh)}; }""")
+        assert box["text"] == empty
+        assert box["lines"] <= 2, f"the metrics' empty note takes {box['lines']} lines at {width}px"
+
+        # nothing wider than the screen: no sideways scrolling on a phone
+        wide = page.evaluate(WIDE, width)
+        assert not wide, f"wider than the {width}px screen: {wide[:6]}"
+        assert page.evaluate("document.documentElement.scrollWidth") <= width
+
+
+def steps_of_three() -> list[dict]:
+    reqs = ["r0", "r1", "r2"]
+    return [arrived(r, 0.0) for r in reqs] + [step(i, 0.1 * i, 0.1 * i + 0.09, [dec(r, 10 + i) for r in reqs])
+                                              for i in range(6)]
+
+
+@pytest.mark.parametrize("width", [360, 390])
+def test_a_phone_scrolls_no_stage_sideways_once_steps_are_drawn(width):
+    """The same on a phone once there are steps: the metrics, the step's X-ray table and the other views
+    under the chart keep within the screen (a table wider than it scrolls inside its own panel)."""
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": width, "height": 844})
+        load_stage(page, steps_of_three())
+        page.wait_for_function("document.querySelectorAll('[data-testid=step-xray] tbody tr').length === 3")
+        page.wait_for_timeout(300)
+        assert page.evaluate("document.documentElement.scrollWidth") <= width, page.evaluate(WIDE, width)
