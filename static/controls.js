@@ -67,8 +67,11 @@ function renderPair() {
   if (starting && !polling) polling = setTimeout(() => { polling = null; load(); }, 2000);   // until ready or failed
 }
 
+let absorbed = 0;       // settings taken in so far: an answer asked for before the latest one is stale
+
 function absorb(obj) {
   if (!obj || typeof obj !== "object") return;
+  absorbed++;
   const s = obj.settings || obj.engine || obj;
   for (const k of ["policy", "max_num_batched_tokens", "max_num_seqs", "max_prefill_chunk", "step_delay"]) {
     if (s[k] !== undefined) state[k] = s[k];
@@ -84,9 +87,14 @@ function absorb(obj) {
 }
 
 async function load() {
+  const before = absorbed;
   try {
     const r = await fetch(url("/api/engine"), { cache: "no-store" });
-    if (r.ok) absorb(await r.json());
+    if (!r.ok) return;
+    const body = await r.json();
+    // settings that arrived meanwhile (a change's answer, a policy event) are newer than this answer: ask again
+    if (absorbed !== before) return load();
+    absorb(body);
   } catch (e) { /* offline: the socket's reconnect message says so */ }
 }
 
