@@ -241,6 +241,12 @@ def test_a_dropped_socket_reconnects_and_backfills(page, server):
             timeout=10)
 
 
+PICTURE = {"continuous": "ui_chunked_off.png", "chunked": "ui_chunked_on.png"}
+STAGE_TO_METRICS = """() => { const s = document.querySelector('[data-testid=stage]').getBoundingClientRect(),
+    m = document.querySelector('[data-testid=metrics]').getBoundingClientRect();
+    return {x: s.left + scrollX, y: s.top + scrollY, width: s.width, height: m.bottom - s.top}; }"""
+
+
 def test_long_prompt_stalls_everyone_until_chunked_prefill_is_on(page, tmp_path, slow_motion):
     shots = screenshot_dir()
     shots.mkdir(parents=True, exist_ok=True)
@@ -265,7 +271,8 @@ def test_long_prompt_stalls_everyone_until_chunked_prefill_is_on(page, tmp_path,
                      decodesInDoc: doc.map(s => s.items.filter(i => i.kind === 'decode').length),
                      drawnStalls: BS.view.drawn.cells.filter(c => c.kind === 'stall' && c.step >= {start}).length}}; \
 }}""")
-        page.locator("[data-testid=stage]").screenshot(path=str(shots / f"long_prompt_{policy}.png"))
+        # docs/ui_chunked_off.png and ui_chunked_on.png (README's first picture): the stage down to the metrics
+        page.screenshot(path=str(shots / PICTURE[policy]), full_page=True, clip=page.evaluate(STAGE_TO_METRICS))
         page.click("[data-testid=resume]")
     off, on = runs["continuous"], runs["chunked"]
     assert set(off["policy"]) == {"continuous"} and set(on["policy"]) == {"chunked"}
@@ -277,4 +284,4 @@ def test_long_prompt_stalls_everyone_until_chunked_prefill_is_on(page, tmp_path,
     assert set(on["stalledInDoc"]) == {0} and min(on["decodesInDoc"]) >= 1 and max(on["decodesInDoc"]) == 3
     assert on["drawnStalls"] == 0
     for policy in runs:
-        assert (shots / f"long_prompt_{policy}.png").stat().st_size > 10_000
+        assert (shots / PICTURE[policy]).stat().st_size > 10_000
