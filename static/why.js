@@ -163,8 +163,12 @@ function drawGpu(box) {
 function vline(g, x, y0, y1, color, dash, label) {
   g.save(); g.setLineDash(dash); g.strokeStyle = color; g.lineWidth = 2;
   g.beginPath(); g.moveTo(x, y0); g.lineTo(x, y1); g.stroke(); g.restore();
-  g.fillStyle = color; g.font = "bold 11px sans-serif"; g.textAlign = "left"; g.textBaseline = "top";
-  g.fillText(label, x + 4, y0);
+  g.fillStyle = color; g.font = "bold 11px sans-serif"; g.textBaseline = "top";
+  // the label right of its line, or left of it where it would run past the plot's right edge
+  const room = g.canvas.width / g.getTransform().a - x - 4;
+  const right = g.measureText(label).width <= room;
+  g.textAlign = right ? "left" : "right";
+  g.fillText(label, right ? x + 4 : x - 4, y0);
 }
 
 function legend(box) {

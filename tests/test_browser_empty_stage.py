@@ -1,6 +1,6 @@
-"""The stage before the first step, as a class first sees it, on a phone and on a projector: its
-"no steps yet" words are whole and readable where they are drawn (on the chart's canvas, in the
-metrics' box), and nothing is wider than the screen."""
+"""The stage within its bounds, on a phone and on a projector: before the first step its "no steps yet"
+words are whole and readable where they are drawn (on the chart's canvas, in the metrics' box), nothing
+is wider than the screen, with steps or without, and no canvas draws a label past its edges."""
 import pytest
 
 from tests.browser import MARKS, chromium, load_stage
@@ -79,3 +79,42 @@ def test_a_phone_scrolls_no_stage_sideways_once_steps_are_drawn(width):
         page.wait_for_function("document.querySelectorAll('[data-testid=step-xray] tbody tr').length === 3")
         page.wait_for_timeout(300)
         assert page.evaluate("document.documentElement.scrollWidth") <= width, page.evaluate(WIDE, width)
+
+
+# every text any canvas of the stage draws: its ink's box, through the canvas's transform (a rotated axis
+# title too), in the canvas's own pixels, beside the canvas's size in them
+RECORD_ALL_TEXT = """
+  window.drawnTexts = [];
+  const fill = CanvasRenderingContext2D.prototype.fillText;
+  CanvasRenderingContext2D.prototype.fillText = function (text, x, y, ...rest) {
+    if (this.canvas.closest('[data-testid=stage]')) {
+      const m = this.measureText(text), at = this.getTransform();
+      const corners = [[x - m.actualBoundingBoxLeft, y - m.actualBoundingBoxAscent],
+                       [x + m.actualBoundingBoxRight, y + m.actualBoundingBoxDescent],
+                       [x - m.actualBoundingBoxLeft, y + m.actualBoundingBoxDescent],
+                       [x + m.actualBoundingBoxRight, y - m.actualBoundingBoxAscent]]
+        .map(([px, py]) => at.transformPoint({x: px, y: py}));
+      const xs = corners.map(c => c.x), ys = corners.map(c => c.y);
+      window.drawnTexts.push({text: String(text), canvas: this.canvas.dataset.testid || this.canvas.className,
+                              left: Math.min(...xs), right: Math.max(...xs), top: Math.min(...ys),
+                              bottom: Math.max(...ys), width: this.canvas.width, height: this.canvas.height});
+    }
+    return fill.call(this, text, x, y, ...rest);
+  };"""
+
+
+@pytest.mark.parametrize("width", [390, 1366])
+def test_no_text_on_the_stages_canvases_runs_past_their_edges(width):
+    """The chart, the batch bar and the why views' plots keep every label inside their canvas (a label by
+    a line near the right edge goes to the line's left)."""
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": width, "height": 900})
+        page.add_init_script(RECORD_ALL_TEXT)
+        load_stage(page, steps_of_three())
+        page.wait_for_function("document.querySelectorAll('[data-testid=step-xray] tbody tr').length === 3")
+        page.wait_for_timeout(500)
+        drawn = page.evaluate("window.drawnTexts")
+        assert {d["canvas"] for d in drawn} >= {"gantt", "batch-bar"}, {d["canvas"] for d in drawn}
+        outside = [d for d in drawn if d["left"] < -1 or d["right"] > d["width"] + 1 or d["top"] < -1
+                   or d["bottom"] > d["height"] + 1]
+        assert not outside, f"drawn past a canvas's edge at {width}px: {outside[:6]}"
