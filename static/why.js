@@ -111,8 +111,8 @@ function plotCost(g, w, h, pts, fit, ctx, budget, advice, hollow) {
   // the fit at the median context, the budget and the advised budget
   g.save(); g.strokeStyle = "#111"; g.lineWidth = 2; if (hollow) g.setLineDash([8, 4]); g.beginPath();
   g.moveTo(X(0), Y(A.predict(fit, 0, ctx))); g.lineTo(X(xMax), Y(A.predict(fit, xMax, ctx))); g.stroke(); g.restore();
-  vline(g, X(budget), T, h - B, "#555", [6, 4], t("bar.budget") + " " + budget);
-  if (advice) vline(g, X(advice), T + 14, h - B, "#CC79A7", [2, 3], "→ " + advice);
+  vline(g, w, X(budget), T, h - B, "#555", [6, 4], t("bar.budget") + " " + budget);
+  if (advice) vline(g, w, X(advice), T + 14, h - B, "#CC79A7", [2, 3], "→ " + advice);
 }
 
 // ---- the recorded GPU trace, beside the live fit ----
@@ -160,13 +160,12 @@ function drawGpu(box) {
   plotCost(g, w, h, pts, fit, ctx, budget, null, true);
 }
 
-function vline(g, x, y0, y1, color, dash, label) {
+function vline(g, w, x, y0, y1, color, dash, label) {
   g.save(); g.setLineDash(dash); g.strokeStyle = color; g.lineWidth = 2;
   g.beginPath(); g.moveTo(x, y0); g.lineTo(x, y1); g.stroke(); g.restore();
   g.fillStyle = color; g.font = "bold 11px sans-serif"; g.textBaseline = "top";
-  // the label right of its line, or left of it where it would run past the plot's right edge
-  const room = g.canvas.width / g.getTransform().a - x - 4;
-  const right = g.measureText(label).width <= room;
+  // the label right of its line, or left of it where it would run past the canvas's right edge (w)
+  const right = g.measureText(label).width <= w - x - 4;
   g.textAlign = right ? "left" : "right";
   g.fillText(label, right ? x + 4 : x - 4, y0);
 }
