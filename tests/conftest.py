@@ -34,6 +34,16 @@ def pytest_configure(config):
             stdout=(record / "stdout").open("w"), stderr=(record / "stderr").open("w"))
 
 
+def pytest_collection_finish(session):
+    """Once the tests are collected (torch, transformers, the browser driver and every test module
+    imported): those objects move to the collector's permanent generation. They live as long as the
+    process anyway; left where they were, every full collection walked them again, about a second
+    each in a worker, among them the one after each test module below."""
+    import gc
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_unconfigure(config):
     proc = getattr(config, "_batchscope_prepare", None)
     if proc is not None:
