@@ -111,6 +111,7 @@ def load_stage(pg, stream: list[dict], ready: str = "window.BS && BS.store"):
             route.fulfill(path=ROOT / "static" / path[len(STATIC_URL) + 1:])
         else:
             route.fulfill(body=body, content_type="text/html; charset=utf-8")
+    pg.unroute(STAGE_ORIGIN + "/**")        # a page loaded again keeps one handler, not one per load
     pg.route(STAGE_ORIGIN + "/**", serve)
     pg.goto(STAGE_ORIGIN + "/")
     pg.wait_for_function(ready)

@@ -1,6 +1,8 @@
 """The Gantt's height follows its rows: it grows at once, and shrinks once the smaller size has been
 wanted for a moment, even when nothing else redraws it (an idle class, a projector window made smaller)."""
-from tests.browser import MARKS, chromium, load_stage
+from contextlib import closing
+
+from tests.browser import MARKS, load_stage
 from tests.factories import arrived, dec, step
 
 pytestmark = MARKS
@@ -27,9 +29,9 @@ def tall_chart(browser):
     return page, errors
 
 
-def test_the_chart_grows_with_its_rows_and_shrinks_when_idle():
-    with chromium() as browser:
-        page, errors = tall_chart(browser)
+def test_the_chart_grows_with_its_rows_and_shrinks_when_idle(browser):
+    page, errors = tall_chart(browser)
+    with closing(page):
         tall = height(page)
         # its rows drawn smaller want less room (within the room it has), then one redraw only
         page.evaluate("BS.chartScale = 0.6; BS.redrawChart()")
@@ -40,11 +42,11 @@ def test_the_chart_grows_with_its_rows_and_shrinks_when_idle():
         assert not errors, errors
 
 
-def test_a_smaller_room_shrinks_the_chart_at_once():
+def test_a_smaller_room_shrinks_the_chart_at_once(browser):
     """The room the page leaves the chart falls (a projector's metrics table grew a line, a window made
     smaller): a chart that kept its height for the shrink's wait would push the page past the screen."""
-    with chromium() as browser:
-        page, errors = tall_chart(browser)
+    page, errors = tall_chart(browser)
+    with closing(page):
         page.evaluate("BS.chartMaxH = 250; BS.redrawChart()")
         page.wait_for_function("document.querySelector('[data-testid=gantt]').getBoundingClientRect().height <= 252",
                                timeout=700)       # well inside draw.js's wait before a shrink (1.5 s)

@@ -1,9 +1,11 @@
 """The stage within its bounds, on a phone and on a projector: before the first step its "no steps yet"
 words are whole and readable where they are drawn (on the chart's canvas, in the metrics' box), nothing
 is wider than the screen, with steps or without, and no canvas draws a label past its edges."""
+from contextlib import closing
+
 import pytest
 
-from tests.browser import MARKS, chromium, load_stage
+from tests.browser import MARKS, load_stage
 from tests.factories import arrived, dec, step
 
 pytestmark = MARKS
@@ -34,10 +36,9 @@ WIDE = """(w) => { const root = document.querySelector('[data-testid=stage]');
 
 
 @pytest.mark.parametrize("size", [(360, 780), (390, 844), (1366, 768)])
-def test_no_steps_yet_is_whole_and_nothing_overflows_the_screen(size):
+def test_no_steps_yet_is_whole_and_nothing_overflows_the_screen(size, browser):
     width, height = size
-    with chromium() as browser:
-        page = browser.new_page(viewport={"width": width, "height": height})
+    with closing(browser.new_page(viewport={"width": width, "height": height})) as page:
         page.add_init_script(RECORD_TEXT)
         load_stage(page, [])
         page.wait_for_function("window.drawnTexts.length > 0")
@@ -70,11 +71,10 @@ def steps_of_three() -> list[dict]:
 
 
 @pytest.mark.parametrize("width", [360, 390])
-def test_a_phone_scrolls_no_stage_sideways_once_steps_are_drawn(width):
+def test_a_phone_scrolls_no_stage_sideways_once_steps_are_drawn(width, browser):
     """The same on a phone once there are steps: the metrics, the step's X-ray table and the other views
     under the chart keep within the screen (a table wider than it scrolls inside its own panel)."""
-    with chromium() as browser:
-        page = browser.new_page(viewport={"width": width, "height": 844})
+    with closing(browser.new_page(viewport={"width": width, "height": 844})) as page:
         load_stage(page, steps_of_three())
         page.wait_for_function("document.querySelectorAll('[data-testid=step-xray] tbody tr').length === 3")
         page.wait_for_timeout(300)
@@ -104,11 +104,10 @@ RECORD_ALL_TEXT = """
 
 
 @pytest.mark.parametrize("width", [390, 1366])
-def test_no_text_on_the_stages_canvases_runs_past_their_edges(width):
+def test_no_text_on_the_stages_canvases_runs_past_their_edges(width, browser):
     """The chart, the batch bar and the why views' plots keep every label inside their canvas (a label by
     a line near the right edge goes to the line's left)."""
-    with chromium() as browser:
-        page = browser.new_page(viewport={"width": width, "height": 900})
+    with closing(browser.new_page(viewport={"width": width, "height": 900})) as page:
         page.add_init_script(RECORD_ALL_TEXT)
         load_stage(page, steps_of_three())
         page.wait_for_function("document.querySelectorAll('[data-testid=step-xray] tbody tr').length === 3")

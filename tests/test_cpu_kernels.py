@@ -2,6 +2,8 @@
 and its own layout inside a block) against the portable backend on random ragged batches, in float32 and
 bfloat16; what it writes into the cache; and that attention falls back to the portable path where the
 kernel cannot be built."""
+import shutil
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 
 from engine.execution.attention import AttentionMetadata, PrefillChunk, TorchAttention
 from engine.execution.backends import CpuAttention, select_backend
-from engine.kernels import cpu_kernels, ops
+from engine.kernels import build, cpu_kernels, ops
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler: the kernel cannot be built")
 
@@ -178,9 +180,21 @@ def test_a_build_is_reused_and_named_by_what_it_was_built_from(tmp_path, monkeyp
         stamp = built[0].stat().st_mtime_ns
         cpu_kernels.library.cache_clear()
         assert cpu_kernels.library() is not None and built[0].stat().st_mtime_ns == stamp   # loaded, not rebuilt
+        # another CPU: another name, built and probed for it (the build and the probe above are real; here
+        # they are recorded, the build a copy of the first, so the suite does not compile the library twice)
+        made, probed = [], []
+
+        def copy_build(cxx, out):
+            made.append(out)
+            shutil.copy(built[0], out)
+
         monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags : another cpu")
+        monkeypatch.setattr(build, "build", copy_build)
+        monkeypatch.setattr(build, "probe", lambda path: probed.append(path))     # None: it passed
         cpu_kernels.library.cache_clear()
-        assert cpu_kernels.library() is not None and len(list((tmp_path / "kernels").glob("*.so"))) == 2
+        assert cpu_kernels.library() is not None
+        assert made == probed and len(made) == 1 and made[0] != built[0] and made[0].name.startswith("cpu_kernels-")
+        assert sorted((tmp_path / "kernels").glob("*.so")) == sorted([built[0], made[0]])
     finally:
         cpu_kernels.library.cache_clear()
 
