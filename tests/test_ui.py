@@ -216,6 +216,17 @@ def mounted():
     return TestClient(app)
 
 
+def test_gradios_queue_does_not_wake_the_event_loop_every_millisecond_while_idle(mounted):
+    """The page's Gradio queue looks for new events every `sleep_when_free` seconds while it has none
+    (Gradio's default: 1 ms, a thousand wake-ups a second of the event loop that also streams every reply).
+    mount_ui sets a calmer wait, long enough not to cost an idle server, short beside a click's reply."""
+    from app.ui.page import QUEUE_IDLE_WAIT_S
+    queues = [r.app.blocks._queue for r in mounted.app.routes if hasattr(getattr(r, "app", None), "blocks")]
+    assert len(queues) == 1
+    assert queues[0].sleep_when_free == QUEUE_IDLE_WAIT_S and 0.01 <= QUEUE_IDLE_WAIT_S <= 0.05
+    assert queues[0].progress_update_sleep_when_free >= QUEUE_IDLE_WAIT_S
+
+
 def test_page_loads_the_chart_scripts_with_versions(mounted):
     page = mounted.get("/")
     assert page.status_code == 200

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import html
 import json
+import logging
 
 import gradio as gr
 from fastapi import FastAPI
@@ -32,6 +33,8 @@ from app.ui.room_pages import mount_room
 from app.ui.sessions import Session, Sessions, Stage, Turn, check_message, drive, fresh, stream_all
 from app.ui.text import LANGS, SCENARIO_BUTTONS, SHORT, SUMMARY_ASK, USERS, setting_line, t
 from engine import SamplingParams
+
+log = logging.getLogger(__name__)
 
 MAX_PANELS = len(USERS)
 KEY_JS = "(...a) => [...a.slice(0, -1), (window.sessionStorage && sessionStorage.getItem('batchscope.key')) || '']"
@@ -358,6 +361,24 @@ def theme() -> gr.themes.Base:
     return gr.themes.Default().set(**fills, **{k + "_dark": v for k, v in fills.items()})
 
 
+# How long the page's Gradio queue waits before it looks again for a new event while it has none. Gradio's
+# own wait is 1 ms: a thousand wake-ups a second, while idle, of the event loop that also streams every
+# student's reply. A button's event now starts at most 20 ms later, unseen beside the step it asks for.
+QUEUE_IDLE_WAIT_S = 0.02
+
+
+def calm_queue(blocks: gr.Blocks):
+    """Give the page's Gradio queue QUEUE_IDLE_WAIT_S between looks for a new event while it is free, and its
+    progress loop a tenth of a second (the page shows no Gradio progress bar). Gradio has no public setting
+    for either: a Gradio whose queue lacks the attribute keeps its own waits, and the log says so."""
+    queue = getattr(blocks, "_queue", None)
+    if queue is None or not hasattr(queue, "sleep_when_free"):
+        log.warning("this Gradio's queue has no sleep_when_free: it keeps its own idle wait")
+        return
+    queue.sleep_when_free = QUEUE_IDLE_WAIT_S
+    queue.progress_update_sleep_when_free = max(queue.progress_update_sleep_when_free, 0.1)
+
+
 def mount_ui(app: FastAPI, service, path: str = "/", **options) -> FastAPI:
     """Serve static/ at /static/batchscope, the classroom pages (/join, /projector, /api/room) and
     the lecturer's Gradio page at `path` on the given app."""
@@ -366,6 +387,7 @@ def mount_ui(app: FastAPI, service, path: str = "/", **options) -> FastAPI:
     mount_room(app, service, app.state.room, head_html(), max_tokens=options.get("max_tokens", 128))
     mount_leaderboard(app, head_html(), STATIC_URL)
     blocks = build_ui(service, **options)
+    calm_queue(blocks)
     return gr.mount_gradio_app(app, blocks, path=path, head=head_html(), theme=theme(),
                                footer_links=[], ssr_mode=False)
 
