@@ -18,20 +18,29 @@ import * as palette from "./palette.js";
 import * as record from "./record.js";
 import * as room from "./room.js";
 import * as socket from "./socket.js";
-import { state } from "./state.js";
+import { loop, state } from "./state.js";
 import * as whatif from "./whatif.js";
 import * as why from "./why.js";
 
 let started = false, last = 0;
 
-// frames and chart redraws, for the room demo and tests (demos/load/room.py reads it)
-const perf = { frames: 0, draws: 0, drawMs: 0, maxDrawMs: 0, slowFrames: 0 };
+// frames and chart redraws, for the room demo and tests (demos/load/room.py reads it); idleTicks: how
+// many of those frames were an idle loop's looks (below)
+const perf = { frames: 0, draws: 0, drawMs: 0, maxDrawMs: 0, slowFrames: 0, idleTicks: 0 };
+
+// An idle stage looks IDLE_TICK_MS apart instead of at every frame (60 a second): a tab left open (a
+// student's, the projector's) then costs its laptop little. Idle: for IDLE_AFTER_MS no
+// news came, no step was running and no replay played (a redraw of its own, such as the room's names
+// or the chart's delayed shrink, needs no more frames). News (a message, a trace fed in) and the
+// viewer's hand (a key, the pointer, the wheel, a resize) wake it at once.
+const IDLE_AFTER_MS = 2000, IDLE_TICK_MS = 100;
+let lastBusy = 0, sleeping = null;
 
 function frame(now) {
   if (last && now - last > 1000 / 30) perf.slowFrames++;    // a frame that missed 30 fps
   last = now;
   perf.frames++;
-  socket.flush();
+  const news = socket.flush();
   const t0 = performance.now();
   if (interact.chartFrame(now)) {
     const ms = performance.now() - t0;
@@ -42,6 +51,18 @@ function frame(now) {
   why.whyFrame(now);
   kvmap.kvFrame(now);
   chartText.textFrame(now);     // last: its live region is paced by the time it is written
+  if (news || socket.store.runningFor() != null || layout.view.mode === "replay") lastBusy = now;
+  if (now - lastBusy < IDLE_AFTER_MS) requestAnimationFrame(frame);
+  else sleeping = setTimeout(() => { sleeping = null; perf.idleTicks++; last = 0; requestAnimationFrame(frame); },
+                             IDLE_TICK_MS);
+}
+
+function wake() {
+  lastBusy = performance.now();
+  if (sleeping === null) return;
+  clearTimeout(sleeping);
+  sleeping = null;
+  last = 0;                     // the pause was not a slow frame
   requestAnimationFrame(frame);
 }
 
@@ -61,6 +82,11 @@ function startStage() {
   room.initRoom(stage);
   if (stage.querySelector("[data-testid=why]")) why.initWhy(stage);   // the lecturer's "why" views
   if (!state.offline) socket.connect();         // offline: a recorded stream is fed by ingestAll
+  loop.wake = wake;
+  for (const type of ["keydown", "pointerdown", "pointermove", "wheel", "input", "change", "focusin"]) {
+    document.addEventListener(type, wake, { capture: true, passive: true });
+  }
+  window.addEventListener("resize", wake);
   requestAnimationFrame(frame);
   return true;
 }

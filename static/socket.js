@@ -4,7 +4,7 @@
 // itself; the snapshot sent on connect backfills the steps it missed.
 import { t } from "./i18n.js";
 import { rec as R } from "./record.js";   // record fields are read through record.js
-import { state } from "./state.js";
+import { loop, state } from "./state.js";
 
 const MAX_STEPS = 20000;        // about 10 minutes at 30 steps/s
 const MAX_BACKFILL = 2000;      // steps asked for at most after a reconnect
@@ -161,10 +161,11 @@ export function ingest(msg) {
 
 // once per animation frame (main.js): recompute what a backfill changed, then tell the listeners
 export function flush() {
-  if (!pending) return;
+  if (!pending) return false;
   pending = false;
   if (needRebuild) { needRebuild = false; rebuild(); store.version++; }
   store.listeners.forEach((fn) => { try { fn(store); } catch (e) { console.error(e); } });
+  return true;
 }
 export const onStore = (fn) => store.listeners.push(fn);
 
@@ -205,7 +206,7 @@ store.runningFor = function () {
   return s >= RUNNING_AFTER + pause ? s : null;
 };
 // a recorded stream (a trace file, a test) taken in at once, as if it had arrived live
-export function ingestAll(list) { for (const m of list) ingest(m); pending = true; flush(); }
+export function ingestAll(list) { for (const m of list) ingest(m); pending = true; flush(); loop.wake(); }
 
 export function url(path) {
   // the page may be mounted under a prefix (e.g. a reverse proxy); keep it
@@ -235,6 +236,7 @@ export function connect() {
     try { msg = JSON.parse(e.data); } catch (err) { return; }
     if (Array.isArray(msg)) msg.forEach(ingest); else ingest(msg);
     pending = true;
+    loop.wake();
   };
   ws.onclose = () => {
     setConn(false);

@@ -8,3 +8,7 @@ export const state = {
   chartMaxH: 420,     // px (CSS) the Gantt may grow to (lesson.js fits it to the screen, room.js per role)
   lessonStart: null,  // .step where the pressed lesson's steps begin (lesson.js; the what-if panel replays from it)
 };
+
+// The animation loop's wake-up (main.js sets it): a module that gets news while the loop idles
+// (socket.js: a message; a trace fed in) calls loop.wake() so that the next frame comes at once.
+export const loop = { wake() {} };
