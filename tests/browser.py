@@ -91,7 +91,7 @@ def live_page(browser, url: str, viewport: dict):
     pg.on("pageerror", lambda e: errors.append(str(e)))
     pg.goto(url + "/")
     pg.wait_for_selector("[data-testid=gantt]")
-    pg.wait_for_function("document.querySelector('[data-testid=conn]').dataset.state === 'live'")
+    pg.wait_for_function("document.querySelector('[data-testid=conn]')?.dataset.state === 'live'")
     yield pg
     ctx.close()
     assert not errors, errors

@@ -224,7 +224,7 @@ def test_bad_input_gets_a_friendly_error_and_the_other_panels_carry_on(page, ser
 
 def test_a_dropped_socket_reconnects_and_backfills(page, server):
     page.evaluate("window.__connect = BS.connect; BS.connect = () => {}; BS.dropSocket()")
-    wait_js(page, "document.querySelector('[data-testid=conn]').dataset.state === 'lost'")
+    wait_js(page, "document.querySelector('[data-testid=conn]')?.dataset.state === 'lost'")
     before = page.evaluate("BS.store.steps.length ? BS.store.steps.at(-1).step : -1")
     reply = api(server, "/v1/chat/completions", {"max_tokens": 6, "user": "Offline",
                                                  "messages": [{"role": "user", "content": "Count to three."}]})
@@ -232,7 +232,7 @@ def test_a_dropped_socket_reconnects_and_backfills(page, server):
     last = api(server, "/api/engine")["step"] - 1
     assert last > before
     page.evaluate("BS.connect = window.__connect; BS.connect()")
-    wait_js(page, "document.querySelector('[data-testid=conn]').dataset.state === 'live'")
+    wait_js(page, "document.querySelector('[data-testid=conn]')?.dataset.state === 'live'")
     wait_js(page, f"BS.store.steps.length && BS.store.steps.at(-1).step >= {last}")   # the snapshot may follow "live"
     have = set(page.evaluate(f"BS.store.steps.filter(s => s.step > {before}).map(s => s.step)"))
     assert set(range(before + 1, last + 1)) <= have, "steps missed while offline were not backfilled"
