@@ -82,6 +82,12 @@ def served_ui(engine_config, server_options: dict | None = None, mount=None, **m
         service.loop.engine = None
 
 
+def conn_is(state: str) -> str:
+    """JS: the page's connection badge says `state` ('live', 'lost'); false, not an error, while the page
+    has not rendered the stage yet (Gradio draws it after main.js has run)."""
+    return f"document.querySelector('[data-testid=conn]')?.dataset.state === '{state}'"
+
+
 @contextmanager
 def live_page(browser, url: str, viewport: dict):
     """The served page, connected to the live stream; no script error may happen while it is open."""
@@ -91,7 +97,7 @@ def live_page(browser, url: str, viewport: dict):
     pg.on("pageerror", lambda e: errors.append(str(e)))
     pg.goto(url + "/")
     pg.wait_for_selector("[data-testid=gantt]")
-    pg.wait_for_function("document.querySelector('[data-testid=conn]')?.dataset.state === 'live'")
+    pg.wait_for_function(conn_is("live"))
     yield pg
     ctx.close()
     assert not errors, errors

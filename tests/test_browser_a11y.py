@@ -11,6 +11,7 @@ from tests.browser import (
     AXE_JS,
     MARKS,
     axe_violations,
+    conn_is,
     describe_violations,
     install_axe,
     live_page,
@@ -59,7 +60,7 @@ def open_room_page(browser, url: str, viewport: dict):
     ctx = browser.new_context(viewport=viewport)
     pg = ctx.new_page()
     pg.goto(url)
-    wait_js(pg, "document.querySelector('[data-testid=conn]')?.dataset.state === 'live'")
+    wait_js(pg, conn_is("live"))
     return ctx, pg
 
 
@@ -337,7 +338,7 @@ def test_join_reflows_and_its_targets_are_at_least_24_px(server, browser, width)
     pg = ctx.new_page()
     try:
         pg.goto(server + "/join")
-        wait_js(pg, "document.querySelector('[data-testid=conn]')?.dataset.state === 'live'")
+        wait_js(pg, conn_is("live"))
         lang = pg.inner_text("[data-testid=lang]")
         assert lang.startswith("Chinese") and "中文" in lang           # Latin first: no boxes without a CJK font
         pg.fill("[data-testid=student-name]", f"Zed{width}")

@@ -4,7 +4,7 @@ not undo a change made since."""
 import time
 
 from engine import EngineConfig
-from tests.browser import MARKS, api, chromium, served_ui, wait_js
+from tests.browser import MARKS, api, chromium, conn_is, served_ui, wait_js
 
 pytestmark = MARKS
 
@@ -27,7 +27,7 @@ def test_an_answer_asked_for_before_a_change_does_not_undo_it(tiny_model):
         page = browser.new_page(viewport={"width": 1366, "height": 900})
         page.add_init_script(HOLD_GETS)
         page.goto(url + "/")
-        wait_js(page, "document.querySelector('[data-testid=conn]')?.dataset.state === 'live' && "
+        wait_js(page, conn_is("live") + " && "
                       "window.heldGets.length === 1")                      # the page's first look, held
         wait_js(page, f"{CHECKED} === 'chunked'")                          # from the socket meanwhile
         page.click("[data-testid=policy] button[data-policy=continuous]")

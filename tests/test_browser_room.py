@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from tests.browser import MARKS, served_ui
+from tests.browser import MARKS, conn_is, served_ui
 
 pytestmark = MARKS
 KEY = "lecturer-secret"
@@ -28,7 +28,7 @@ def open_page(browser, url, errors, **ctx):
     pg = browser.new_context(**ctx).new_page()
     pg.on("pageerror", lambda e: errors.append(str(e)))
     pg.goto(url)
-    pg.wait_for_function("document.querySelector('[data-testid=conn]')?.dataset.state === 'live'")
+    pg.wait_for_function(conn_is("live"))
     return pg
 
 

@@ -8,7 +8,7 @@ docs/ui_projector_1920.png and docs/ui_join_phone.png.
 
 import pytest
 
-from tests.browser import MARKS, api, live_page, screenshot_dir, served_ui, wait_js
+from tests.browser import MARKS, api, conn_is, live_page, screenshot_dir, served_ui, wait_js
 
 SIZES = [(1366, 768), (1920, 1080)]
 pytestmark = MARKS
@@ -114,7 +114,7 @@ def test_the_projector_fits_its_screen_and_shows_every_setting(server, browser, 
     pg = ctx.new_page()
     try:
         pg.goto(server + "/projector")
-        wait_js(pg, "document.querySelector('[data-testid=conn]')?.dataset.state === 'live'")
+        wait_js(pg, conn_is("live"))
         # the test makes its own steps: it may run alone, first, or on a worker of its own
         api(server, "/v1/chat/completions", {"max_tokens": 4, "user": "Projector",
                                              "messages": [{"role": "user", "content": "Say hi."}]})
@@ -146,7 +146,7 @@ def test_join_on_a_phone_fits_the_screen(server, browser):  # noqa: F811
     pg = ctx.new_page()
     try:
         pg.goto(server + "/join")
-        wait_js(pg, "document.querySelector('[data-testid=conn]')?.dataset.state === 'live'")
+        wait_js(pg, conn_is("live"))
         pg.fill("[data-testid=student-name]", "Ann")
         pg.click("[data-testid=join]")
         wait_js(pg, "!document.querySelector('[data-testid=you-are]').hidden")
@@ -212,7 +212,7 @@ def test_the_projector_names_the_lesson_playing_and_one_opened_late_does_too(ser
         contexts.append(ctx)
         pg = ctx.new_page()
         pg.goto(server + "/projector")
-        wait_js(pg, "document.querySelector('[data-testid=conn]')?.dataset.state === 'live'")
+        wait_js(pg, conn_is("live"))
         return pg
 
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from engine import EngineConfig
-from tests.browser import MARKS, chromium, served_ui, wait_js
+from tests.browser import MARKS, chromium, conn_is, served_ui, wait_js
 
 pytestmark = MARKS
 
@@ -42,7 +42,7 @@ STYLES = """(props) => { const root = document.querySelector('[data-testid=stage
 def stage_styles(browser, url: str) -> dict:
     pg = browser.new_page(viewport={"width": 1366, "height": 900})
     pg.goto(url + "/")
-    wait_js(pg, "window.BS && BS.store && document.querySelector('[data-testid=conn]')?.dataset.state === 'live'")
+    wait_js(pg, "window.BS && BS.store && " + conn_is("live"))
     # the engine's settings have reached the controls, and the switch's knob has finished sliding
     wait_js(pg, "document.querySelector('[data-testid=policy] button[aria-checked=true]') && "
                 "document.getAnimations().length === 0")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.browser import MARKS, api, live_page, screenshot_dir, served_ui, wait_js
+from tests.browser import MARKS, api, conn_is, live_page, screenshot_dir, served_ui, wait_js
 
 pytestmark = MARKS
 SCENARIO = dict(reply_tokens=16, doc_tokens=2, doc_at=8)
@@ -224,7 +224,7 @@ def test_bad_input_gets_a_friendly_error_and_the_other_panels_carry_on(page, ser
 
 def test_a_dropped_socket_reconnects_and_backfills(page, server):
     page.evaluate("window.__connect = BS.connect; BS.connect = () => {}; BS.dropSocket()")
-    wait_js(page, "document.querySelector('[data-testid=conn]')?.dataset.state === 'lost'")
+    wait_js(page, conn_is("lost"))
     before = page.evaluate("BS.store.steps.length ? BS.store.steps.at(-1).step : -1")
     reply = api(server, "/v1/chat/completions", {"max_tokens": 6, "user": "Offline",
                                                  "messages": [{"role": "user", "content": "Count to three."}]})
@@ -232,7 +232,7 @@ def test_a_dropped_socket_reconnects_and_backfills(page, server):
     last = api(server, "/api/engine")["step"] - 1
     assert last > before
     page.evaluate("BS.connect = window.__connect; BS.connect()")
-    wait_js(page, "document.querySelector('[data-testid=conn]')?.dataset.state === 'live'")
+    wait_js(page, conn_is("live"))
     wait_js(page, f"BS.store.steps.length && BS.store.steps.at(-1).step >= {last}")   # the snapshot may follow "live"
     have = set(page.evaluate(f"BS.store.steps.filter(s => s.step > {before}).map(s => s.step)"))
     assert set(range(before + 1, last + 1)) <= have, "steps missed while offline were not backfilled"
