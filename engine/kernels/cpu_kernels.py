@@ -22,7 +22,7 @@ log = logging.getLogger("batchscope.engine")
 FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 CHAINS = {torch.bfloat16: "bf16", torch.float32: "f32"}    # the suffix of the chains' and causal kernel's builds
 SHAPES = {(16, 64), (16, 128), (32, 64), (32, 128)}   # (block_size, head_dim) compiled in cpu_kernels.cpp
-AMX_ROWS = 32       # up to this many rows the tile kernel computes F.linear's values bit for bit (oneDNN
+AMX_ROWS = 32       # up to this many rows the tile kernel computes oneDNN's tile values bit for bit (oneDNN
                     # sums in another order above it; tests/test_cpu_kernels.py) and streams weights faster
 # decode_layers: one tensor of each per layer
 LAYER_WEIGHTS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "k_cache", "v_cache")
@@ -33,7 +33,7 @@ F32_AVX2_ROWS = 8   # without AVX-512 the fp32 linears' kernel holds 3 rows of s
 REFERENCES = {"paged_decode": reference.paged_decode, "write_kv": reference.write_kv,
               "causal_prefill": reference.causal_prefill, "rms_norm": reference.rms_norm,
               "add_rms_norm": reference.add_rms_norm, "silu_and_mul": reference.silu_and_mul,
-              "rope": reference.apply_rope, "linear_amx": reference.linear, "linear_f32": reference.linear,
+              "rope": reference.apply_rope, "linear_amx": reference.linear_tiles, "linear_f32": reference.linear,
               "decode_layers": reference.decode_layers}
 
 

@@ -17,10 +17,11 @@ The linears' weight formats on a CPU (models.llama's Linear):
   f32       fp32 weights laid out once for the kernel of engine/kernels/cpu_kernels.cpp: for every row count
             with AVX-512, for a decode step's few rows with AVX2 (oneDNN's copy beside it for more)
 
-In bf16 every format computes F.linear's values bit for bit. In fp32 oneDNN and the f32 kernel each sum
-in their own order (MKL, behind F.linear, in its own): the same values up to fp32 rounding, the f32
-kernel's the same whatever else shares the step. Each format is checked on a probe before a model uses
-it (packed_weights_work, amx_linears_work, f32_linears_work).
+In bf16 every format computes F.linear's values bit for bit (AMX: as oneDNN's tile kernels sum them at
+every row count, reference.linear_tiles; one row through F.linear sums in another order). In fp32 oneDNN
+and the f32 kernel each sum in their own order (MKL, behind F.linear, in its own): the same values up to
+fp32 rounding, the f32 kernel's the same whatever else shares the step. Each format is checked on a probe
+before a model uses it (packed_weights_work, amx_linears_work, f32_linears_work).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.execution.backends import CpuAttention
-from engine.kernels import cpu_kernels, ops
+from engine.kernels import cpu_kernels, ops, reference
 from engine.kernels.reference import add_rms_norm, apply_rope, rms_norm, silu_and_mul
 
 log = logging.getLogger("batchscope.engine")
@@ -228,7 +229,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None 
 
 def amx_linears_work() -> bool:
     """Whether this CPU's AMX tile kernel (engine/ops.linear_amx) runs here and computes bit for bit
-    what F.linear does at every row count it is used for: checked on a probe (a partial column group too)."""
+    what oneDNN's tile kernels behind F.linear do (reference.linear_tiles) at every row count it is used
+    for: checked on a probe (a partial column group too)."""
     if not cpu_kernels.amx_bf16():
         return False
     g = torch.Generator().manual_seed(0)
@@ -236,8 +238,8 @@ def amx_linears_work() -> bool:
     packed = ops.pack_amx(w)
     for rows in (1, 7, 16, cpu_kernels.AMX_ROWS):
         x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
-        if not torch.equal(ops.linear_amx(x, packed, 80), F.linear(x, w)):
-            log.warning("the AMX linears differ from F.linear at %d rows on this CPU: they stay off", rows)
+        if not torch.equal(ops.linear_amx(x, packed, 80), reference.linear_tiles(x, w)):
+            log.warning("the AMX linears differ from oneDNN's at %d rows on this CPU: they stay off", rows)
             return False
     return True
 
