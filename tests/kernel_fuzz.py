@@ -127,7 +127,12 @@ def layer_stack(data, g, dtype):
     pack = ops.pack_amx if dtype == torch.bfloat16 else ops.pack_f32
     packed = {name: [pack(w) if name in shapes else w.clone() for w in ws] for name, ws in plain.items()}
     meta = AttentionMetadata(slot_mapping=slots, context_lens=lens, block_tables=tables, num_decodes=n)
-    cos, sin = rand(g, n, 1, d, dtype=dtype), rand(g, n, 1, d, dtype=dtype)
+    # a rotary table as the model's (engine/models/llama.py: cos twice, sin with its first half negated), not
+    # random values: cos and sin above 1 would multiply the keys' last-bit differences (a linear summing in
+    # another order) into differences larger than bf16's tolerance where the two products nearly cancel
+    angle = rand(g, n, 1, d // 2) * 10
+    cos = torch.cat((angle.cos(), angle.cos()), -1).to(dtype)
+    sin = torch.cat((-angle.sin(), angle.sin()), -1).to(dtype)
     return rand(g, n, hidden, dtype=dtype), cos, sin, meta, packed, plain, heads, kvh
 
 
