@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from engine.execution.attention import AttentionMetadata, PrefillChunk, TorchAttention
 from engine.execution.backends import CpuAttention, select_backend
 from engine.kernels import build, cpu_kernels, ops, reference
+from engine.kernels.reference import paged_decode as ref_decode
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler: the kernel cannot be built")
 
@@ -88,6 +89,28 @@ def test_decode_kernel_matches_fp64_attention(ctx, seed):
     out = ops.paged_decode(q, to_kernel_layout(k_cache, True), to_kernel_layout(v_cache, False),
                            table[None], torch.tensor([ctx]))
     torch.testing.assert_close(out[0].double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ctx=st.integers(1, 80), at=st.integers(0, 79), bad=st.sampled_from([float("nan"), float("inf")]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+@example(ctx=1, at=0, bad=float("nan"), dtype=torch.float32, seed=0)     # the first score: where the max starts
+@example(ctx=40, at=39, bad=float("nan"), dtype=torch.bfloat16, seed=0)  # past the last 16 in step: the tail
+def test_a_non_finite_key_makes_its_sequences_attention_non_finite_and_no_others(ctx, at, bad, dtype, seed):
+    """The softmax's maximum is taken 16 lanes at a time without assuming finite math; wherever a NaN or an
+    infinity lies among a sequence's scores (first, in the 16-wide part, in the tail), that sequence's output
+    is non-finite, so the engine fails its request, and the other sequence's is the reference's."""
+    at = at % ctx
+    g = torch.Generator().manual_seed(seed)
+    bs, kv, heads, hd = 16, 1, 3, 64
+    k_cache, v_cache = torch.randn(12, bs, kv, hd, generator=g), torch.randn(12, bs, kv, hd, generator=g)
+    tables = torch.randperm(12, generator=g)[:12].view(2, 6)
+    q, lens = torch.randn(2, heads, hd, generator=g).to(dtype), torch.tensor([ctx, 50])
+    k_cache[tables[0, at // bs], at % bs, 0, :] = bad
+    kc, vc = to_kernel_layout(k_cache, True).to(dtype), to_kernel_layout(v_cache, False).to(dtype)
+    out = ops.paged_decode(q, kc, vc, tables, lens)
+    assert not out[0].isfinite().any()
+    torch.testing.assert_close(out[1].float(), ref_decode(q, kc, vc, tables, lens)[1].float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.skipif(not cpu_kernels.avx512(), reason="the CPU kernels were built without AVX-512")

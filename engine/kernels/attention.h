@@ -190,8 +190,8 @@ static void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
         // softmax per query head over its ctx scores (the last block's tail beyond ctx is not read)
         for (int j = 0; j < group; ++j) {
             float* sj = &s[j * row];
-            float m = sj[0], sum = 0.f;
-            for (int64_t t = 1; t < ctx; ++t) m = std::max(m, sj[t]);
+            const float m = max_of(sj, ctx);
+            float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t t = 0; t < ctx; ++t) {
                 sj[t] = std::exp(sj[t] - m);
@@ -280,8 +280,8 @@ static void causal(const T* q, int64_t q_stride, const T* k, int64_t k_stride, c
                 for (int r = 0; r < R; ++r) {                          // softmax of row i0 + r over keys 0 .. i0 + r
                     float* sr = &sc[size_t(r) * Lp];
                     const int valid = i0 + r + 1;
-                    float mx = sr[0] * scale, sum = 0.f;
-                    for (int t = 1; t < valid; ++t) mx = std::max(mx, sr[t] * scale);
+                    const float mx = max_of(sr, valid) * scale;      // (scale > 0: the largest scaled score)
+                    float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
                     for (int t = 0; t < valid; ++t) {
                         sr[t] = std::exp(sr[t] * scale - mx);

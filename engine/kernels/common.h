@@ -40,6 +40,23 @@ static inline void store(uint16_t* p, float x) {       // round to nearest even,
     *p = uint16_t(bits >> 16);
 }
 
+// The largest of x[0] .. x[n - 1] (n >= 1), for a softmax: sixteen running maxima side by side, so the loop
+// vectorises although the build does not assume finite math (a single running maximum is a chain of scalar
+// max instructions, a fifth of decode attention's time). A NaN in x may be passed over here; it still makes
+// its softmax NaN, through its own exp and the sum.
+static inline float max_of(const float* x, int64_t n) {
+    float m[16];
+    for (int l = 0; l < 16; ++l) m[l] = x[0];
+    int64_t t = 1;
+    for (; t + 16 <= n; t += 16)
+#pragma omp simd
+        for (int l = 0; l < 16; ++l) m[l] = x[t + l] > m[l] ? x[t + l] : m[l];
+    for (; t < n; ++t) m[0] = x[t] > m[0] ? x[t] : m[0];
+    float r = m[0];
+    for (int l = 1; l < 16; ++l) r = m[l] > r ? m[l] : r;
+    return r;
+}
+
 // The next blocks are elsewhere in memory: ask for them while this one is computed (blocks are a few KB,
 // too short for the hardware prefetcher to find on its own; without this the kernel waits on memory).
 // The next one into L1; the one AHEAD blocks on into L2, so that memory's latency is hidden too.
