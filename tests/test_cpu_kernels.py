@@ -363,7 +363,7 @@ needs_amx = pytest.mark.skipif(not cpu_kernels.amx_bf16(), reason="this CPU (or 
 def test_amx_linears_compute_what_f_linear_does(rows, out_blocks, in_blocks, seed, scale):
     """Every row count the tile kernel is used for, every column group (full or partial) and input
     length: bit for bit the values of oneDNN's tile kernels behind F.linear. At one row F.linear takes
-    another oneDNN kernel, which sums the inputs two at a time: its fp32 sum may then round differently,
+    another oneDNN kernel, which sums in another order: its fp32 sum may then round differently,
     which shows in bf16 only where the sum nearly cancels (the last example: 1 value of 640)."""
     g = torch.Generator().manual_seed(seed)
     n, k = 16 * out_blocks, 32 * in_blocks

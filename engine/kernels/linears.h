@@ -20,7 +20,7 @@
 //
 // The sums run over the inputs in order, 32 at a time, with the instruction oneDNN's own AMX kernels
 // use, and are rounded to bf16 once at the end: bit for bit the values of oneDNN's tile kernels behind
-// F.linear at these row counts (at one row F.linear takes another kernel, which sums two inputs at a time:
+// F.linear at these row counts (at one row F.linear takes another kernel, which sums in another order:
 // reference.linear_tiles). Checked on a probe when a model is packed (fast_paths.amx_linears_work). Threads take
 // column groups; each sets up its own tiles.
 static int64_t amx_offset(int64_t group, int64_t k_blocks) { return 4 * group * k_blocks * 512; }

@@ -85,8 +85,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 def linear_tiles(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear's bf16 values as oneDNN's AMX tile kernels sum them, the inputs in order (linear_amx's
-    reference). A single row takes another oneDNN kernel, which sums the inputs two at a time, so one row
-    is computed beside a zero row: the two orders round the fp32 sum differently, which shows in bf16 only
+    reference). A single row takes another oneDNN kernel, which sums in another order, so one row is
+    computed beside a zero row: the two orders round the fp32 sum differently, which shows in bf16 only
     where it nearly cancels."""
     if x.shape[0] != 1:
         return F.linear(x, w)
