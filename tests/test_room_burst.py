@@ -64,3 +64,14 @@ def test_a_burst_of_students_on_loopback_is_served_on_the_defaults():
             assert state["max_num_seqs"] >= STUDENTS, "the defaults do not hold the whole burst in one batch"
     finally:
         server.stop()
+
+
+def test_the_room_demos_frame_rate_counts_drawn_frames_not_a_resting_stages_looks():
+    """static/main.js counts a resting stage's looks (ten a second) among its frames and apart in
+    `idleTicks`: the demo's fps is the frames the stage was awake for, and the looks are their own column."""
+    from demos.load.room import fps_row
+    a = dict(now=0, frames=100, draws=10, drawMs=5.0, maxDrawMs=2.0, slowFrames=1, idleTicks=40)
+    b = dict(now=10_000, frames=700, draws=30, drawMs=15.0, maxDrawMs=3.0, slowFrames=7, idleTicks=90)
+    row = fps_row("tab", a, b)
+    assert row["fps"] == (600 - 50) / 10 and row["resting_looks_per_s"] == 50 / 10
+    assert row["slow_share"] == 6 / 550 and row["redraws_per_s"] == 2.0 and row["draw_ms_mean"] == 0.5

@@ -9,10 +9,10 @@ It starts `python -m app` on a free 127.0.0.1 port, then:
     X-Forwarded-For address as on a lecture-hall network) chat in a loop with a few seconds of thinking;
   - `tabs` Chromium tabs open /join, join under a name and send a message every few seconds;
   - one Chromium tab shows the projector view /?view=projector.
-It reports, side by side: the browsers' frame rate (frames per second, share of frames slower than
-30 fps, chart redraw time), the server's step rate and output tokens per second, and time to first
-token measured by the clients (p50/p90/p99, percentile as in app/readers/metrics.py). Not a test: a
-measurement, printed with the CPU it ran on.
+It reports, side by side: the browsers' frame rate (frames per second while the stage is awake, share of
+frames slower than 30 fps, a resting stage's looks per second, chart redraw time), the server's step rate
+and output tokens per second, and time to first token measured by the clients (p50/p90/p99, percentile as
+in app/readers/metrics.py). Not a test: a measurement, printed with the CPU it ran on.
 
 --burst is the room at its peak: the server on its own defaults (no engine flag unless given), the
 projector page open in Chromium, and every student sending one chat at the same moment through the
@@ -132,11 +132,15 @@ async def peak_waiting(http, stop: asyncio.Event) -> int:
 
 
 def fps_row(name: str, a: dict, b: dict) -> dict:
+    """One tab's counters (static/main.js `perf`) at the start (a) and the end (b) of the measurement. A stage
+    with nothing moving rests and looks ten times a second (`idleTicks`, counted among its frames too): fps is
+    the frames it was awake for, and the looks have a column of their own."""
     sec = (b["now"] - a["now"]) / 1000
-    frames, draws = b["frames"] - a["frames"], b["draws"] - a["draws"]
+    looks = b["idleTicks"] - a["idleTicks"]
+    frames, draws = b["frames"] - a["frames"] - looks, b["draws"] - a["draws"]
     return {"tab": name, "fps": frames / sec, "slow_share": (b["slowFrames"] - a["slowFrames"]) / max(1, frames),
-            "redraws_per_s": draws / sec, "draw_ms_mean": (b["drawMs"] - a["drawMs"]) / max(1, draws),
-            "draw_ms_max_run": b["maxDrawMs"]}
+            "resting_looks_per_s": looks / sec, "redraws_per_s": draws / sec,
+            "draw_ms_mean": (b["drawMs"] - a["drawMs"]) / max(1, draws), "draw_ms_max_run": b["maxDrawMs"]}
 
 
 async def run(args) -> dict:
@@ -305,10 +309,12 @@ def report(r: dict) -> str:
              f"time to first token (API clients, n={r['ttft_n']}): p50 {s(r['ttft_p50'])}, p90 {s(r['ttft_p90'])}, "
              f"p99 {s(r['ttft_p99'])}; replies {r['replies']}, refused (429) {r['refused_429']}, errors {r['errors']}",
              *[f"  error: {m}" for m in r["error_messages"]],
-             "", f"{'browser':<16}{'fps':>7}{'<30fps':>9}{'redraws/s':>11}{'draw ms':>9}{'max ms':>8}{'rows':>6}"]
+             "", f"{'browser':<16}{'fps':>7}{'<30fps':>9}{'rest looks/s':>14}{'redraws/s':>11}{'draw ms':>9}"
+                 f"{'max ms':>8}{'rows':>6}"]
     for b in r["browsers"]:
-        lines.append(f"{b['tab']:<16}{b['fps']:>7.1f}{b['slow_share'] * 100:>8.1f}%{b['redraws_per_s']:>11.1f}"
-                     f"{b['draw_ms_mean']:>9.1f}{b['draw_ms_max_run']:>8.1f}{b['rows_on_screen']:>6}")
+        lines.append(f"{b['tab']:<16}{b['fps']:>7.1f}{b['slow_share'] * 100:>8.1f}%{b['resting_looks_per_s']:>14.1f}"
+                     f"{b['redraws_per_s']:>11.1f}{b['draw_ms_mean']:>9.1f}{b['draw_ms_max_run']:>8.1f}"
+                     f"{b['rows_on_screen']:>6}")
     return "\n".join(lines)
 
 
