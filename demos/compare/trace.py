@@ -21,8 +21,6 @@ from pathlib import Path
 
 from app.readers.trace import chrome_trace
 
-KNOWN_TYPES = ("trace", "step", "request", "policy")
-
 
 def save(path: str | Path, stream: list[dict], meta: dict | None = None):
     objs = ([{**meta, "type": "trace"}] if meta else []) + [o for o in stream if o.get("type") != "trace"]
