@@ -257,8 +257,11 @@ static void causal(const T* q, int64_t q_stride, const T* k, int64_t k_stride, c
             const int h = g * group + j;
             for (int i0 = 0; i0 < L; i0 += CAUSAL_R) {
                 const int R = std::min(CAUSAL_R, L - i0), n = i0 + R;   // rows i0 .. i0 + R - 1 see keys < n
-                const T* qr[CAUSAL_R];
-                for (int r = 0; r < CAUSAL_R; ++r) qr[r] = q + (int64_t(s) * L + i0 + std::min(r, R - 1)) * q_stride + h * D;
+                alignas(64) float qf[CAUSAL_R][D];   // the rows' queries in fp32, once, not again for every key block
+                for (int r = 0; r < CAUSAL_R; ++r) {
+                    const T* qr = q + (int64_t(s) * L + i0 + std::min(r, R - 1)) * q_stride + h * D;
+                    for (int d = 0; d < D; ++d) qf[r][d] = to_float(qr[d]);
+                }
                 for (int t0 = 0; t0 < n; t0 += 32) {                   // scores, a block of 32 keys at a time
                     const float* block = &kt[size_t(t0 / 32) * D * 32];
                     __m512 a[CAUSAL_R][2];
@@ -266,7 +269,7 @@ static void causal(const T* q, int64_t q_stride, const T* k, int64_t k_stride, c
                     for (int d = 0; d < D; ++d) {
                         const __m512 k0 = _mm512_loadu_ps(block + d * 32), k1 = _mm512_loadu_ps(block + d * 32 + 16);
                         for (int r = 0; r < CAUSAL_R; ++r) {
-                            const __m512 qd = _mm512_set1_ps(to_float(qr[r][d]));
+                            const __m512 qd = _mm512_set1_ps(qf[r][d]);
                             a[r][0] = _mm512_fmadd_ps(qd, k0, a[r][0]);
                             a[r][1] = _mm512_fmadd_ps(qd, k1, a[r][1]);
                         }
