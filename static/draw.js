@@ -21,6 +21,7 @@ let shrinkSince = null, rowKey = "";
 export const shrinkDue = (now) => shrinkSince != null && now - shrinkSince >= SHRINK_AFTER_MS;
 
 
+// ---- canvas and text helpers ----
 // the canvas in drawing units: (ctx, width, height), scaled for the screen and the view
 export function fit(canvas) {
   const dpr = window.devicePixelRatio || 1, S = state.chartScale, r = canvas.getBoundingClientRect();
@@ -64,6 +65,7 @@ function markerText(prev, s) {
   return parts.join(", ");
 }
 
+// ---- the Gantt: its size, then its layers in drawing order ----
 function drawGantt(gantt, resized) {
   const { g, w, h } = fit(gantt), S = state.chartScale;
   g.clearRect(0, 0, w, h);
@@ -120,6 +122,7 @@ function drawGantt(gantt, resized) {
   return win;
 }
 
+// ---- the label column ----
 // row labels with each label's colour and mark; the viewer's own rows on a band, marked "you"
 function drawRowLabels(g, shown, rowH, plotW) {
   g.textBaseline = "middle";
@@ -187,6 +190,7 @@ function syncRowLabels(gantt, shown) {
   }));
 }
 
+// ---- the plot: queued spans, cells, hand-overs ----
 // queued spans: from arrival to the first step that ran the request
 function drawQueued(g, win, shown, rowIndex, rowH, plotW) {
   g.save(); g.setLineDash([4, 4]); g.strokeStyle = C().queued; g.lineWidth = 2;
@@ -376,6 +380,7 @@ function drawStall(g, s, x0, y, wid, hh) {
   }
 }
 
+// ---- over the plot: gaps, slow steps, the running step, setting flags, the axis ----
 // missed steps (slow connection), step axis only: they have no times to place them by
 function drawGaps(g, win, avail) {
   const first = win.steps.length ? win.steps[0].step : win.last.step;
@@ -388,9 +393,9 @@ function drawGaps(g, win, avail) {
   }
 }
 
-// the step axis hides how long a step took: say it above the steps far slower than the rest
-// step axis: a step far slower than its neighbours gets an ink frame over its whole column and its
-// duration in a box on the column, at the top of the plot (below the setting flags, drawn over them)
+// the step axis hides how long a step took: a step far slower than its neighbours gets an ink frame over its
+// whole column and its duration in a box on the column, at the top of the plot (below the setting flags, drawn
+// over them)
 function labelLongSteps(g, win, avail) {
   const d = win.steps.map((s) => R.dur(s)).sort((a, b) => a - b);
   const median = d[d.length >> 1] || 0, out = [];
