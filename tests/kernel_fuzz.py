@@ -1,7 +1,7 @@
 """Random calls of every CPU op (engine/kernels/ops.py), for tests/test_kernel_ops.py, which runs them
 in a child process (a crash fails the test instead of ending pytest), once with the AddressSanitizer build:
 
-    python -m tests.kernel_fuzz valid|invalid [examples]
+    python -m tests.kernel_fuzz valid|invalid|valid,invalid [examples]
 
 valid    random shapes (sizes that are not multiples of 16 or 32, odd head counts, strided rows, padded
          block tables): each op's result matches its torch reference (engine/kernels/reference.py)
@@ -253,5 +253,7 @@ def fuzz_invalid(examples: int):
 if __name__ == "__main__":
     if k.library() is None:
         sys.exit("the CPU kernels did not load")
-    {"valid": fuzz_valid, "invalid": fuzz_invalid}[sys.argv[1]](int(sys.argv[2]) if len(sys.argv) > 2 else 100)
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 100
+    for kind in sys.argv[1].split(","):        # "valid,invalid": both, in one process
+        {"valid": fuzz_valid, "invalid": fuzz_invalid}[kind](n)
     print("ok", flush=True)
