@@ -170,10 +170,6 @@ class LLMEngine(RequestFront):
         blocks held by running requests stay theirs."""
         self.block_manager.reset_prefix_cache()
 
-    def set_speculative(self, speculative_config: dict | SpeculativeConfig | None):
-        """Speculative decoding on (vLLM's dict form, checked) or off (None), from the next step."""
-        self.set_policy(speculative_config=speculative_config)
-
     def settings(self) -> dict:
         spec = self.speculative
         return {**self.scheduler.settings(), "speculative_config": spec.to_dict() if spec else None}

@@ -9,7 +9,7 @@ import torch
 from app.readers import metrics
 from app.replay.scenarios import SCENARIOS, Arrival, Scenario, get_scenario, load_text
 from demos.compare import trace
-from demos.compare.runner import Feeder, run_scenario
+from demos.compare.runner import run_scenario
 from engine import EngineConfig, LLMEngine
 from engine.weights.loader import resolve_model
 
@@ -123,17 +123,6 @@ def test_wall_clock_arrivals_wait_for_their_time(tiny_model):
     assert arr[run.request_ids[1]] - arr[run.request_ids[0]] >= 0.3 - 0.01
     assert arr[run.request_ids[1]] - arr[run.request_ids[0]] < 0.3 + 5.0   # and not long after
     assert run.wall_s >= 0.3
-
-
-def test_feeder_for_a_loop_it_does_not_own(tiny_model):
-    engine = tiny_engine(tiny_model)
-    sc = Scenario("f", "", (Arrival(0, "a", 2, prompt="x"), Arrival(2, "b", 2, prompt="y"),
-                            Arrival(2.5, "c", 2, prompt="z")))
-    f = Feeder(sc, engine)
-    assert len(f.poll(0, 0.0)) == 1 and f.next_at == 2
-    assert f.poll(1, 0.0) == [] and len(f.poll(2, 0.0)) == 1 and not f.done
-    assert len(f.poll(3, 0.0)) == 1 and f.done
-    assert [engine.get_request(r).label for r in f.request_ids] == ["a", "b", "c"]
 
 
 from hypothesis import given  # noqa: E402

@@ -243,13 +243,13 @@ def test_default_model_with_drafts_matches_transformers(default_engine_fp32, ref
     steps = []
     eng.subscribe(steps.append)
     eng.set_policy(policy, max_num_batched_tokens=budget, max_num_seqs=4)
-    eng.set_speculative(SPEC)
+    eng.set_policy(speculative_config=SPEC)
     try:
         rids = [eng.add_request(prompt_token_ids=ids, params=SamplingParams(max_tokens=24)) for ids, _ in references]
         while eng.has_unfinished():
             eng.step()
     finally:
-        eng.set_speculative(None)
+        eng.set_policy(speculative_config=None)
         eng.unsubscribe(steps.append)
     for (ids, ref), r in zip(references, rids):
         assert eng.get_request(r).output_token_ids == ref, f"{policy}/{budget}: prompt of {len(ids)} tokens diverged"
@@ -315,14 +315,14 @@ def test_a_stop_inside_an_accepted_run_ends_the_reply_there(default_engine_fp32)
     def run(spec, stop):
         steps = []
         eng.subscribe(steps.append)
-        eng.set_speculative(spec)
+        eng.set_policy(speculative_config=spec)
         try:
             r = eng.add_request(prompt_token_ids=ids, params=SamplingParams(max_tokens=40, stop_token_ids=stop,
                                                                        ignore_eos=True))
             while eng.has_unfinished():
                 eng.step()
         finally:
-            eng.set_speculative(None)
+            eng.set_policy(speculative_config=None)
             eng.unsubscribe(steps.append)
         items = [it for s in steps if s.get("type") == "step" for it in s["items"] if it["req"] == r]
         return eng.get_request(r).output_token_ids, items

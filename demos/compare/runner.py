@@ -1,14 +1,13 @@
 """Replay a scenario against an engine, in-process, and keep everything it published.
 
-    from demos.compare.runner import run_scenario, Feeder
+    from demos.compare.runner import run_scenario
     run = run_scenario(engine, get_scenario("long-prompt-interrupts"))
     run.stream            # every StepRecord and request event, in order (a trace)
     run.request_ids       # the engine's id for each arrival, in scenario order
     metrics.summarize(run.stream)
 
-run_scenario owns the step loop. A server whose engine thread owns the loop
-uses a Feeder instead and calls `feeder.poll(steps_done, seconds_elapsed)`
-before each step; it adds the arrivals that have fallen due.
+run_scenario owns the step loop. The server, whose engine thread owns its loop,
+hands a lesson's arrivals out with app/replay/play.py's Replay instead (app/ui/lessons.py).
 
 Arrival offsets follow the scenario's clock (see app/replay/scenarios.py): "step"
 arrivals join just before the run's step of that index, and an engine that
@@ -21,33 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from app.replay.play import Replay, engine_meta, longest_prompt, play, warm_up  # noqa: F401  (re-exported)
+from app.replay.play import engine_meta, longest_prompt, play, warm_up  # noqa: F401  (re-exported)
 from app.replay.scenarios import Scenario
-
-
-class Feeder:
-    """Adds a scenario's arrivals to an engine as they fall due (app/replay/play.py's Replay)."""
-
-    def __init__(self, scenario: Scenario, engine):
-        self.scenario, self.engine = scenario, engine
-        self.replay = Replay(scenario)
-        self.request_ids: list[str | None] = [None] * len(scenario.arrivals)
-
-    @property
-    def done(self) -> bool:
-        return self.replay.done
-
-    @property
-    def next_at(self) -> float | None:
-        return self.replay.next_at
-
-    def poll(self, steps_done: int, elapsed: float) -> list[str]:
-        """Add every arrival due by now (steps or seconds, per the scenario's clock); their request ids."""
-        added = []
-        for i, a in self.replay.due(steps_done, elapsed):
-            self.request_ids[i] = self.engine.add_request(**a.request_kwargs(), params=a.params(), label=a.label)
-            added.append(self.request_ids[i])
-        return added
 
 
 @dataclass
