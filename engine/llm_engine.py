@@ -34,7 +34,7 @@ from engine.scheduling.ngram import SpeculativeConfig, propose
 from engine.scheduling.policies import resolve
 from engine.scheduling.scheduler import Batch, Scheduler
 from engine.scheduling.sequence import Sequence, Status
-from engine.weights.loader import check_architecture, resolve_model
+from engine.weights.loader import check_architecture, resolve_model, tokenizer
 
 log = logging.getLogger("batchscope.engine")
 _UNSET = object()
@@ -49,11 +49,11 @@ class LLMEngine(RequestFront):
             # process-wide: on a busy small machine fewer threads wait less for each other
             torch.set_num_threads(config.cpu_threads)
         # ---- model, tokenizer, weights ----
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
         folder = resolve_model(config.model)
         hf_config = AutoConfig.from_pretrained(folder)
         check_architecture(hf_config)
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.tokenizer = tokenizer(folder)
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         max_len = min(config.max_model_len or hf_config.max_position_embeddings, hf_config.max_position_embeddings)
         self.runner = ModelRunner(config, hf_config, folder, max_len)

@@ -95,3 +95,17 @@ def test_the_prepared_default_folder_loads_in_transformers_with_the_engines_logi
     text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                    add_generation_prompt=True, tokenize=False)
     check_same_logits(folder, tok(text)["input_ids"])
+
+
+def test_a_folders_tokenizer_is_loaded_once_per_process_until_its_files_change(tmp_path):
+    """Every engine of a process shares its folder's tokenizer (engine/weights/loader.py tokenizer); a file of
+    the folder written again loads it again, so a folder replaced in place is never read from an old copy."""
+    folder = save_tiny_model("llama", tmp_path / "m")
+    first = loader.tokenizer(folder)
+    assert loader.tokenizer(folder) is first
+    from transformers import AutoTokenizer
+    assert first("Hello there")["input_ids"] == AutoTokenizer.from_pretrained(folder)("Hello there")["input_ids"]
+    config = folder / "tokenizer_config.json"
+    config.write_text(config.read_text() + "\n")
+    again = loader.tokenizer(folder)
+    assert again is not first and loader.tokenizer(folder) is again

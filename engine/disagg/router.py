@@ -137,13 +137,13 @@ class DisaggregatedEngine(RequestFront):
         self.config = config = replace(config, policy="disaggregated")
         if config.speculative_config is not None:
             raise SpeculationRefused()
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
         from engine.models.llama import head_dim_of
-        from engine.weights.loader import resolve_model
+        from engine.weights.loader import resolve_model, tokenizer
         folder = resolve_model(config.model)
         hf = AutoConfig.from_pretrained(folder)
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.tokenizer = tokenizer(folder)
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.vocab_size = hf.vocab_size
         # ---- the staging area: room for the longest sequence's blocks ----
