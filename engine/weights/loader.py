@@ -251,8 +251,8 @@ def default_gguf() -> Path:
 def tokenizer(folder: Path):
     """The folder's tokenizer, loaded once per process while the folder's files stay as they were: a process's
     engines share it (the single engine and the pair's router; a test's many engines). Nothing in the engine
-    changes a tokenizer (no padding or truncation set), and loading one is most of an engine's start after
-    its weights (about 0.3 s for the default model's)."""
+    changes a tokenizer (no padding or truncation set); loading one is, after the weights, the largest part
+    of an engine's start (docs/results.md, the test suite)."""
     files = sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix != ".safetensors")
     return _tokenizer(str(folder), tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files))
 
