@@ -85,7 +85,7 @@ _UNSET = object()
 
 def worker_context(*objects):
     """How worker processes start. A freshly spawned interpreter imports torch, transformers and the
-    engine again for every worker: about 4 s of CPU each, twice per pair, again for each restart. Where the
+    engine again for every worker, twice per pair, again for each restart (docs/results.md). Where the
     platform has one, a fork server imports them once, when the first pair starts (the engine, and the
     modules that define `objects`: the router's own config and tokenizer of the model served), and forks
     each worker from there. It never runs a model or touches a GPU, so its children start clean. Elsewhere
