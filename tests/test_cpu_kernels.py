@@ -222,6 +222,48 @@ def test_a_build_is_reused_and_named_by_what_it_was_built_from(tmp_path, monkeyp
         cpu_kernels.library.cache_clear()
 
 
+def test_processes_starting_at_once_build_and_probe_the_library_once(tmp_path, monkeypatch):
+    """Processes starting together on a fresh cache (a test run's workers, servers started at once): one builds
+    and probes the library, the others wait for it and load its file. Before, each compiled its own copy and
+    probed it, and the last rename won."""
+    import threading
+    import time
+    out = build.library_path(cpu_kernels.compiler() or "g++", cpu_kernels.cpu_flags(), tmp_path)
+    made, probed, inside, seen = [], [], [], []
+
+    def slow_build(cxx, path):
+        inside.append(1)
+        assert len(inside) == 1, "two builds at once"
+        made.append(path)
+        time.sleep(0.3)                     # long enough for the others to arrive and wait
+        path.write_bytes(b"built")
+        inside.pop()
+
+    def stamping_probe(path):               # as build.probe: a stamp beside the library, the child run once
+        seen.append(path.read_bytes())
+        stamp = path.with_suffix(".probed")
+        if not stamp.exists():
+            probed.append(path)
+            time.sleep(0.1)
+            stamp.write_text("ok")
+    monkeypatch.setattr(build, "build", slow_build)
+    monkeypatch.setattr(build, "probe", stamping_probe)
+    got, errors = [], []
+
+    def start():
+        try:
+            got.append(build.ready("g++", out))
+        except Exception as e:              # noqa: BLE001 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and got == [None] * 4
+    assert made == [out] and probed == [out] and seen == [b"built"] * 4   # nobody saw a half-built file
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_linears_compute_what_f_linear_does(dtype):
     """bf16: bit for bit; fp32: oneDNN sums in its own order (close_to_f_linear)."""

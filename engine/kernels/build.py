@@ -5,6 +5,9 @@ build   the system's C++ compiler (g++, c++ or clang++; $CXX first) for this CPU
         the batchscope cache under a name that hashes the source, the flags, the compiler, torch's OpenMP
         runtime and the CPU's feature flags, so a cache folder shared by machines with other CPUs never
         loads code built for another.
+ready   build if missing, then probe, on a lock beside the library: processes starting at once on a fresh
+        cache (a test run's workers, servers started together) take turns, so one builds and probes and
+        the others load its file.
 probe   the new library is first loaded and each of its ops called on small inputs in a child process
         (engine/kernels/probe.py): a CPU that reports AVX-512 while its hypervisor disables it dies of
         SIGILL there, not in the server. A probe that passed leaves a stamp beside the library, so it runs
@@ -24,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -72,9 +76,37 @@ def library_path(cxx: str, cpu_flags: str, root: Path, sanitize: bool = False) -
     return root / "kernels" / f"cpu_kernels-{'asan-' if sanitize else ''}{key}.so"
 
 
+def ready(cxx: str, out: Path) -> str | None:
+    """Build `out` if it is missing, then probe it: None if it may be loaded, else why not. On a lock beside
+    it, so processes that start at once build and probe it once: the others wait, then find the file and
+    the probe's stamp."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with one_at_a_time(out.with_suffix(".lock")):
+        if not out.exists():
+            build(cxx, out)
+        return probe(out)
+
+
+@contextmanager
+def one_at_a_time(lock: Path):
+    """An exclusive POSIX flock on `lock`; where there is none (Windows), no lock: each process then builds its
+    own copy and the last rename wins, whole."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(lock, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build(cxx: str, out: Path, sanitize: bool = False):
-    """Compile, then link, into a temporary name beside `out`, then rename: processes building at once
-    (a test run's servers) each finish their own file and the last rename wins, whole."""
+    """Compile, then link, into a temporary name beside `out`, then rename, so no process loads a half-written
+    file (ready() makes processes take turns; without a lock each finishes its own and the last rename wins)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         obj, lib = Path(tmp) / "cpu_kernels.o", Path(tmp) / out.name

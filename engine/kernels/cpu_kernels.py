@@ -66,9 +66,7 @@ def library() -> ctypes.CDLL | None:
         return None
     try:
         out = build.library_path(cxx, cpu_flags(), cache_dir())
-        if not out.exists():
-            build.build(cxx, out)
-        why = build.probe(out)
+        why = build.ready(cxx, out)
         if why is None:
             return bind(ctypes.CDLL(str(out)))
     except Exception as e:     # a broken compiler must not stop the engine: the plain path serves
