@@ -89,8 +89,9 @@ def ready(cxx: str, out: Path) -> str | None:
 
 @contextmanager
 def one_at_a_time(lock: Path):
-    """An exclusive POSIX flock on `lock`; where there is none (Windows), no lock: each process then builds its
-    own copy and the last rename wins, whole."""
+    """An exclusive POSIX flock on `lock`, so processes sharing the cache take turns (this library's build, the
+    default model's preparation, engine/weights/loader.py). Where there is none (Windows), no lock: each
+    process then makes its own copy and the last rename wins, whole."""
     try:
         import fcntl
     except ImportError:

