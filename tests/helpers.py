@@ -117,6 +117,24 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: bool = Tru
     return out[0, len(prompt_ids):].tolist()
 
 
+def at_once(fn, n: int = 4) -> tuple[list, list]:
+    """fn() in n threads started together, as processes starting at once would call it: (the results, the
+    exceptions raised), each in the order the threads finished."""
+    got, errors = [], []
+
+    def start():
+        try:
+            got.append(fn())
+        except Exception as e:              # noqa: BLE001 - handed back to the test
+            errors.append(e)
+    threads = [threading.Thread(target=start) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return got, errors
+
+
 def wait_for(condition, timeout: float = 60, what: str = "condition"):
     """Poll condition() until it is truthy (returned) or timeout seconds pass (a failed assertion)."""
     deadline = time.monotonic() + timeout

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from engine.execution.attention import AttentionMetadata, PrefillChunk, TorchAttention
 from engine.execution.backends import CpuAttention, select_backend
 from engine.kernels import build, cpu_kernels, ops, reference
+from tests.helpers import at_once
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C++ compiler: the kernel cannot be built")
 
@@ -226,7 +227,6 @@ def test_processes_starting_at_once_build_and_probe_the_library_once(tmp_path, m
     """Processes starting together on a fresh cache (a test run's workers, servers started at once): one builds
     and probes the library, the others wait for it and load its file. Before, each compiled its own copy and
     probed it, and the last rename won."""
-    import threading
     import time
     out = build.library_path(cpu_kernels.compiler() or "g++", cpu_kernels.cpu_flags(), tmp_path)
     made, probed, inside, seen = [], [], [], []
@@ -248,18 +248,7 @@ def test_processes_starting_at_once_build_and_probe_the_library_once(tmp_path, m
             stamp.write_text("ok")
     monkeypatch.setattr(build, "build", slow_build)
     monkeypatch.setattr(build, "probe", stamping_probe)
-    got, errors = [], []
-
-    def start():
-        try:
-            got.append(build.ready("g++", out))
-        except Exception as e:              # noqa: BLE001 - reported below
-            errors.append(e)
-    threads = [threading.Thread(target=start) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    got, errors = at_once(lambda: build.ready("g++", out))
     assert not errors and got == [None] * 4
     assert made == [out] and probed == [out] and seen == [b"built"] * 4   # nobody saw a half-built file
 

