@@ -80,6 +80,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 
+# ---- reading the stream: steps, events, and when each token came ----
 class Token(NamedTuple):
     step: int               # the step that produced it
     t: float                # that step's t_end
@@ -184,6 +185,7 @@ def tbt_by_streams(stream: Iterable[dict], reqs: Iterable[str] | None = None) ->
     return {n: sum(g) / len(g) for n, g in sorted(gaps_at.items())}
 
 
+# ---- per request: arrival, TTFT, phases, TBTs and stalls ----
 def arrivals(stream: Iterable[dict]) -> dict[str, float]:
     return {e["req"]: e["t"] for e in events(stream, "arrived")}
 
@@ -251,6 +253,7 @@ def decoding_at(stream: Iterable[dict], t: float) -> list[str]:
     return sorted(req for req, ts in token_times(stream).items() if ts[0] <= t < ts[-1])
 
 
+# ---- summaries: a run's numbers, one request's, one row per user ----
 def cdf(xs: Iterable[float]) -> tuple[list[float], list[float]]:
     """Sorted values and their cumulative fractions, for plotting."""
     s = sorted(xs)

@@ -226,6 +226,7 @@ def decode_part(args, cfg: dict, folder, hf, skip: set, log) -> dict:
     return d
 
 
+# ---- the run, and its report ----
 def ratio(a, b):
     return a / b if a is not None and b else None
 
