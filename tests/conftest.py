@@ -45,6 +45,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_unconfigure(config):
+    import gc
+    gc.unfreeze()       # the interpreter's last collection sees everything again (nanobind counts leaks at exit)
     proc = getattr(config, "_batchscope_prepare", None)
     if proc is not None:
         proc.wait()
@@ -185,11 +187,15 @@ def resident_gb() -> float:
 
 @pytest.fixture(scope="module", autouse=True)
 def _free_after_module(request):
-    """After each test module: engines in reference cycles collected and the heap trimmed.
+    """After each test module: engines in reference cycles collected, the rest frozen, and the heap trimmed.
     BATCHSCOPE_TEST_MEMLOG=FILE appends each module's resident memory after this (worker, module, GB)."""
     yield
     import gc
     gc.collect()
+    # What survived is nearly all kept to the end (session fixtures, libraries a test imported late: gradio,
+    # triton, sympy): frozen like the collection's imports, no later collection walks it again. The price: a
+    # frozen object that later ends up in a garbage cycle is kept too (pytest_unconfigure unfreezes all).
+    gc.freeze()
     # The engine keeps freed memory in its heap on purpose (engine/execution/model_runner.py
     # keep_freed_memory) and each server's engine thread has an arena of its own, so in a worker that
     # starts engine after engine the free memory of finished ones would pile up (one once reached 15 GB)
