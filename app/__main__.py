@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import importlib
 import json
 import logging
@@ -208,6 +209,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m app") -> int:
     except Exception as e:
         print(f"batchscope: {e}" if args.attach else f"batchscope: could not load the model: {e}", file=sys.stderr)
         return 1
+    # Everything built so far (the libraries, the UI's blocks, the engine) lives as long as the server. Frozen,
+    # the collector's full passes skip it: each of those walked it all while holding the GIL, a pause of the
+    # engine thread that every stream felt (docs/results.md, the server's garbage collections)
+    gc.collect()
+    gc.freeze()
     cfg = service.config
     # no per-message deflate: compressing every record for every viewer costs more CPU (taken from the
     # engine) than the bandwidth it saves; records are small and viewers only send control messages.
