@@ -14,6 +14,7 @@ request in or out of its engine only through LLMEngine's public methods (`hold`,
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import queue
 import signal
@@ -247,5 +248,10 @@ def worker_main(environ: dict, lifeline, *args):
     hold_lifeline(lifeline)
     os.environ.clear()
     os.environ.update(environ)
-    Worker(*args).run()
+    worker = Worker(*args)
+    # what the worker holds now (torch, the engine, the model) lives as long as it does: frozen, a full garbage
+    # collection no longer walks it while the worker's steps wait (app/__main__.py does the same for the server)
+    gc.collect()
+    gc.freeze()
+    worker.run()
     os._exit(0)      # nothing left to flush; skips seconds of interpreter teardown of torch and the model
