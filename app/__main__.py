@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import importlib
 import json
 import logging
@@ -26,6 +25,7 @@ from app.serving.service import EngineService
 from app.ui.plain_page import gradio_installed, mount_plain
 from engine import EngineConfig
 from engine.config import POLICIES
+from engine.memory import freeze_survivors
 from engine.scheduling.ngram import SpeculativeConfig
 
 # flag -> (config class, field, help). Defaults come from the dataclasses, so they are written down once.
@@ -209,11 +209,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m app") -> int:
     except Exception as e:
         print(f"batchscope: {e}" if args.attach else f"batchscope: could not load the model: {e}", file=sys.stderr)
         return 1
-    # Everything built so far (the libraries, the UI's blocks, the engine) lives as long as the server. Frozen,
-    # the collector's full passes skip it: each of those walked it all while holding the GIL, a pause of the
-    # engine thread that every stream felt (docs/results.md, the server's garbage collections)
-    gc.collect()
-    gc.freeze()
+    freeze_survivors()              # what was built so far lives as long as the server (engine/memory.py)
     cfg = service.config
     # no per-message deflate: compressing every record for every viewer costs more CPU (taken from the
     # engine) than the bandwidth it saves; records are small and viewers only send control messages.

@@ -39,9 +39,8 @@ def pytest_collection_finish(session):
     imported): those objects move to the collector's permanent generation. They live as long as the
     process anyway; left where they were, every full collection walked them again, about a second
     each in a worker, among them the one after each test module below."""
-    import gc
-    gc.collect()
-    gc.freeze()
+    from engine.memory import freeze_survivors
+    freeze_survivors()
 
 
 def pytest_unconfigure(config):
@@ -190,16 +189,13 @@ def _free_after_module(request):
     """After each test module: engines in reference cycles collected, the rest frozen, and the heap trimmed.
     BATCHSCOPE_TEST_MEMLOG=FILE appends each module's resident memory after this (worker, module, GB)."""
     yield
-    import gc
-    gc.collect()
-    # What survived is nearly all kept to the end (session fixtures, libraries a test imported late: gradio,
-    # triton, sympy): frozen like the collection's imports, no later collection walks it again. The price: a
-    # frozen object that later ends up in a garbage cycle is kept too (pytest_unconfigure unfreezes all).
-    gc.freeze()
+    from engine.memory import freeze_survivors, release_free_heap
+    # what survived is nearly all kept to the end (session fixtures, libraries a test imported late: gradio,
+    # triton, sympy): frozen like the collection's imports (pytest_unconfigure unfreezes all)
+    freeze_survivors()
     # The engine keeps freed memory in its heap on purpose (engine/execution/model_runner.py
     # keep_freed_memory) and each server's engine thread has an arena of its own, so in a worker that
     # starts engine after engine the free memory of finished ones would pile up (one once reached 15 GB)
-    from engine.memory import release_free_heap
     release_free_heap()
     log = os.environ.get("BATCHSCOPE_TEST_MEMLOG")
     if log:

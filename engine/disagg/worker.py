@@ -14,7 +14,6 @@ request in or out of its engine only through LLMEngine's public methods (`hold`,
 from __future__ import annotations
 
 import ctypes
-import gc
 import os
 import queue
 import signal
@@ -45,6 +44,7 @@ from engine.disagg.messages import (
     Stop,
 )
 from engine.llm_engine import LLMEngine
+from engine.memory import freeze_survivors
 from engine.outputs.records import kv_ops
 from engine.scheduling.sequence import Sequence
 
@@ -249,9 +249,6 @@ def worker_main(environ: dict, lifeline, *args):
     os.environ.clear()
     os.environ.update(environ)
     worker = Worker(*args)
-    # what the worker holds now (torch, the engine, the model) lives as long as it does: frozen, a full garbage
-    # collection no longer walks it while the worker's steps wait (app/__main__.py does the same for the server)
-    gc.collect()
-    gc.freeze()
+    freeze_survivors()      # torch, the engine and the model live as long as the worker (engine/memory.py)
     worker.run()
     os._exit(0)      # nothing left to flush; skips seconds of interpreter teardown of torch and the model

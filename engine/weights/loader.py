@@ -244,8 +244,8 @@ def tokenizer(folder: Path):
     engines share it (the single engine and the pair's router; a test's many engines). Nothing in the engine
     changes a tokenizer (no padding or truncation set); loading one is, after the weights, the largest part
     of an engine's start (docs/results.md, the test suite)."""
-    files = sorted(p for p in Path(folder).iterdir() if p.is_file() and p.suffix != ".safetensors")
-    return _tokenizer(str(folder), tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files))
+    files = sorted((p.name, p.stat()) for p in Path(folder).iterdir() if p.is_file() and p.suffix != ".safetensors")
+    return _tokenizer(str(folder), tuple((name, st.st_mtime_ns, st.st_size) for name, st in files))
 
 
 @functools.lru_cache(maxsize=8)
