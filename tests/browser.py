@@ -27,8 +27,10 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
 @lru_cache(maxsize=None)
 def screenshot_dir() -> Path:
     """Where the browser tests save their screenshots: BATCHSCOPE_SCREENSHOT_DIR when set
-    (`BATCHSCOPE_SCREENSHOT_DIR=docs` refreshes the pictures the docs show), else a temporary folder
-    of this process, so that a test run rewrites no tracked file and parallel workers share none."""
+    (`BATCHSCOPE_SCREENSHOT_DIR=docs` refreshes the pictures the docs show); under pytest the conftest
+    sets it to the run's temporary folder, one per worker, so that a test run rewrites no tracked file,
+    parallel workers share none and old runs' pictures are cleaned up. Outside pytest: a new temporary
+    folder."""
     chosen = os.environ.get("BATCHSCOPE_SCREENSHOT_DIR")
     folder = Path(chosen) if chosen else Path(tempfile.mkdtemp(prefix="batchscope-shots-"))
     folder = folder if folder.is_absolute() else ROOT / folder

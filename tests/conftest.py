@@ -55,6 +55,14 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ.pop(FRESH_PREPARE), ignore_errors=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _screenshots_under_pytests_temp(tmp_path_factory):
+    """The browser tests' screenshots (tests/browser.py screenshot_dir) go to pytest's own temporary
+    folder of this run, which pytest removes after three newer runs; a folder of their own was left
+    behind by every run. BATCHSCOPE_SCREENSHOT_DIR still chooses another place."""
+    os.environ.setdefault("BATCHSCOPE_SCREENSHOT_DIR", str(tmp_path_factory.getbasetemp() / "screenshots"))
+
+
 @pytest.fixture(scope="session")
 def default_engine_fp32():
     from engine import EngineConfig, LLMEngine
