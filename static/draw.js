@@ -1,7 +1,7 @@
 // Drawing the chart: the Gantt (one row per request, one column per step); under it the batch
 // bar (bar.js), on a second canvas that shares its x mapping (the window from layout.js) and its
 // label column. Text goes on canvas or through textContent only.
-import { lang, t } from "./i18n.js";
+import { fmt, lang, t } from "./i18n.js";
 import { layout, view } from "./layout.js";
 import { cachedPattern, colorOf, colors, drawLabelSwatch, edgeOf, prefillPattern, stallPattern } from "./palette.js";
 import { rec as R } from "./record.js";   // record fields are read through record.js
@@ -53,15 +53,24 @@ export const fmtMs = (sec) => (sec < 1 ? (sec * 1000).toFixed(0) + " ms" : sec.t
 
 const settingKey = R.settingKey;
 
+// a setting flag's words: every part of the setting (record.js settingKey) that changed, named as the
+// metrics table's column heads name it
 function markerText(prev, s) {
-  if (R.policy(prev) !== R.policy(s)) {
-    if (R.policy(s) === "chunked") return t("marker.on");
-    if (R.policy(prev) === "chunked") return t("marker.off") + " → " + t("policy." + R.policy(s));
-    return t("policy." + R.policy(s));
-  }
   const parts = [];
+  if (R.policy(prev) !== R.policy(s)) {
+    if (R.policy(s) === "chunked") parts.push(t("marker.on"));
+    else if (R.policy(prev) === "chunked") parts.push(t("marker.off") + " → " + t("policy." + R.policy(s)));
+    else parts.push(t("policy." + R.policy(s)));
+  }
   if (R.budget(prev) !== R.budget(s)) parts.push(t("bar.budget") + " " + R.budget(s));
   if (prev.max_num_seqs !== s.max_num_seqs) parts.push(t("marker.seqs") + " " + s.max_num_seqs);
+  const k = R.speculative(s);
+  if (R.speculative(prev) !== k) parts.push(k ? fmt("metrics.spec_k", { k }) : t("page.set.no_spec"));
+  if (R.prefixCaching(prev) !== R.prefixCaching(s)) {
+    parts.push(t(R.prefixCaching(s) ? "page.set.cache_on" : "page.set.cache_off"));
+  }
+  const cap = R.kvLimit(s);
+  if (R.kvLimit(prev) !== cap) parts.push(cap != null ? t("metrics.kv_cap") + " " + cap : t("page.set.kv_all"));
   return parts.join(", ");
 }
 
