@@ -3,7 +3,7 @@
 // what the newest step did, at most once a second. Its numbers are the chart's: the step records through
 // record.js, durations by draw.js fmtMs, a stalled request's wait as the stalled step's duration (the
 // number its cross-hatched cell shows).
-import { fmtMs } from "./draw.js";
+import { fmtMs, settingChangeAt } from "./draw.js";
 import { fmt, onLang, t } from "./i18n.js";
 import { view } from "./layout.js";
 import { rec as R } from "./record.js";
@@ -16,14 +16,17 @@ let root = null, lastTable = "", lastTableAt = -Infinity, lastSaid = -1, lastSay
 const labelOf = (rid) => { const q = store.reqs.get(rid); return q ? q.label : rid; };
 
 // one step in words: "step 412: Doc's prompt chunk of 128 tokens beside 3 replies; Alice waited 1.2 s"
-// (a prompt read in one step is "Doc's whole prompt of 1514 tokens")
+// (a prompt read in one step is "Doc's whole prompt of 1514 tokens"); a step that starts a new setting
+// says first what changed, as the chart's flag does: "step 96: new setting, budget 128; 4 replies"
 export function describeStep(s) {
   const items = R.items(s), decodes = items.filter(R.isDecode).length;
   const chunks = items.filter((it) => !R.isDecode(it))
     .map((it) => fmt(R.start(it) === 0 && R.completesPrompt(it) ? "text.prompt" : "text.chunk",
                      { who: R.label(it), n: R.tokens(it) })).join(", ");
-  let what = chunks && decodes ? fmt("text.beside", { what: chunks, n: decodes })
-    : chunks || fmt("text.replies", { n: decodes });
+  let what = chunks && decodes ? fmt(decodes === 1 ? "text.beside_one" : "text.beside", { what: chunks, n: decodes })
+    : chunks || fmt(decodes === 1 ? "text.reply" : "text.replies", { n: decodes });
+  const change = settingChangeAt(s);
+  if (change) what = fmt("text.setting", { what: change }) + "; " + what;
   const stalled = R.stalled(s).map(labelOf);
   if (stalled.length) what = fmt("text.waited", { what, who: stalled.join(", "), t: fmtMs(R.dur(s)) });
   return fmt("text.step", { step: R.step(s), what });
@@ -66,7 +69,9 @@ function renderTable() {
               ...tab.reqs.map(([rid, name]) => cell("th", name, { scope: "col", "data-req": rid })));
   const rows = tab.steps.map((s, i) => {
     const tr = cell("tr", "", { "data-step": R.step(s) });
-    tr.append(cell("th", String(R.step(s)), { scope: "row" }), cell("td", fmtMs(R.dur(s))),
+    const change = settingChangeAt(s);
+    const head = change ? `${R.step(s)} (${fmt("text.setting", { what: change })})` : String(R.step(s));
+    tr.append(cell("th", head, { scope: "row" }), cell("td", fmtMs(R.dur(s))),
               ...tab.cells[i].map((part) => cell("td", part)));
     return tr;
   });

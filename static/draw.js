@@ -53,9 +53,16 @@ export const fmtMs = (sec) => (sec < 1 ? (sec * 1000).toFixed(0) + " ms" : sec.t
 
 const settingKey = R.settingKey;
 
-// a setting flag's words: every part of the setting (record.js settingKey) that changed, named as the
-// metrics table's column heads name it
-function markerText(prev, s) {
+// the words of the setting flag at step record s: every part of the setting (record.js settingKey) that
+// changed since the step before it, named as the metrics table's column heads name it; "" where none did.
+// The flags, the chart's table and its live sentence (chart_text.js) all say these words.
+export function settingChangeAt(s) {
+  const i = layout.findIndex(R.step(s));
+  const prev = i > 0 ? store.steps[i - 1] : null;
+  return prev && settingKey(prev) !== settingKey(s) ? changeText(prev, s) : "";
+}
+
+function changeText(prev, s) {
   const parts = [];
   if (R.policy(prev) !== R.policy(s)) {
     if (R.policy(s) === "chunked") parts.push(t("marker.on"));
@@ -447,16 +454,13 @@ function drawRunning(g, win, avail, plotW) {
 }
 
 export function drawMarkers(g, win, yTop, yBottom, flags) {
-  const steps = store.steps, out = [], S = state.chartScale;
+  const out = [], S = state.chartScale;
   for (const s of win.steps) {
-    const i = layout.findIndex(R.step(s));
-    if (i === 0) continue;
-    const prev = steps[i - 1];
-    if (settingKey(prev) === settingKey(s)) continue;
+    const txt = settingChangeAt(s);
+    if (!txt) continue;
     const x = Math.round(LABEL_W + win.x(s)) - 1;
     if (x < LABEL_W) continue;
     g.fillStyle = C().ink; g.fillRect(x - 1, yTop, 3, yBottom - yTop);
-    const txt = markerText(prev, s);
     // boxes: the ink it draws over the cells, in drawing units (as the cells' x, y, w, h)
     const m = { step: R.step(s), x: x * S, text: txt, policy: R.policy(s), boxes: [{ x: x - 1, y: yTop, w: 3, h: yBottom - yTop }] };
     out.push(m);

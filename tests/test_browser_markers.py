@@ -1,7 +1,8 @@
 """The chart's setting flags name what changed. A stretch of steps runs under one setting (policy, token
 budget, max sequences, speculative decoding, prefix caching, KV cap: static/record.js settingKey) and a
 flag marks where a new one starts; each flag says, in the words of the metrics table's column heads, every
-part of the setting that changed there, so no flag is an empty black box."""
+part of the setting that changed there, so no flag is an empty black box. The chart's text (its table and
+the live region's sentence for a step) says the same words at the same step."""
 from contextlib import closing
 
 from tests.browser import MARKS, load_stage
@@ -51,3 +52,24 @@ def test_every_setting_flag_names_each_part_that_changed(browser):
         for (_, text), (change, words) in zip(flags, STRETCHES[1:]):
             assert text == ", ".join(words), f"{change}: the flag says {text!r}"
         assert not errors, errors
+
+
+def test_the_charts_text_says_the_same_change_at_the_same_step(browser):
+    page = browser.new_page(viewport={"width": 1366, "height": 900})
+    with closing(page):
+        records = stream()
+        load_stage(page, records)
+        page.wait_for_function(f"BS.view.drawn && BS.view.drawn.markers.length === {len(STRETCHES) - 1}")
+        steps = [r for r in records if r["type"] == "step"]
+        said = page.evaluate("(s) => s.map(BS.describeStep)", steps)
+        for k, (_, words) in enumerate(STRETCHES):
+            if words:
+                assert said[4 * k] == f"step {4 * k}: new setting, {', '.join(words)}; 1 reply", said[4 * k]
+            assert said[4 * k + 1] == f"step {4 * k + 1}: 1 reply"
+        page.click("[data-testid=table-toggle]")
+        heads = page.evaluate("[...document.querySelectorAll('[data-testid=chart-table] tbody th')]"
+                              ".map(c => c.textContent)")
+        assert len(heads) == 12                  # the last twelve steps: the last stretch's flag among them
+        last = 4 * (len(STRETCHES) - 1)
+        assert heads[-4] == f"{last} (new setting, {', '.join(STRETCHES[-1][1])})", heads
+        assert heads[-3] == str(last + 1)
