@@ -115,7 +115,7 @@ function drawGantt(gantt, resized) {
   const quiet = state.role === "student" && shown.some((r) => r.mine);
   drawRowLabels(g, shown, rowH, plotW);
   const notes = [];
-  if (more > 0) notes.push("+" + more + " " + t("rows.more"));
+  if (more > 0) notes.push("+" + more + " " + t(more === 1 ? "rows.more_one" : "rows.more"));
   if (collapsed > 0) notes.push(collapsed + " " + t("rows.finished"));
   setNote(gantt, notes.join(" · "));
   drawQueued(g, win, shown, rowIndex, rowH, plotW);

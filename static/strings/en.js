@@ -126,6 +126,7 @@ export default {
   "tip.waiting": "waiting",
   "row.you": "you",
   "rows.more": "more rows",
+  "rows.more_one": "more row",
   "rows.finished": "finished (collapsed)",
   "group.running": "running",
   "group.queued": "queued",

@@ -125,6 +125,7 @@ export default {
   "tip.waiting": "等待",
   "row.you": "你",
   "rows.more": "行未显示",
+  "rows.more_one": "行未显示",
   "rows.finished": "已结束（已折叠）",
   "group.running": "进行中",
   "group.queued": "排队",
