@@ -62,6 +62,7 @@ class EngineSwitch:
         self._pair_used = 0.0                   # monotonic time the pair was last chosen or busy
         self._idle_timer: threading.Timer | None = None
         self.model_name, self.max_model_len = self.single.model_name, self.single.max_model_len
+        self.eos_token_ids = self.single.eos_token_ids
         if disaggregated:                       # soon, so that a subscriber added now hears its policy event
             self.call_soon(lambda: self.set_policy("disaggregated"))
 

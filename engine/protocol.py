@@ -74,6 +74,7 @@ class Engine(Protocol):
 
     model_name: str
     max_model_len: int
+    eos_token_ids: set[int]           # the model's end tokens (a reply under ignore_eos runs on past them)
     device: str
     step_index: int                   # the number the next step record gets
     num_waiting: int                  # requests queued, not yet running (the server's queue limit reads it)

@@ -29,7 +29,7 @@ def test_every_engine_satisfies_the_protocol(tiny):
     assert isinstance(tiny_engine(tiny), Engine)
     assert isinstance(EngineSwitch(EngineConfig(model=str(tiny), dtype="float32", num_kv_blocks=64)), Engine)
     members = [m for m in vars(Engine) if not m.startswith("_")] + list(Engine.__annotations__)
-    pair_attrs = set(dir(DisaggregatedEngine)) | {"model_name", "max_model_len"}   # set in __init__
+    pair_attrs = set(dir(DisaggregatedEngine)) | {"model_name", "max_model_len", "eos_token_ids"}   # set in __init__
     assert [m for m in members if m not in pair_attrs] == []
 
 

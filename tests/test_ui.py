@@ -13,7 +13,7 @@ import pytest
 from app.replay.scenarios import SCENARIOS, get_scenario
 from app.ui.lessons import assign_panels, shorten
 from app.ui.sessions import MAX_CHARS, Panel, Session, Sessions, Turn, check_message, fresh
-from app.ui.text import LANGS, SCENARIO_BUTTONS, SHORT, STRINGS, TEXT, USERS
+from app.ui.text import LANGS, SCENARIO_BUTTONS, SHORT, STRINGS, TEXT, USERS, t
 from tests.helpers import recording
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
@@ -161,6 +161,65 @@ def test_history_sent_to_the_engine_keeps_finished_turns_only():
     assert p.chat()[-1]["content"] == "…"
 
 
+def test_a_reply_run_past_the_models_end_shows_where_it_ended_and_keeps_only_its_own_reply():
+    """A scripted lesson's replies run to a fixed length (ignore_eos), past the model's end token, where
+    the model goes on with turns of its own ("user ..."). The panel marks where the model ended, and the
+    chat history of the panel's next message holds only the reply the model meant."""
+    p = Panel("Alice", "#E69F00")
+    p.turns = [Turn("hi", "hi", reply="Hello!\nuser\nWhat <b>", ended=6, done=True)]
+    assert p.messages("next")[1] == {"role": "assistant", "content": "Hello!"}
+    shown = p.chat("en")[1]["content"]
+    assert shown == "Hello!\n\n" + html.escape(t("en", "past_eos")) + "\n\n" + html.escape("\nuser\nWhat <b>")
+    assert t("zh", "past_eos") in p.chat("zh")[1]["content"]
+
+
+def test_drive_marks_where_the_model_sampled_its_end_token_under_ignore_eos():
+    """drive() notes the reply's length when the engine's end token comes by (it adds no text: the text
+    after it rides on the same output); only under ignore_eos, where the reply goes on after it."""
+    from app.ui.sessions import drive
+    from engine import SamplingParams
+    from engine.protocol import RequestOutput
+
+    class Stream:
+        id = "r1"
+
+        def __init__(self, outs):
+            self.outs = outs
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        async def __aiter__(self):
+            for o in self.outs:
+                yield o
+
+    class Service:
+        eos_token_ids = frozenset({2})
+
+        def __init__(self, outs):
+            self.outs = outs
+
+        async def submit(self, **kw):
+            return Stream(self.outs)
+
+    def out(text, ids):
+        return RequestOutput("r1", text, ids, 0)
+
+    outs = [out("Hi", [10]), out(" there.", [11, 12]), out("user", [2, 13]), out(" more", [14])]
+    for ignore_eos, ended in ((True, 9), (False, None)):
+        turn = Turn("q", "q")
+        params = SamplingParams(max_tokens=5, ignore_eos=ignore_eos)
+        asyncio.run(drive(Service(outs), Panel("Alice", "#E69F00"), turn, [], params, asyncio.Event(), "en"))
+        assert (turn.reply, turn.ended) == ("Hi there.user more", ended)
+    turn = Turn("q", "q")                       # no end token: nothing is marked
+    asyncio.run(drive(Service(outs[:2]), Panel("Alice", "#E69F00"), turn, [], SamplingParams(ignore_eos=True),
+                      asyncio.Event(), "en"))
+    assert turn.ended is None
+
+
 def test_sessions_are_per_tab_and_bounded():
     s = Sessions(capacity=2)
     a = s.get("a")
@@ -281,6 +340,7 @@ def test_two_panels_share_steps_and_a_scenario_runs_on_the_step_clock():
     finally:
         service.stop()
     s = ui.sessions.get("tab")
+    assert service.eos_token_ids == frozenset(service.loop.engine.eos_token_ids) != frozenset()
     alice, bob = s.panels[0].turns[0], s.panels[1].turns[0]
     assert alice.reply and bob.reply and not alice.error and not bob.error
     assert len(a) >= 3 and a[-1][0][-1]["content"] == html.escape(alice.reply)   # streamed, then complete

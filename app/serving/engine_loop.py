@@ -234,7 +234,8 @@ class EngineLoop:
             e = self.engine
             stats = e.stats()
             self.info = {"model_name": e.model_name, "device": e.device, "dtype": stats["dtype"],
-                         "max_model_len": e.max_model_len, "settings": e.settings(), "kv": stats["kv"],
+                         "max_model_len": e.max_model_len, "eos_token_ids": list(e.eos_token_ids),
+                         "settings": e.settings(), "kv": stats["kv"],
                          "cuda_graphs": stats.get("cuda_graphs")}
             self._note_memory(force=True)
         except BaseException as e:

@@ -119,6 +119,7 @@ class ServiceFront:
         self.model_name = self.device = self.dtype = None
         self.cuda_graphs: dict | None = None    # buckets, capture seconds and graph memory (None: eager steps)
         self.max_model_len = 0
+        self.eos_token_ids: frozenset[int] = frozenset()   # the model's end tokens; unknown (none) for a vLLM
         self.settings: dict = {}                # replaced whole whenever the policy changes
         self.accepting = False
 

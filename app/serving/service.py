@@ -53,6 +53,7 @@ class EngineService(ServiceFront):
         name = self.config.served_model_name or info["model_name"]
         self.model_name = Path(name).name if Path(name).is_dir() else name   # never show a machine path
         self.device, self.dtype, self.max_model_len = info["device"], info["dtype"], info["max_model_len"]
+        self.eos_token_ids = frozenset(info["eos_token_ids"])
         self.settings = info["settings"]
         self.cuda_graphs = info.get("cuda_graphs")
         self.metrics.attach(self.model_name, self.max_model_len, self.dtype, info["kv"])

@@ -91,11 +91,11 @@ class UI:
     # ---- renders ----
     def render_one(self, s: Session, i: int, clear_box: bool = True):
         p = s.panels[i]
-        return [p.chat(), "" if clear_box else gr.skip(), notice_html(p.notice), mine_html(s)]
+        return [p.chat(s.lang), "" if clear_box else gr.skip(), notice_html(p.notice), mine_html(s)]
 
     def render_all(self, s: Session, columns: bool):
         cols = [gr.update(visible=i < s.visible) for i in range(MAX_PANELS)] if columns else [gr.skip()] * MAX_PANELS
-        return ([p.chat() for p in s.panels] + [notice_html(p.notice) for p in s.panels] + cols
+        return ([p.chat(s.lang) for p in s.panels] + [notice_html(p.notice) for p in s.panels] + cols
                 + [mine_html(s)])
 
     # ---- chat events ----
@@ -109,7 +109,7 @@ class UI:
         else:
             panel.notice = check_message(text, s.lang) or ""
             if panel.notice:
-                yield [panel.chat(), gr.skip(), notice_html(panel.notice), mine_html(s)]
+                yield [panel.chat(s.lang), gr.skip(), notice_html(panel.notice), mine_html(s)]
                 return
             turn = Turn(shown=text, full=text)
         panel.notice = ""

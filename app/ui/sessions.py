@@ -45,6 +45,13 @@ class Turn:
     error: str | None = None
     rid: str | None = None
     done: bool = False
+    ended: int | None = None        # under ignore_eos: len(reply) where the model sampled its end token; the
+                                    # rest is the model going on past its own end (a lesson's fixed length)
+
+    @property
+    def own_reply(self) -> str:
+        """The reply the model meant: up to its end token."""
+        return self.reply if self.ended is None else self.reply[:self.ended]
 
 
 @dataclass
@@ -59,16 +66,19 @@ class Panel:
         out = []
         for turn in self.turns:
             if turn.done and not turn.error and turn.reply:
-                out += [{"role": "user", "content": turn.full}, {"role": "assistant", "content": turn.reply}]
+                out += [{"role": "user", "content": turn.full}, {"role": "assistant", "content": turn.own_reply}]
         return out + [{"role": "user", "content": new}]
 
-    def chat(self) -> list[dict]:
+    def chat(self, lang: str = "en") -> list[dict]:
         """The Chatbot value (messages format). Escaped: the Chatbot renders HTML, and what people type
-        (and what the model answers) must show as the text it is."""
+        (and what the model answers) must show as the text it is. A reply run past the model's end says
+        where the model ended."""
         out = []
         for turn in self.turns:
             out.append({"role": "user", "content": html.escape(turn.shown)})
             reply = turn.reply or ("" if turn.done else "…")
+            if turn.ended is not None:
+                reply = "\n\n".join((turn.own_reply, t(lang, "past_eos"), turn.reply[turn.ended:]))
             if turn.error:
                 reply = (reply + "\n\n" if reply else "") + f"⚠ {turn.error}"
             out.append({"role": "assistant", "content": html.escape(reply)})
@@ -172,8 +182,12 @@ async def drive(service, panel: Panel, turn: Turn, messages: list[dict] | None, 
     else:
         turn.rid = stream.id
         changed.set()
+        # the end token adds no text: the text after it rides on the same output
+        ends = service.eos_token_ids if params.ignore_eos else frozenset()
         async with stream:
             async for delta in stream:
+                if turn.ended is None and not ends.isdisjoint(delta.token_ids):
+                    turn.ended = len(turn.reply)
                 turn.reply += delta.text
                 if delta.error:
                     turn.error = t(lang, "err_reply", msg=delta.error)

@@ -73,7 +73,7 @@ from engine.errors import SpeculationRefused
 from engine.llm_engine import LLMEngine
 from engine.memory import resident_bytes
 from engine.outputs.records import KVState, PolicyEvent, RequestEvent
-from engine.outputs.requests import Detokenizer, RequestBook, RequestFront, StepCounter
+from engine.outputs.requests import Detokenizer, RequestBook, RequestFront, StepCounter, eos_ids
 from engine.protocol import StepOutputs
 from engine.sampling_params import SamplingParams
 from engine.scheduling.sequence import Sequence, Status
@@ -145,6 +145,7 @@ class DisaggregatedEngine(RequestFront):
         hf = AutoConfig.from_pretrained(folder)
         self.tokenizer = tokenizer(folder)
         self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.eos_token_ids = eos_ids(hf, self.tokenizer, folder)
         self.vocab_size = hf.vocab_size
         # ---- the staging area: room for the longest sequence's blocks ----
         bs = config.block_size

@@ -285,6 +285,7 @@ export default {
   "page.err_busy": "The engine is busy: {msg}",
   "page.err_down": "The engine is not available right now: {msg}",
   "page.err_reply": "The reply stopped early: {msg}",
+  "page.past_eos": "⏹ The model ended its reply here. The lesson runs every reply to its set length, so what follows is the model going on past its own end.",
   "page.doc_shown": "📄 {ask} (a {tokens}-token document: the history of a lighthouse)",
   "page.lesson_setting": "*Runs under:* {setting}",
   "page.in_force": "Settings in force: {setting}",

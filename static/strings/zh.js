@@ -284,6 +284,7 @@ export default {
   "page.err_busy": "引擎正忙：{msg}",
   "page.err_down": "引擎暂时不可用：{msg}",
   "page.err_reply": "回复提前停止：{msg}",
+  "page.past_eos": "⏹ 模型在这里结束了回复。本课让每个回复都写满设定的长度，所以下面是模型越过自己的结尾继续写的内容。",
   "page.doc_shown": "📄 {ask}（一篇 {tokens} token 的文章：一座灯塔的历史）",
   "page.lesson_setting": "*运行设置：* {setting}",
   "page.in_force": "当前设置：{setting}",
