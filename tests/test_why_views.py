@@ -255,3 +255,37 @@ def test_kv_map_matches_the_engine_at_paused_steps_through_a_preemption(page):
     pg.evaluate("(n) => BS.play.seek(n)", preempted[0])
     pg.wait_for_timeout(500)
     pg.locator("[data-testid=kv-map]").screenshot(path=str(screenshot_dir() / "ui_kv_map.png"))
+
+
+@pytest.mark.parametrize("total", [20, 2912, 20000])
+def test_kv_map_keeps_a_large_cache_in_its_panel_and_names_the_block_under_the_pointer(page, total):
+    """Every block is a cell. A small cache keeps 14-px cells with their share counts; a large one's cells
+    shrink so the map stays about as tall as the panel beside it (the default CPU cache has 2,912 blocks,
+    which at 14 px made a 2,100-px column of empty squares above the what-if panel). Whatever the size, the
+    pointer over a cell names that block and its holders, and the cell is drawn in its holder's colour."""
+    from tests.factories import arrived, dec, step
+    kv = {"used": 2, "total": total, "cached": 1, "block_size": 16}
+    held = [{"block": 0, "holders": ["a"], "cached": False},
+            {"block": total - 1, "holders": ["a", "b"], "cached": True}]
+    pg = page([arrived("a", 0.0), arrived("b", 0.0),
+               step(0, 0.0, 0.1, [dec("a"), dec("b")], kv=kv, kv_map=held)])
+    pg.wait_for_function("document.querySelector('[data-testid=kv-map]').dataset.step == 0")
+    shown = pg.evaluate("BS.kvMapShown()")
+    height = pg.evaluate("document.querySelector('[data-testid=kv-map] canvas').getBoundingClientRect().height")
+    if total <= 100:
+        assert shown["pitch"] == 16
+    elif total <= 10_000:
+        assert height <= 340, f"{total} blocks drew a map {height:.0f} px tall"
+    for b in (0, total - 1):
+        col, row = b % shown["cols"], b // shown["cols"]
+        x, y = (col + 0.5) * shown["pitch"], (row + 0.5) * shown["pitch"]
+        box = pg.locator("[data-testid=kv-map] canvas").bounding_box()
+        pg.mouse.move(box["x"] + x, box["y"] + y)
+        tip = pg.inner_text("[data-testid=kv-map] [data-role=tip]")
+        assert f"block {b} " in tip + " " and "A (a)" in tip, (b, tip)
+        rgb = pg.evaluate("([x, y]) => Array.from(document.querySelector('[data-testid=kv-map] canvas')"
+                          ".getContext('2d').getImageData(x * devicePixelRatio, y * devicePixelRatio, 1, 1).data)"
+                          ".slice(0, 3)", [x, y])
+        want = pg.evaluate("BS.colorOf('A')")
+        assert "#%02x%02x%02x" % tuple(rgb) == want.lower(), (b, rgb, want)
+    pg.mouse.move(0, 0)

@@ -196,7 +196,7 @@ export default {
   "cause.unknown": "not recorded",
   "why.by": "prefill of {by} ({n} tokens)",
   "kv.title": "KV cache map: who holds each block",
-  "kv.caption": "One cell per KV block, in its owner's colour; a number is a prefix shared by that many requests, pale cells are cached but free, and a preemption empties its owner's cells at once.",
+  "kv.caption": "One cell per KV block, in its owner's colour; a number is a prefix shared by that many requests, pale cells are cached but free, and a preemption empties its owner's cells at once. A large cache draws smaller cells (no numbers, cached ones darker): point at a cell for its block.",
   "kv.block": "block",
   "kv.free": "free",
   "kv.cached": "cached (reusable)",
