@@ -56,6 +56,17 @@ function showEstimate(s) {
 // answers may come back out of order (a slow estimate, a busy server): one older than the newest shown is dropped
 let asked = 0, shown = 0;
 
+// The log grows while the class chats and lessons play: while records have come in since the last look,
+// the panel looks again every LOOK_EVERY_MS, if it is on screen in a visible tab (else it asks nothing).
+const LOOK_EVERY_MS = 2000;
+let onScreen = false, lookedAt = null;
+
+function lookAgain() {
+  if (!onScreen || document.hidden || !root.isConnected || store.version === lookedAt) return;
+  lookedAt = store.version;
+  poll();
+}
+
 async function poll() {
   const mine = ++asked;
   try {
@@ -246,5 +257,8 @@ export function initWhatIf() {
   });
   root.querySelectorAll("[data-download]").forEach((b) => b.addEventListener("click", () => download(b.dataset.download)));
   poll();
+  lookedAt = store.version;
+  new IntersectionObserver((seen) => { onScreen = seen.some((e) => e.isIntersecting); lookAgain(); }).observe(root);
+  setInterval(lookAgain, LOOK_EVERY_MS);
   return true;
 }

@@ -100,3 +100,29 @@ def test_whatif_panel_replays_and_shows_each_user(server):
         panel.screenshot(path=str(screenshot_dir() / "ui_whatif.png"))
         browser.close()
     assert not errors, errors
+
+
+def test_the_panel_follows_the_log_while_the_class_chats(server):
+    """A lecturer who plays a lesson and then scrolls to the panel sees the log as it is, not as it was when
+    the page loaded: while records arrive, the panel on screen asks again (every 2 s at most)."""
+    import re
+
+    import httpx
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        page = browser.new_page(viewport={"width": 1300, "height": 1000})
+        page.goto(server + "/")
+        page.evaluate(f"sessionStorage.setItem('batchscope.key', '{KEY}')")
+        page.reload()
+        panel = page.locator("[data-testid=whatif]")
+        panel.scroll_into_view_if_needed()
+        log = panel.locator("[data-testid=whatif-log]")
+        page.wait_for_function("/\\d+ request/.test(document.querySelector('[data-testid=whatif-log]').textContent)")
+        before = int(re.search(r"(\d+) request", log.inner_text()).group(1))
+        body = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2, "ignore_eos": True, "user": "Eve"}
+        with httpx.Client(base_url=server, timeout=120, trust_env=False) as http:
+            assert http.post("/v1/chat/completions", json=body).status_code == 200
+        page.wait_for_function(f"document.querySelector('[data-testid=whatif-log]').textContent"
+                               f".includes('{before + 1} request')", timeout=8000)
+        browser.close()
