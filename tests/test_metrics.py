@@ -233,3 +233,10 @@ def test_prefix_hit_rate_and_preemptions_per_stretch_known_by_construction():
     assert on["prefix_caching"] is True and on["prefix_hit_rate"] == pytest.approx(32 / 80)
     assert off["prefix_caching"] is False and off["prefix_hit_rate"] == 0.0 and off["preemptions"] == 1
     assert on["preemptions"] == 0 and on["max_kv_blocks"] is None
+
+
+def test_the_reports_table_shows_the_budget_fill_as_a_percentage():
+    """The report's table says the mean budget fill as the page says a share (a percentage), not as 0.0892."""
+    from app.readers.report import metrics_table
+    table = metrics_table({"static": {"budget_fill_mean": 0.0892}, "chunked": {"budget_fill_mean": 0.204}})
+    assert "<tr><th>budget fill, mean (%)</th><td>8.9</td><td>20.4</td></tr>" in table

@@ -123,7 +123,7 @@ TABLE_ROWS = [("output_tokens_per_s", "output tokens/s", 1), ("ttft_p50_s", "TTF
               ("tbt_p99_s", "TBT p99 (ms)", 1e3), ("tbt_max_s", "TBT max (ms)", 1e3),
               ("stall_count", "stalls", None), ("stall_max_s", "longest stall (ms)", 1e3),
               ("num_steps", "steps", None), ("num_preemptions", "preemptions", None),
-              ("budget_fill_mean", "budget fill, mean", 1),
+              ("budget_fill_mean", "budget fill, mean (%)", 100),
               ("idle_slots_while_waiting", "idle slots while waiting", None),
               ("cached_prompt_tokens", "prompt tokens from prefix cache", None), ("duration_s", "duration (s)", 1)]
 FOCUS_ROWS = [("tbt_p50_s", "their TBT p50 (ms)", 1e3), ("tbt_p99_s", "their TBT p99 (ms)", 1e3),
