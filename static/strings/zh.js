@@ -17,7 +17,7 @@ export default {
   "text.replies": "{n} 个回复",
   "text.reply": "1 个回复",
   "text.beside_one": "{what}，同时 1 个回复",
-  "text.setting": "设置改变：{what}",
+  "text.setting": "设置改为{what}",
   "text.waited": "{what}；{who} 等待了 {t}",
   "a11y.chat_log": "{name} 的对话",
   "chart.title": "引擎的每一次前向计算（实时）",
