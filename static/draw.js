@@ -71,6 +71,8 @@ function changeText(prev, s) {
   }
   if (R.budget(prev) !== R.budget(s)) parts.push(t("bar.budget") + " " + R.budget(s));
   if (prev.max_num_seqs !== s.max_num_seqs) parts.push(t("marker.seqs") + " " + s.max_num_seqs);
+  const n = R.chunkCap(s);
+  if (R.chunkCap(prev) !== n) parts.push(n != null ? fmt("metrics.chunk_k", { n }) : t("page.set.no_chunk"));
   const k = R.speculative(s);
   if (R.speculative(prev) !== k) parts.push(k ? fmt("metrics.spec_k", { k }) : t("page.set.no_spec"));
   if (R.prefixCaching(prev) !== R.prefixCaching(s)) {

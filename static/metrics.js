@@ -14,7 +14,7 @@
 //                prompt's read (start == cached, or 0); null with none
 //   preemptions = the requests the stretch's steps preempted
 // A token's time is the end of the step that produced it. A stretch is a run of consecutive
-// steps under one setting (policy, token budget, max sequences, speculative tokens, prefix caching, KV cap).
+// steps under one setting (policy, token budget, max sequences, chunk cap, speculative tokens, prefix caching, KV cap).
 import { fmtBytes } from "./draw.js";
 import { fmt, lang, t } from "./i18n.js";
 import { view } from "./layout.js";
@@ -82,7 +82,7 @@ export function segmentMetrics(seg) {
   return {
     policy: R.policy(seg.first), budget: R.budget(seg.first), maxSeqs: R.maxSeqs(seg.first),
     speculative: R.speculative(seg.first),
-    caching: R.prefixCaching(seg.first), kvLimit: R.kvLimit(seg.first),
+    caching: R.prefixCaching(seg.first), kvLimit: R.kvLimit(seg.first), chunkCap: R.chunkCap(seg.first),
     hitRate: prompt ? cached / prompt : null, preemptions: preempted,
     steps: seg.end - seg.start + 1, from: s0, to: s1,
     ttft50: pct(ttft, 50), ttft99: pct(ttft, 99), tbt50: pct(tbt, 50), tbt99: pct(tbt, 99),
@@ -99,7 +99,7 @@ const SERVER_KEYS = {
   policy: "policy", budget: "token_budget", maxSeqs: "max_num_seqs", speculative: "speculative", steps: "num_steps", from: "first_step",
   to: "last_step", ttft50: "ttft_p50_s", ttft99: "ttft_p99_s", tbt50: "tbt_p50_s", tbt99: "tbt_p99_s",
   stall: "stall_max_s", tps: "output_tokens_per_s", tokens: "output_tokens", kvFill: "kv_used_max",
-  waiting: "waiting_max", busy: "busy_s", caching: "prefix_caching", kvLimit: "max_kv_blocks",
+  waiting: "waiting_max", busy: "busy_s", caching: "prefix_caching", kvLimit: "max_kv_blocks", chunkCap: "max_prefill_chunk",
   hitRate: "prefix_hit_rate", preemptions: "preemptions", transfers: "transfers", transfer50: "transfer_p50_s",
   transfer99: "transfer_p99_s", transferBytes: "transfer_bytes", drafted: "draft_tokens",
   accepted: "accepted_tokens", acceptance: "acceptance_rate",
@@ -178,6 +178,7 @@ function drawTable() {
   for (const m of ms) {
     const th = el("th", null, "bs-seg bs-seg-" + m.policy);
     th.append(el("span", t("policy." + m.policy), "bs-seg-policy"), el("span", " · " + m.budget + " " + t("metrics.tok"), "bs-seg-budget"));
+    if (m.chunkCap != null) th.append(el("span", " · " + fmt("metrics.chunk_k", { n: m.chunkCap }), "bs-seg-chunk"));
     if (m.speculative) th.append(el("span", " · " + fmt("metrics.spec_k", { k: m.speculative }), "bs-seg-spec"));
     if (!m.caching) th.append(el("span", " · " + t("metrics.no_cache"), "bs-seg-cache"));
     if (m.kvLimit != null) th.append(el("span", " · " + t("metrics.kv_cap") + " " + m.kvLimit, "bs-seg-cap"));

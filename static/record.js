@@ -25,6 +25,7 @@ export const rec = {
   kvLimit: (s) => s.kv.limit ?? null,   // the live max_kv_blocks cap, when it is below kv.total
   kvFill: (s) => ((s.kv.limit || s.kv.total) ? s.kv.used / (s.kv.limit || s.kv.total) : 0),   // of the cap, if any
   prefixCaching: (s) => s.prefix_caching !== false,    // left out when on
+  chunkCap: (s) => s.max_prefill_chunk ?? null,         // the cap on one prompt's chunk; left out when none
   blockSize: (s) => s.kv.block_size,
   preempted: (s) => s.preempted || [],
   finished: (s) => s.finished || [],
@@ -40,9 +41,9 @@ export const rec = {
   // speculative decoding in force: the most tokens drafted per reply; null when off
   speculative: (s) => s.speculative ?? null,
   // a stretch of steps runs under one setting: policy, token budget, max sequences, speculative tokens,
-  // prefix caching, KV cap
+  // prefix caching, KV cap, chunk cap
   settingKey: (s) => s.policy + "/" + s.token_budget + "/" + s.max_num_seqs + "/" + (s.speculative ?? "") + "/" +
-    (s.prefix_caching !== false) + "/" + (s.kv.limit ?? ""),
+    (s.prefix_caching !== false) + "/" + (s.kv.limit ?? "") + "/" + (s.max_prefill_chunk ?? ""),
 
   // ---- step item ----
   req: (it) => it.req,

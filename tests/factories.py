@@ -71,7 +71,7 @@ def stall_stream(stall_s=1.0, tick=0.01):
 def random_streams(draw, speculative=False):
     """Engine-shaped streams: requests arrive, prefill in chunks (a first one sometimes after a cached
     prefix), decode or are left out (stalled), sometimes are preempted and recomputed; settings (policy,
-    prefix caching, a KV cap) change now and then. speculative: decodes verify 0 to k drafts and keep some,
+    prefix caching, a KV cap, a chunk cap) change now and then. speculative: decodes verify 0 to k drafts and keep some,
     and k (the step's `speculative`, None: off) changes now and then too. Now and then the app's lesson
     message comes between two steps: no number may move for it."""
     n_req = draw(st.integers(1, 5))
@@ -80,7 +80,7 @@ def random_streams(draw, speculative=False):
     for i in range(n_req):
         s.append(arrived(f"r{i}", 0.0))
     policy, k = "chunked", 3 if speculative else None
-    caching, limit = True, None
+    caching, limit, chunk = True, None, None
     for i in range(draw(st.integers(1, 40))):
         if draw(st.booleans()) and draw(st.booleans()):
             policy = draw(st.sampled_from(["static", "continuous", "chunked"]))
@@ -88,6 +88,8 @@ def random_streams(draw, speculative=False):
             k = draw(st.sampled_from([None, 1, 3]))
         if draw(st.integers(0, 7)) == 0:
             caching, limit = draw(st.booleans()), draw(st.sampled_from([None, 8, 32]))
+        if draw(st.integers(0, 9)) == 0:
+            chunk = draw(st.sampled_from([None, 4, 16]))
         if draw(st.integers(0, 7)) == 0:
             s.append({"type": "lesson", "event": draw(st.sampled_from(["started", "ended", "stopped"])),
                       "lesson": draw(st.integers(1, 8)),
@@ -112,6 +114,8 @@ def random_streams(draw, speculative=False):
         extra = {"speculative": k} if k else {}
         if not caching:
             extra["prefix_caching"] = False
+        if chunk is not None:
+            extra["max_prefill_chunk"] = chunk
         s.append(step(i, t, t + dt, items, stalled=stalled, preempted=preempted, policy=policy, **extra))
         if limit is not None:
             s[-1]["kv"] = {**s[-1]["kv"], "limit": limit}

@@ -1,8 +1,8 @@
 """The chart's setting flags name what changed. A stretch of steps runs under one setting (policy, token
-budget, max sequences, speculative decoding, prefix caching, KV cap: static/record.js settingKey) and a
-flag marks where a new one starts; each flag says, in the words of the metrics table's column heads, every
-part of the setting that changed there, so no flag is an empty black box. The chart's text (its table and
-the live region's sentence for a step) says the same words at the same step."""
+budget, max sequences, the chunk cap, speculative decoding, prefix caching, KV cap: static/record.js
+settingKey) and a flag marks where a new one starts; each flag says, in the words of the metrics table's
+column heads, every part of the setting that changed there, so no flag is an empty black box. The chart's
+text (its table and the live region's sentence for a step) says the same words at the same step."""
 from contextlib import closing
 
 from tests.browser import MARKS, load_stage
@@ -22,6 +22,8 @@ STRETCHES = [
     ({"prefix_caching": None}, ["prefix caching on"]),
     ({"kv": {**KV, "limit": 24}}, ["KV cap 24"]),
     ({"kv": KV}, ["the whole KV cache"]),
+    ({"max_prefill_chunk": 4}, ["chunks ≤ 4"]),
+    ({"max_prefill_chunk": None}, ["no chunk cap"]),
     ({"policy": "continuous", "budget": 256, "speculative": 2}, ["chunked prefill OFF → continuous", "budget 256",
                                                                   "drafts ≤ 2"]),
     ({"policy": "chunked", "max_num_seqs": 16, "kv": {**KV, "limit": 8}}, ["chunked prefill ON", "max seqs 16",

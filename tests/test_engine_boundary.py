@@ -336,3 +336,14 @@ def test_an_admission_crosses_to_the_engine_thread_once_and_its_event_is_publish
     assert "1 requests are already waiting" in str(refused)
     assert replies[-1].finish_reason == "length" and engine_thread and all(engine_thread)
     assert [getattr(fn, "__self__", None) for fn in service.loop.engine.book.listeners.fns] == [service.loop._records]
+
+
+def test_a_step_record_names_the_chunk_cap_it_ran_under(tiny):
+    """The cap on one prompt's chunk is part of a step's setting (a change of it starts a new stretch of the
+    metrics table and a flag on the chart): the record says it, and leaves it out when there is none."""
+    eng = tiny_engine(tiny)
+    eng.add_request(prompt_token_ids=list(range(1, 30)), params=SamplingParams(max_tokens=3))
+    assert "max_prefill_chunk" not in eng.step().record
+    eng.set_policy(max_prefill_chunk=4)
+    rec = eng.step().record
+    assert rec["max_prefill_chunk"] == 4 and all(it["tokens"] <= 4 for it in rec["items"] if it["kind"] == "prefill")

@@ -148,6 +148,12 @@ def test_stretches_split_at_each_setting_change():
     assert second["longest_gap_s"] == pytest.approx(1.01)
     assert first["output_tokens_per_s"] == pytest.approx(5 / 0.05)
     assert first["kv_used_max"] == pytest.approx(4 / 64) and second["busy_s"] == pytest.approx(1.02)
+    # the cap on one prompt's chunk is part of the setting too: a change of it alone starts a new stretch
+    capped = [dict(r, max_prefill_chunk=4) if r.get("type") == "step" and r["step"] >= 5 else r
+              for r in stall_stream(stall_s=1.0, tick=0.01)]
+    first, second = metrics.stretches(capped)
+    assert (first["max_prefill_chunk"], second["max_prefill_chunk"]) == (None, 4)
+    assert (first["last_step"], second["first_step"]) == (4, 5) and first["policy"] == second["policy"]
 
 
 # ---- searched: many random cases ----
@@ -184,7 +190,7 @@ def test_tokens_stalls_and_stretches_agree_with_a_direct_count(s):
     assert max((p["stall_max_s"] for p in parts), default=0.0) == pytest.approx(m["stall_max_s"] or 0.0)
     assert all(a["last_step"] < b["first_step"]
                for a, b in zip(parts, parts[1:]))
-    keys = ("policy", "token_budget", "max_num_seqs", "prefix_caching", "max_kv_blocks")
+    keys = ("policy", "token_budget", "max_num_seqs", "prefix_caching", "max_kv_blocks", "max_prefill_chunk")
     assert all(tuple(a[k] for k in keys) != tuple(b[k] for k in keys) for a, b in zip(parts, parts[1:]))
 
 

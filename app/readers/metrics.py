@@ -40,7 +40,7 @@ trace and a GPU run give the same numbers.
                Empty samples give None.
   stretch      a maximal run of consecutive step records (in step order) under
                one setting (policy, token budget, max sequences, speculative
-               tokens, prefix caching on or off, the KV cap); the page's metrics
+               tokens, prefix caching on or off, the KV cap, the chunk cap); the page's metrics
                table has one column per stretch.
   mean TBT     the mean of the TBTs: per reply, (last - first token) / (tokens - 1),
                weighted by tokens; what speculative decoding shortens.
@@ -361,7 +361,7 @@ def user_rows(stream: Iterable[dict], reqs: Iterable[str] | None = None) -> list
 # ---- per-setting stretches: the page's metrics table ----
 def setting(rec: dict) -> tuple:
     return (rec["policy"], rec["token_budget"], rec["max_num_seqs"], rec.get("speculative"),
-            rec.get("prefix_caching", True), rec["kv"].get("limit"))
+            rec.get("prefix_caching", True), rec["kv"].get("limit"), rec.get("max_prefill_chunk"))
 
 
 def begins_prompt(item: dict) -> bool:
@@ -455,10 +455,10 @@ class _Run:
     def summary(self, moved: list[dict]) -> dict:
         if self._summary is None or self._summary["num_steps"] != self.num_steps:     # grown since
             span = self.last["t_end"] - self.first["t_start"]
-            policy, budget, max_seqs, speculative, caching, limit = self.setting
+            policy, budget, max_seqs, speculative, caching, limit, chunk = self.setting
             self._summary = {
                 "policy": policy, "token_budget": budget, "max_num_seqs": max_seqs, "speculative": speculative,
-                "prefix_caching": caching, "max_kv_blocks": limit,
+                "prefix_caching": caching, "max_kv_blocks": limit, "max_prefill_chunk": chunk,
                 "first_step": self.first["step"], "last_step": self.last["step"], "num_steps": self.num_steps,
                 "ttft_p50_s": percentile(self.ttft, 50), "ttft_p99_s": percentile(self.ttft, 99),
                 "tbt_p50_s": percentile(self.tbt, 50), "tbt_p99_s": percentile(self.tbt, 99),

@@ -217,6 +217,9 @@ class StepRecord(Record):
                                   "a change of it starts a new stretch of the metrics table", optional=True)
     prefix_caching: bool | None = doc("`false` when prefix caching was off for this step (left out when on): "
                                       "a stretch of steps runs under one setting of it", optional=True)
+    max_prefill_chunk: int | None = doc("the cap on one request's prefill chunk in force for this step "
+                                        "(`max_prefill_chunk`); left out when there is none. Part of the setting: "
+                                        "a change of it starts a new stretch of the metrics table", optional=True)
 
     def to_dict(self) -> dict:
         return {"type": self.type, **super().to_dict()}
@@ -345,7 +348,8 @@ def step_record(step: int, sched: Scheduler, batch: Batch, before: Before, finis
                   stall_causes=causes, kv=KVState.of(bm), waiting=len(sched.waiting), running=len(sched.running),
                   failed=error is not None, error=error, kv_ops=kv_ops(bm),
                   kv_map=kv_map(bm, sched.running) if step % KV_MAP_EVERY == 0 or bm.map_due else None,
-                  prefix_caching=None if bm.enable_prefix_caching else False)
+                  prefix_caching=None if bm.enable_prefix_caching else False,
+                  max_prefill_chunk=sched.max_prefill_chunk)
     timing = StepTiming(schedule=t_sched - t_start, items=t_items - t_sched, forward=t_end - t_items,
                         record=clock() - t_end)
     return StepRecord(**fields, timing=timing, device=device, speculative=speculative)

@@ -81,6 +81,7 @@ export default {
   "tip.handover": "KV hand-over",
   "metrics.transfer": "KV hand-overs: count · p50 / p99 · bytes",
   "metrics.spec": "drafts accepted (accepted / drafted tokens)",
+  "metrics.chunk_k": "chunks ≤ {n}",
   "metrics.spec_k": "drafts ≤ {k}",
   "metrics.title": "Metrics per setting (each column = a stretch of steps under one setting)",
   "metrics.segment": "setting",

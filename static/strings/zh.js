@@ -80,6 +80,7 @@ export default {
   "tip.handover": "KV 交接",
   "metrics.transfer": "KV 交接：次数 · p50 / p99 · 字节",
   "metrics.spec": "草稿接受率（接受 / 草稿 token）",
+  "metrics.chunk_k": "分块 ≤ {n}",
   "metrics.spec_k": "草稿 ≤ {k}",
   "metrics.title": "按设置分段的指标（每列 = 同一设置下的一段步）",
   "metrics.segment": "设置",
