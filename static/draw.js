@@ -53,6 +53,14 @@ export const fmtMs = (sec) => (sec < 1 ? (sec * 1000).toFixed(0) + " ms" : sec.t
 
 const settingKey = R.settingKey;
 
+// a part of a setting that is not the default, in words: the metrics table's column heads (metrics.js) and
+// the chart's flags (below) both say it so
+export const settingWords = {
+  chunkCap: (n) => fmt("metrics.chunk_k", { n }),
+  speculative: (k) => fmt("metrics.spec_k", { k }),
+  kvLimit: (n) => t("metrics.kv_cap") + " " + n,
+};
+
 // the words of the setting flag at step record s: every part of the setting (record.js settingKey) that
 // changed since the step before it, named as the metrics table's column heads name it; "" where none did.
 // The flags, the chart's table and its live sentence (chart_text.js) all say these words.
@@ -70,16 +78,16 @@ function changeText(prev, s) {
     else parts.push(t("policy." + R.policy(s)));
   }
   if (R.budget(prev) !== R.budget(s)) parts.push(t("bar.budget") + " " + R.budget(s));
-  if (prev.max_num_seqs !== s.max_num_seqs) parts.push(t("marker.seqs") + " " + s.max_num_seqs);
+  if (R.maxSeqs(prev) !== R.maxSeqs(s)) parts.push(t("marker.seqs") + " " + R.maxSeqs(s));
   const n = R.chunkCap(s);
-  if (R.chunkCap(prev) !== n) parts.push(n != null ? fmt("metrics.chunk_k", { n }) : t("page.set.no_chunk"));
+  if (R.chunkCap(prev) !== n) parts.push(n != null ? settingWords.chunkCap(n) : t("page.set.no_chunk"));
   const k = R.speculative(s);
-  if (R.speculative(prev) !== k) parts.push(k ? fmt("metrics.spec_k", { k }) : t("page.set.no_spec"));
+  if (R.speculative(prev) !== k) parts.push(k ? settingWords.speculative(k) : t("page.set.no_spec"));
   if (R.prefixCaching(prev) !== R.prefixCaching(s)) {
     parts.push(t(R.prefixCaching(s) ? "page.set.cache_on" : "page.set.cache_off"));
   }
   const cap = R.kvLimit(s);
-  if (R.kvLimit(prev) !== cap) parts.push(cap != null ? t("metrics.kv_cap") + " " + cap : t("page.set.kv_all"));
+  if (R.kvLimit(prev) !== cap) parts.push(cap != null ? settingWords.kvLimit(cap) : t("page.set.kv_all"));
   return parts.join(", ");
 }
 

@@ -15,8 +15,8 @@
 //   preemptions = the requests the stretch's steps preempted
 // A token's time is the end of the step that produced it. A stretch is a run of consecutive
 // steps under one setting (policy, token budget, max sequences, chunk cap, speculative tokens, prefix caching, KV cap).
-import { fmtBytes } from "./draw.js";
-import { fmt, lang, t } from "./i18n.js";
+import { fmtBytes, settingWords } from "./draw.js";
+import { lang, t } from "./i18n.js";
 import { view } from "./layout.js";
 import { colorOf } from "./palette.js";
 import { rec as R } from "./record.js";   // record fields are read through record.js
@@ -178,10 +178,10 @@ function drawTable() {
   for (const m of ms) {
     const th = el("th", null, "bs-seg bs-seg-" + m.policy);
     th.append(el("span", t("policy." + m.policy), "bs-seg-policy"), el("span", " · " + m.budget + " " + t("metrics.tok"), "bs-seg-budget"));
-    if (m.chunkCap != null) th.append(el("span", " · " + fmt("metrics.chunk_k", { n: m.chunkCap }), "bs-seg-chunk"));
-    if (m.speculative) th.append(el("span", " · " + fmt("metrics.spec_k", { k: m.speculative }), "bs-seg-spec"));
+    if (m.chunkCap != null) th.append(el("span", " · " + settingWords.chunkCap(m.chunkCap), "bs-seg-chunk"));
+    if (m.speculative) th.append(el("span", " · " + settingWords.speculative(m.speculative), "bs-seg-spec"));
     if (!m.caching) th.append(el("span", " · " + t("metrics.no_cache"), "bs-seg-cache"));
-    if (m.kvLimit != null) th.append(el("span", " · " + t("metrics.kv_cap") + " " + m.kvLimit, "bs-seg-cap"));
+    if (m.kvLimit != null) th.append(el("span", " · " + settingWords.kvLimit(m.kvLimit), "bs-seg-cap"));
     th.dataset.policy = m.policy;
     head.append(th);
   }
