@@ -47,3 +47,34 @@ def test_an_idle_stage_rests_and_news_or_a_hand_wakes_it(browser):
         page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
         awake = rate(page, 500)
         assert awake["idleTicks"] == 0 and awake["frames"] > 0, awake
+
+
+# each clear of the chart's canvas, so each chart draw, takes 15 ms more: a device far slower than this one
+SLOW_DRAW = """
+const clear = CanvasRenderingContext2D.prototype.clearRect;
+CanvasRenderingContext2D.prototype.clearRect = function (...a) {
+  if (this.canvas.dataset.testid === "gantt") { const t = performance.now(); while (performance.now() - t < 15) {} }
+  return clear.apply(this, a);
+};
+"""
+
+
+def test_a_slow_device_draws_news_as_often_as_it_affords_and_ends_on_the_newest_step(browser):
+    """News every 10 ms for 2 s on a page whose chart draws are slow: the chart draws only as often as the page
+    affords (static/interact.js DRAW_SHARE: the next draw waits ten times the last draw's time), so drawing keeps
+    to about a tenth of the page's time instead of all of it, and the newest step is drawn once the news stops.
+    Before, such a page drew at every frame that brought news, and its frames slowed to the draws' pace."""
+    with closing(browser.new_page(viewport={"width": 1366, "height": 768})) as page:
+        page.add_init_script(SLOW_DRAW)
+        load_stage(page, [arrived("r0", 0.0), *steps(0, 4)])
+        page.wait_for_function("BS.perf.draws > 0")
+        got = page.evaluate("""async (s) => {
+            const a = {...BS.perf}, t0 = performance.now();
+            for (const one of s) { BS.ingestAll([one]); await new Promise((r) => setTimeout(r, 10)); }
+            const b = {...BS.perf}, ms = performance.now() - t0;
+            return {draws: b.draws - a.draws, frames: b.frames - a.frames, share: (b.drawMs - a.drawMs) / ms}; }""",
+                            steps(4, 200))
+        assert got["draws"] > 0 and got["share"] < 0.2, got
+        assert got["frames"] > 2 * got["draws"], got            # frames between draws: the page stays responsive
+        page.wait_for_function("BS.view.drawn.steps.at(-1) === BS.store.steps.at(-1).step && "
+                               "BS.store.steps.at(-1).step === 203", timeout=5_000)
