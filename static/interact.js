@@ -144,8 +144,7 @@ function updatePlayUI() {
 // ten times a second, and its reply's text keeps flowing. What the viewer does (a key, zoom, the axis, a
 // replay) draws at once.
 export const DRAW_SHARE = 10;
-export const drawDue = (now, lastAt, lastMs) => now - lastAt >= DRAW_SHARE * lastMs;
-let lastDrawAt = -Infinity, lastDrawMs = 0;
+let lastDrawAt = -Infinity, lastDrawMs = 0;       // when the last draw started (the frame's time) and its ms
 
 // one animation frame: returns true when the chart was redrawn
 export function chartFrame(now) {
@@ -154,12 +153,12 @@ export function chartFrame(now) {
   tickReplay(dt);
   const v = store.version;
   if (v !== lastVersion) followWorkers();
-  if (view.mode === "live" && store.runningFor() != null && now - lastRunningDraw > 100 &&     // the clock ticks
-      drawDue(now, lastDrawAt, lastDrawMs)) {
+  const due = now - lastDrawAt >= DRAW_SHARE * lastDrawMs;    // a live draw's turn has come
+  if (view.mode === "live" && store.runningFor() != null && now - lastRunningDraw > 100 && due) {  // the clock ticks
     lastRunningDraw = now; dirty = true;
   }
   if (shrinkDue(now)) dirty = true;          // the chart has wanted a smaller size for long enough
-  if ((view.mode === "live" && v !== lastVersion && drawDue(now, lastDrawAt, lastDrawMs)) || dirty) {
+  if ((view.mode === "live" && v !== lastVersion && due) || dirty) {
     lastVersion = v; dirty = false;
     if (gantt.isConnected) {
       const t0 = performance.now();
