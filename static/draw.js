@@ -102,7 +102,8 @@ function drawGantt(gantt, resized) {
     g.fillStyle = C().muted; g.font = "16px sans-serif"; g.textAlign = "center"; g.textBaseline = "middle";
     const lines = wrapWords(g, t("metrics.empty"), w - 16);     // a phone's chart is narrower than the words
     lines.forEach((line, i) => g.fillText(line, w / 2, h / 2 + (i - (lines.length - 1) / 2) * 22));
-    view.drawn = { steps: [], rows: [], cells: [] };
+    view.drawn = { steps: [], rows: [], cells: [], markers: [], handovers: [], rowH: null, win: null, slow: [],
+                   running: null };                      // the parts of a full draw's, empty
     syncRowLabels(gantt, []);
     setNote(gantt, "");
     return null;

@@ -64,6 +64,20 @@ def test_no_steps_yet_is_whole_and_nothing_overflows_the_screen(size, browser):
         assert page.evaluate("document.documentElement.scrollWidth") <= width
 
 
+def test_the_empty_charts_record_of_what_it_drew_has_every_part_a_full_one_has(browser):
+    """BS.view.drawn (what hover, the chart's text and the tests read) has the same parts before the first
+    step as after it, empty: a reader waiting for a part (drawn.markers.length) never meets undefined."""
+    with closing(browser.new_page(viewport={"width": 1366, "height": 768})) as page:
+        load_stage(page, [])
+        page.wait_for_function("BS.view.drawn !== null")
+        empty = page.evaluate("BS.view.drawn")
+        load_stage(page, steps_of_three())
+        page.wait_for_function("BS.view.drawn.steps.length === 6")
+        full = page.evaluate("Object.keys(BS.view.drawn)")
+        assert sorted(empty) == sorted(full)
+        assert all(empty[k] in ([], None) for k in empty), empty
+
+
 def steps_of_three() -> list[dict]:
     reqs = ["r0", "r1", "r2"]
     return [arrived(r, 0.0) for r in reqs] + [step(i, 0.1 * i, 0.1 * i + 0.09, [dec(r, 10 + i) for r in reqs])
