@@ -8,15 +8,14 @@ cd "$(dirname "$0")/.."
 python3 -c "import torch" 2>/dev/null || python3 -m pip install --quiet "torch==2.13.0"
 python3 -m pip install --quiet -e ".[dev]"
 # The suite runs in pytest-xdist workers, each with one torch thread (the servers the tests start
-# inherit it): on its own it keeps about one core busy, as much of its time is spent waiting on
-# servers, browsers and subprocesses. Default: one worker more than the cores this process may use,
-# at most 6 (each worker loads models); BATCHSCOPE_TEST_WORKERS=N sets N, and 0 runs everything in
+# inherit it): on its own a worker keeps about half a core busy, as much of its time is spent waiting on
+# servers, browsers and subprocesses. Default: two workers a core this process may use, at most 6; and
+# at most one per 5 GB of memory, as each worker holds models (an fp32 default model is 1.5 GB with its
+# kernel's copy of the weights) and starts servers and disaggregated pairs: 4 workers on 24 GB peaked at
+# 15 GB in use (docs/results.md, the test suite). BATCHSCOPE_TEST_WORKERS=N sets N; 0 runs everything in
 # this one process.
-# Each worker also holds models (an fp32 default model is 1.5 GB with its kernel's copy of the weights) and
-# starts servers and disaggregated pairs: at most one worker per 9 GB of memory (3 workers on 24 GB met
-# the OOM killer).
 cores=$(nproc); mem_gb=$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 64)
-by_cores=$(( cores < 5 ? cores + 1 : 6 )); by_mem=$(( mem_gb / 9 > 1 ? mem_gb / 9 : 1 ))
+by_cores=$(( 2 * cores < 6 ? 2 * cores : 6 )); by_mem=$(( mem_gb / 5 > 1 ? mem_gb / 5 : 1 ))
 workers="${BATCHSCOPE_TEST_WORKERS:-$(( by_cores < by_mem ? by_cores : by_mem ))}"
 # axe-core (pinned in tests/browser.py) for the accessibility checks of the browser tests, into the
 # git-ignored .axe/; without npm, tests/test_browser_a11y.py installs it when it runs, or says why not

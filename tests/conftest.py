@@ -34,6 +34,32 @@ def pytest_configure(config):
             stdout=(record / "stdout").open("w"), stderr=(record / "stderr").open("w"))
 
 
+FREE_TO_START_GB = 3.0          # a test of a parallel run starts while this much memory is free ...
+WAIT_FOR_MEMORY_S = 120         # ... or once it has waited this long
+
+
+def available_gb() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 2**20
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def pytest_runtest_setup(item):
+    """In a worker of a parallel run: wait for memory before a test starts. The workers' tests load models
+    and start servers at moments nobody chooses; where several heavy ones meet on a small machine, the next
+    one waits (at most WAIT_FOR_MEMORY_S) for the others to give memory back, instead of meeting the OOM
+    killer. scripts/test.sh sizes the workers by the machine's memory; this is the margin for a machine whose
+    tests need more than measured."""
+    if not hasattr(item.config, "workerinput"):
+        return
+    import time
+    deadline = time.monotonic() + WAIT_FOR_MEMORY_S
+    while (free := available_gb()) is not None and free < FREE_TO_START_GB and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 def pytest_collection_finish(session):
     """Once the tests are collected (torch, transformers, the browser driver and every test module
     imported): those objects move to the collector's permanent generation. They live as long as the

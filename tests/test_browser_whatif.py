@@ -124,5 +124,5 @@ def test_the_panel_follows_the_log_while_the_class_chats(server):
         with httpx.Client(base_url=server, timeout=120, trust_env=False) as http:
             assert http.post("/v1/chat/completions", json=body).status_code == 200
         page.wait_for_function(f"document.querySelector('[data-testid=whatif-log]').textContent"
-                               f".includes('{before + 1} request')", timeout=8000)
+                               f".includes('{before + 1} request')", timeout=20000)
         browser.close()
