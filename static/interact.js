@@ -143,7 +143,7 @@ function updatePlayUI() {
 // laptop (a few ms a draw) still draws every step at 20-30 steps a second; a phone whose draw takes 10 ms draws
 // ten times a second, and its reply's text keeps flowing. What the viewer does (a key, zoom, the axis, a
 // replay) draws at once.
-export const DRAW_SHARE = 10;
+const DRAW_SHARE = 10;
 let lastDrawAt = -Infinity, lastDrawMs = 0;       // when the last draw started (the frame's time) and its ms
 
 // one animation frame: returns true when the chart was redrawn
