@@ -87,6 +87,21 @@ def test_greedy_replies_match_transformers(engine, hf_default_model):
     assert_nothing_held(eng)
 
 
+def add_in_hand_over(eng, ids, params, holds=(3.0, 6.0, 12.0, 24.0)) -> str:
+    """Add a request and step until its KV waits in the staging area, exported and not yet adopted: the decode
+    worker is held (asleep) meanwhile. The hold is a time, and a busy machine can spend it all on the prefill;
+    then the request is adopted before the router looks, and it is ended and tried again, held twice as long."""
+    for hold in holds:
+        eng.pause_worker("decode", hold)
+        rid = eng.add_request(prompt_token_ids=ids, params=params)
+        drive(eng, lambda: eng.router.holder.get(rid) == "decode")     # exported (and perhaps adopted already)
+        if rid in eng.router.transfers:
+            return rid
+        eng.abort(rid, "missed the hand-over")
+        assert_nothing_held(eng)
+    raise AssertionError(f"the prefill outlasted every hold of the decode worker ({holds} s)")
+
+
 def test_aborts_in_prefill_transfer_and_decode_free_every_block(engine):
     eng = engine
     eng.set_policy(max_num_batched_tokens=16, max_num_seqs=4)
@@ -98,9 +113,7 @@ def test_aborts_in_prefill_transfer_and_decode_free_every_block(engine):
     assert eng.abort(rid, "student closed the tab")
     assert_nothing_held(eng)
     # during the hand-over: the decode worker is held, so the KV waits in the staging area
-    eng.pause_worker("decode", 3.0)
-    rid = eng.add_request(prompt_token_ids=document_ids(eng, 40, 2), params=params)
-    drive(eng, lambda: rid in eng.router.transfers)
+    rid = add_in_hand_over(eng, document_ids(eng, 40, 2), params)
     assert eng.abort(rid, "student closed the tab")
     assert_nothing_held(eng)
     # during decode
